@@ -1,0 +1,167 @@
+"""``MiTAAttention``: mmcv's ``MultiheadAttention`` with MiTA as its attention."""
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmcv.cnn.bricks.transformer import MultiheadAttention
+from mmseg.registry import MODELS
+
+from mita_seg.ops import mita_attention
+from .grid import GridContext, resolve_grid
+
+
+@MODELS.register_module()
+class MiTAAttention(MultiheadAttention):
+    """Mixture-of-Top-k Attention, a drop-in replacement for mmcv's ``MultiheadAttention``.
+
+    It keeps mmcv's parameters (``attn.in_proj_weight`` ``[3C, C]``, ``attn.in_proj_bias``,
+    ``attn.out_proj.{weight,bias}``), so state dicts load both ways with ``strict=True``;
+    only the attention between the projections changes (:func:`mita_seg.ops.mita_attention`).
+
+    Args:
+        embed_dims (int): The embedding dimension ``C``.
+        num_heads (int): Parallel attention heads ``H``.
+        pool_size (int | tuple[int, int]): landmark grid, ``M = Ph * Pw`` experts.
+            Default: 7.
+        topk (int): keys per routed expert. Default: 49.
+        router_topk (int): experts per query. Default: 1.
+        with_shared_expert (bool): use the shared (compression) expert; False is
+            route-only MiTA. Default: True.
+        shared_scale (float, optional): scale of the shared logits, None for ``1 / d``.
+            Default: None.
+        with_dwc (bool): add a depthwise 3x3 conv of the grid values to the output before
+            the projection (adds ``dwc.{weight,bias}``). Default: False.
+        num_prefix_tokens (int): tokens before the grid when no grid context says
+            otherwise (1 for a ViT cls token). Default: 1.
+        attn_drop (float): dropout on attention weights. MiTA has no dense weight matrix
+            to drop from: values > 0 are accepted for swapped models but not applied.
+            Default: 0.
+        proj_drop (float): dropout after the output projection. Default: 0.
+        dropout_layer (dict, optional): residual dropout, as mmcv's. Default: Dropout(0).
+        qkv_bias (bool): bias of the q, k, v projection. Default: True.
+        batch_first (bool): tokens as ``[B, N, C]`` (True) or ``[N, B, C]``. Default: True.
+        init_cfg (dict, optional): initialization config. Default: None.
+    """
+
+    def __init__(self,
+                 embed_dims: int,
+                 num_heads: int,
+                 pool_size: Union[int, Tuple[int, int]] = 7,
+                 topk: int = 49,
+                 router_topk: int = 1,
+                 with_shared_expert: bool = True,
+                 shared_scale: Optional[float] = None,
+                 with_dwc: bool = False,
+                 num_prefix_tokens: int = 1,
+                 attn_drop: float = 0.,
+                 proj_drop: float = 0.,
+                 dropout_layer: Optional[dict] = None,
+                 qkv_bias: bool = True,
+                 batch_first: bool = True,
+                 init_cfg: Optional[dict] = None,
+                 **kwargs):
+        if 'bias' in kwargs:  # the name mmseg's TransformerEncoderLayer passes
+            qkv_bias = kwargs.pop('bias')
+        if dropout_layer is None:
+            dropout_layer = dict(type='Dropout', drop_prob=0.)
+        if embed_dims % num_heads:
+            raise ValueError(f'embed_dims={embed_dims} is not divisible by num_heads={num_heads}')
+        super().__init__(embed_dims, num_heads, attn_drop=attn_drop, proj_drop=proj_drop,
+                         dropout_layer=dropout_layer, init_cfg=init_cfg,
+                         batch_first=batch_first, bias=qkv_bias, **kwargs)
+        if attn_drop > 0:
+            warnings.warn(f'MiTAAttention does not apply attn_drop={attn_drop} (no dense '
+                          'attention matrix); proj_drop and dropout_layer still apply')
+        self.pool_size = pool_size
+        self.topk = topk
+        self.router_topk = router_topk
+        self.with_shared_expert = with_shared_expert
+        self.shared_scale = shared_scale
+        self.num_prefix_tokens = num_prefix_tokens
+        self.grid: Optional[GridContext] = None
+        self.dwc = nn.Conv2d(embed_dims, embed_dims, 3, padding=1,
+                             groups=embed_dims) if with_dwc else None
+
+    @classmethod
+    def from_mmcv(cls, attn: MultiheadAttention, **mita_cfg) -> 'MiTAAttention':
+        """A MiTAAttention that takes over the very modules (and so the parameters) of
+        an mmcv ``MultiheadAttention``."""
+        mha = attn.attn
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError('only self-attention with packed q/k/v projections can be '
+                             'swapped to MiTA')
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            new = cls(attn.embed_dims, attn.num_heads, attn_drop=mha.dropout,
+                      batch_first=attn.batch_first, qkv_bias=mha.in_proj_bias is not None,
+                      init_cfg=attn.init_cfg, **mita_cfg)
+        new.attn, new.proj_drop, new.dropout_layer = mha, attn.proj_drop, attn.dropout_layer
+        new.train(attn.training)
+        return new
+
+    def extra_repr(self) -> str:
+        return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
+                f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
+
+    def forward(self,
+                query: torch.Tensor,
+                key: Optional[torch.Tensor] = None,
+                value: Optional[torch.Tensor] = None,
+                identity: Optional[torch.Tensor] = None,
+                query_pos: Optional[torch.Tensor] = None,
+                key_pos: Optional[torch.Tensor] = None,
+                attn_mask: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None,
+                hw_shape: Optional[Tuple[int, int]] = None,
+                **kwargs) -> torch.Tensor:
+        """Self-attention of ``query`` (``[B, N, C]`` if ``batch_first``).
+
+        Args:
+            query (Tensor): the tokens.
+            identity (Tensor, optional): added to the output; ``query`` if None.
+            query_pos (Tensor, optional): added to ``query`` before the projections.
+            hw_shape (tuple[int, int], optional): the patch grid. If None, taken from the
+                grid context set by the backbone/head hooks, else the non-prefix tokens must
+                form a square.
+
+        Returns:
+            Tensor: ``identity + dropout(out)``, the shape of ``query``.
+        """
+        if (key is not None and key is not query) or (value is not None and value is not key):
+            raise NotImplementedError('MiTAAttention is self-attention only (key and value '
+                                      'must be None or the query)')
+        if attn_mask is not None or key_padding_mask is not None:
+            raise NotImplementedError('MiTAAttention does not support attn_mask or '
+                                      'key_padding_mask')
+        if identity is None:
+            identity = query
+        if query_pos is not None:
+            query = query + query_pos
+        if not self.batch_first:
+            query = query.transpose(0, 1)
+        B, N, C = query.shape
+        H = self.num_heads
+        d = C // H
+        if self.grid is not None:
+            p, hw_shape = self.grid.num_prefix_tokens, hw_shape or self.grid.hw_shape
+        else:
+            p = self.num_prefix_tokens
+        h, w = resolve_grid(N, p, hw_shape)
+
+        qkv = F.linear(query, self.attn.in_proj_weight, self.attn.in_proj_bias)
+        q, k, v = qkv.reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, N, d]
+        x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=self.pool_size, topk=self.topk,
+                           router_topk=self.router_topk, num_prefix_tokens=p,
+                           with_shared_expert=self.with_shared_expert,
+                           shared_scale=self.shared_scale)
+        x = x.transpose(1, 2).reshape(B, N, C)
+        if self.dwc is not None:
+            v_grid = v[:, :, p:p + h * w].transpose(1, 2).reshape(B, h, w, C).permute(0, 3, 1, 2)
+            dwc = self.dwc(v_grid).flatten(2).transpose(1, 2)                  # [B, h*w, C]
+            x = torch.cat([x[:, :p], x[:, p:p + h * w] + dwc, x[:, p + h * w:]], dim=1)
+        x = self.attn.out_proj(x)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        return identity + self.dropout_layer(self.proj_drop(x))

@@ -1,0 +1,3 @@
+from .mita_vit import MiTAVisionTransformer
+
+__all__ = ['MiTAVisionTransformer']

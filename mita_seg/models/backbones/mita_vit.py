@@ -1,0 +1,112 @@
+"""mmseg's VisionTransformer with MiTA attention."""
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from mmengine.logging import print_log
+from mmengine.runner.checkpoint import CheckpointLoader
+from mmseg.models.backbones import VisionTransformer
+from mmseg.registry import MODELS
+
+from mita_seg.utils.checkpoint import register_safe_globals
+from ..swap import swap_attention
+
+# Model keys a pretrained checkpoint legitimately lacks: MiTA's own optional parameters
+# (the DWC branch), which keep their initialisation.
+_MITA_ONLY = ('.attn.dwc.', )
+
+
+@MODELS.register_module()
+class MiTAVisionTransformer(VisionTransformer):
+    """Vision Transformer whose encoder layers use :class:`MiTAAttention`.
+
+    Everything else is mmseg's ``VisionTransformer`` (all of its arguments apply), and so
+    are the checkpoint keys: ViT/DeiT pretrained weights and model-zoo checkpoints load as
+    they are. The grid shape of every forward reaches the layers through a hook on
+    ``patch_embed``, so non-square and slide inputs work.
+
+    Unlike mmseg's, ``Pretrained`` / ``Pretrained_Part`` initialisation is strict by default:
+    the checkpoint (after mmseg's key handling and ``pos_embed`` resizing) must fit the
+    model exactly, or a ``ValueError`` lists the missing, unexpected and mis-shaped keys.
+    Two exceptions, both logged: the final norm of a classification checkpoint (``ln1.*``)
+    when ``final_norm=False``, and MiTA-only parameters (``with_dwc``).
+
+    Args:
+        mita_cfg (dict, optional): :class:`MiTAAttention` settings (``pool_size``, ``topk``,
+            ``router_topk``, ``with_shared_expert``, ``shared_scale``, ``with_dwc``).
+            Default: None (the published ``pool_size=7, topk=49``).
+        mita_layers (Sequence[int], optional): encoder layers on MiTA; None for all.
+            Default: None.
+        strict_pretrained (bool): check that pretrained weights fit exactly. False is
+            mmseg's behaviour (mismatches are only logged). Default: True.
+        **kwargs: arguments of mmseg's ``VisionTransformer``.
+    """
+
+    def __init__(self,
+                 mita_cfg: Optional[dict] = None,
+                 mita_layers: Optional[Sequence[int]] = None,
+                 strict_pretrained: bool = True,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.strict_pretrained = strict_pretrained
+        swap_attention(self, layers=mita_layers, verbose=False, **(mita_cfg or {}))
+
+    def init_weights(self):
+        """mmseg's initialisation, after checking that pretrained weights fit."""
+        if (self.strict_pretrained and isinstance(self.init_cfg, dict)
+                and self.init_cfg.get('type') in ('Pretrained', 'Pretrained_Part')):
+            register_safe_globals()
+            checkpoint = CheckpointLoader.load_checkpoint(
+                self.init_cfg['checkpoint'], logger=None, map_location='cpu')
+            self.check_pretrained(self._pretrained_state_dict(checkpoint),
+                                  source=self.init_cfg['checkpoint'])
+        super().init_weights()
+
+    def _pretrained_state_dict(self, checkpoint: dict) -> Dict[str, torch.Tensor]:
+        """The state dict mmseg's ``init_weights`` loads from ``checkpoint``."""
+        if self.init_cfg['type'] == 'Pretrained':
+            return checkpoint.get('state_dict', checkpoint)
+        prefix = 'image_encoder.'  # Pretrained_Part
+        return {k[len(prefix):]: v for k, v in checkpoint.items() if prefix in k}
+
+    def check_pretrained(self, state_dict: Dict[str, torch.Tensor], source: str = '') -> None:
+        """Check that ``state_dict`` fits this backbone (``pos_embed`` may differ in
+        length: mmseg resizes it).
+
+        Args:
+            state_dict (dict): backbone weights with mmseg's key names.
+            source (str): where they come from, for messages. Default: ''.
+
+        Raises:
+            ValueError: missing, unexpected or mis-shaped keys (all of them listed).
+        """
+        own = self.state_dict()
+        unexpected = sorted(set(state_dict) - set(own))
+        missing = sorted(set(own) - set(state_dict))
+        skipped: List[str] = []
+        if not self.final_norm:
+            skipped += [k for k in unexpected if k.startswith('ln1.')]
+        skipped += [k for k in missing if any(s in k for s in _MITA_ONLY)]
+        unexpected = [k for k in unexpected if k not in skipped]
+        missing = [k for k in missing if k not in skipped]
+        mis_shaped = []
+        for k in sorted(set(state_dict) & set(own)):
+            want, got = tuple(own[k].shape), tuple(state_dict[k].shape)
+            if k == 'pos_embed':  # resized by mmseg: only the channel count must match
+                want, got = want[-1:], got[-1:]
+            if want != got:
+                mis_shaped.append(f'{k}: checkpoint {got}, model {want}')
+        if unexpected or missing or mis_shaped:
+            lines = [f'pretrained weights {source} do not fit {type(self).__name__}']
+            for title, keys in (('missing keys', missing), ('unexpected keys', unexpected),
+                                ('shape mismatch', mis_shaped)):
+                if keys:
+                    lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys))
+            if any(k.startswith('blocks.') for k in unexpected):
+                lines.append('  (timm key names: convert the checkpoint with mmseg\'s '
+                             'tools/model_converters/vit2mmseg.py)')
+            lines.append('  Fix the config (embed_dims, num_layers, final_norm, ...) or the '
+                         'checkpoint, or set strict_pretrained=False to load what fits.')
+            raise ValueError('\n'.join(lines))
+        if skipped:
+            print_log(f'{type(self).__name__}: not loaded from {source}: {", ".join(skipped)}',
+                      logger='current')

@@ -1,0 +1,3 @@
+from .mita_segmenter_head import MiTASegmenterMaskTransformerHead
+
+__all__ = ['MiTASegmenterMaskTransformerHead']

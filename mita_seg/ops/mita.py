@@ -1,0 +1,225 @@
+"""The public MiTA operator: argument checks, backend choice, autograd.
+
+Three layers, as in FlashAttention: the backends are plain functions
+(:mod:`.blocked`, :mod:`.reference`); ``torch.ops.mita_seg.mita_attention`` is a
+``torch.library.custom_op`` around them with a fake implementation (so ``torch.compile``
+and tracers see one opaque node, which the FLOP tools count analytically) whose backward
+recomputes the forward (memory like the inputs, not like the N x k intermediates);
+:func:`mita_attention` checks arguments and calls it.
+"""
+import os
+import warnings
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+
+from .blocked import default_block_size, mita_attention_blocked
+from .fused_cpu import fused_cpu_unsupported, mita_attention_fused_cpu
+from .reference import mita_attention_reference
+from .routing import IntPair, pair
+
+__all__ = ['mita_attention', 'Backend', 'BACKENDS', 'select_backend', 'check_mita_args']
+
+
+class Backend(NamedTuple):
+    """An implementation of MiTA.
+
+    Attributes:
+        fn (Callable): ``fn(q, k, v, hw_shape, pool_size, topk, router_topk,
+            num_prefix_tokens, with_shared_expert, shared_scale, block_size)``.
+        unsupported (Callable): ``unsupported(q) -> list[str]``, why it cannot run on ``q``.
+        grad_backend (str): the differentiable backend whose recomputation gives this
+            backend's gradients (itself if it is differentiable).
+    """
+    fn: Callable
+    unsupported: Callable[[torch.Tensor], List[str]]
+    grad_backend: str
+
+
+def _always(q: torch.Tensor) -> List[str]:
+    return []
+
+
+# Selected by ``backend=``, else by the environment variable MITA_BACKEND, else the first
+# of _AUTO_ORDER that can run.
+BACKENDS: Dict[str, Backend] = {
+    'fused_cpu': Backend(mita_attention_fused_cpu, fused_cpu_unsupported, 'blocked'),
+    'blocked': Backend(mita_attention_blocked, _always, 'blocked'),
+    'reference': Backend(mita_attention_reference, _always, 'reference'),
+}
+_AUTO_ORDER = ('fused_cpu', 'blocked')
+
+
+def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
+    """Name of the backend to run ``q`` on; ``backend`` (or ``$MITA_BACKEND``) forces one.
+
+    Raises:
+        ValueError: the forced backend is unknown or cannot run, with the reasons.
+    """
+    backend = backend or os.environ.get('MITA_BACKEND') or None
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f'unknown MiTA backend {backend!r}; choose one of {sorted(BACKENDS)}')
+        reasons = BACKENDS[backend].unsupported(q)
+        if reasons:
+            raise ValueError(f'MiTA backend {backend!r} cannot run here: ' + '; '.join(reasons))
+        return backend
+    why = {}
+    for name in _AUTO_ORDER:
+        why[name] = BACKENDS[name].unsupported(q)
+        if not why[name]:
+            return name
+    raise ValueError('no MiTA backend can run these inputs: ' + str(why))
+
+
+def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
+                    shared_scale=None):
+    """Validate the arguments of :func:`mita_attention`.
+
+    Returns:
+        tuple: ``(hw_shape, pool_size, topk)`` normalised (pairs of ints; ``topk`` clamped
+        to N).
+    """
+    if not (q.dim() == 4 and q.shape == k.shape == v.shape):
+        raise ValueError('q, k, v must all have shape [B, H, N, d]; got '
+                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
+    if not q.is_floating_point():
+        raise TypeError(f'q, k, v must be floating point, got {q.dtype}')
+    N = q.shape[2]
+    h, w = pair(hw_shape, 'hw_shape')
+    ph, pw = pair(pool_size, 'pool_size')
+    p = num_prefix_tokens
+    if h < 1 or w < 1:
+        raise ValueError(f'hw_shape must be positive, got {(h, w)}')
+    if p < 0:
+        raise ValueError(f'num_prefix_tokens must be >= 0, got {p}')
+    if p + h * w > N:
+        raise ValueError(
+            f'hw_shape {(h, w)} with num_prefix_tokens={p} needs p + h*w = {p + h * w} '
+            f'tokens, but the input has N = {N}: pass the patch grid of these tokens')
+    if ph < 1 or pw < 1 or ph > h or pw > w:
+        raise ValueError(
+            f'pool_size {(ph, pw)} must be >= 1 and no larger than the grid {(h, w)}: '
+            f'use a pool_size of at most {(h, w)}')
+    if topk < 1:
+        raise ValueError(f'topk must be >= 1, got {topk}')
+    if topk > N:
+        warnings.warn(f'MiTA topk={topk} is larger than the number of tokens N={N}; '
+                      f'using topk={N} (every key)', stacklevel=3)
+        topk = N
+    if shared_scale is not None and not shared_scale > 0:
+        raise ValueError(f'shared_scale must be > 0 (it scales the router logits), got '
+                         f'{shared_scale}; None means 1/d')
+    M = ph * pw
+    if not 1 <= router_topk <= M:
+        raise ValueError(f'router_topk must be in [1, M] with M = Ph*Pw = {M} experts, '
+                         f'got {router_topk}')
+    return (h, w), (ph, pw), topk
+
+
+def _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
+         with_shared_expert, shared_scale, block_size, backend):
+    return BACKENDS[backend].fn(q, k, v, (h, w), (ph, pw), topk, router_topk,
+                                num_prefix_tokens, with_shared_expert, shared_scale,
+                                block_size)
+
+
+@torch.library.custom_op('mita_seg::mita_attention', mutates_args=())
+def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, ph: int,
+             pw: int, topk: int, router_topk: int, num_prefix_tokens: int,
+             with_shared_expert: bool, shared_scale: float, block_size: int,
+             backend: str) -> torch.Tensor:
+    return _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
+                with_shared_expert, shared_scale, block_size, backend)
+
+
+@_mita_op.register_fake
+def _(q, k, v, *args):
+    return torch.empty_like(q)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.args = inputs[3:]
+
+
+def _backward(ctx, grad):
+    # Recompute the forward with autograd on (the routing decisions come out identical:
+    # same inputs, same ops) and differentiate it. Saves memory like the inputs only.
+    q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+    args = list(ctx.args)
+    args[-1] = BACKENDS[args[-1]].grad_backend
+    with torch.enable_grad():
+        out = _run(q, k, v, *args)
+    grads = torch.autograd.grad(out, (q, k, v), grad, allow_unused=True)
+    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return grads + (None, ) * len(ctx.args)
+
+
+_mita_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mita_attention(q: torch.Tensor,
+                   k: torch.Tensor,
+                   v: torch.Tensor,
+                   hw_shape: IntPair,
+                   pool_size: IntPair = 7,
+                   topk: int = 49,
+                   router_topk: int = 1,
+                   num_prefix_tokens: int = 1,
+                   with_shared_expert: bool = True,
+                   shared_scale: Optional[float] = None,
+                   block_size: Optional[int] = None,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Mixture-of-Top-k Attention.
+
+    Tokens ``p:p + h*w`` (``p = num_prefix_tokens``) form an ``h x w`` grid; tokens before it
+    (cls) and after it (e.g. Segmenter's class tokens) are queries, keys and values too but
+    are not pooled. Equivalent PyTorch code (one batch item and head; the tests hold every
+    backend to :func:`mita_seg.ops.mita_attention_reference`, which is this, batched)::
+
+        R = adaptive_avg_pool2d(q[p:p + h*w].T.reshape(d, h, w), pool_size).flatten(1).T
+        S = R @ k.T                                   # [M, N]  landmark scores
+        I = S.topk(topk, dim=-1).indices              # [M, k]  routed experts' keys
+        G = q @ R.T                                   # [N, M]  router / shared logits
+        V_R = softmax(S / sqrt(d), -1) @ v            # [M, d]  shared expert's values
+        for n in range(N):
+            e = G[n].topk(router_topk).indices        # the query's experts
+            logits = cat([G[n] * shared_scale] + [q[n] @ k[I[c]].T / sqrt(d) for c in e])
+            values = cat([V_R] + [v[I[c]] for c in e])
+            out[n] = softmax(logits, -1) @ values
+
+    Args:
+        q, k, v (Tensor): ``[B, H, N, d]``, float32 / float16 / bfloat16, CPU or CUDA.
+        hw_shape (int | tuple[int, int]): the patch grid ``(h, w)``.
+        pool_size (int | tuple[int, int]): landmark grid ``(Ph, Pw)``, ``M = Ph * Pw``
+            experts; at most the patch grid. Default: 7.
+        topk (int): keys per routed expert, ``k``. Values above N are clamped to N with a
+            warning. Default: 49.
+        router_topk (int): experts each query reads (``r``, 1 in the paper). Default: 1.
+        num_prefix_tokens (int): tokens before the grid (1 for ViT's cls). Default: 1.
+        with_shared_expert (bool): False gives route-only MiTA, which with ``topk >= N`` is
+            exactly softmax attention. Default: True.
+        shared_scale (float, optional): scale of the shared logits ``G``; None means the
+            published ``1 / d``. Default: None.
+        block_size (int, optional): tile size of the blocked backend; None picks one from
+            N and M (:func:`mita_seg.ops.blocked.default_block_size`). Default: None.
+        backend (str, optional): force an implementation (``'fused_cpu'``, ``'blocked'``,
+            ``'reference'``); None takes ``$MITA_BACKEND`` or the first of ``fused_cpu``,
+            ``blocked`` that can run. Default: None.
+
+    Returns:
+        Tensor: ``[B, H, N, d]``, the dtype of ``q``.
+    """
+    hw_shape, pool_size, topk = check_mita_args(q, k, v, hw_shape, pool_size, topk,
+                                                router_topk, num_prefix_tokens, shared_scale)
+    name = select_backend(q, backend)
+    if block_size is None:
+        block_size = default_block_size(q.shape[2] * router_topk, pool_size[0] * pool_size[1])
+    elif block_size < 1:
+        raise ValueError(f'block_size must be >= 1, got {block_size}')
+    d = q.shape[-1]
+    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    return _mita_op(q, k, v, hw_shape[0], hw_shape[1], pool_size[0], pool_size[1], topk,
+                    router_topk, num_prefix_tokens, with_shared_expert, shared_scale,
+                    block_size, name)

@@ -1,0 +1,47 @@
+"""Dense reference of MiTA: the same maths as a masked full attention, O(N^2).
+
+Slow and obviously correct; every fast path is tested against it.
+"""
+import torch
+
+from .routing import mita_routing
+
+
+def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
+                             num_prefix_tokens=1, with_shared_expert=True,
+                             shared_scale=None, block_size=None):
+    """MiTA as one softmax over a concatenation of dense, masked logit blocks.
+
+    For every query ``n`` the logits are ``[G[n] * shared_scale | L_1 | ... | L_r]`` with
+    values ``[V_R | V | ... | V]``, where ``L_c[j] = q_n . k_j / sqrt(d)`` if key ``j`` is in
+    the expert of the query's ``c``-th choice, and ``-inf`` otherwise. Arguments as for
+    :func:`mita_seg.ops.mita_attention` (taken as already validated;
+    ``block_size`` is unused).
+
+    Returns:
+        Tensor: ``[B, H, N, d]`` in ``q.dtype``.
+    """
+    B, H, N, d = q.shape
+    rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
+                      shared_scale)
+    dt = rt.landmarks.dtype
+    qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
+    M = rt.landmarks.shape[2]
+    scale = d ** -0.5
+
+    # member[b, h, m, j]: key j belongs to expert m.
+    member = torch.zeros(B, H, M, N, dtype=torch.bool, device=q.device)
+    member.scatter_(-1, rt.expert_keys, True)
+    dense = qf @ kf.transpose(-1, -2) * scale                        # [B, H, N, N]
+    logits, values = [], []
+    for c in range(router_topk):
+        e = rt.choice[..., c]                                         # [B, H, N]
+        mask = member.gather(2, e.unsqueeze(-1).expand(B, H, N, N))   # [B, H, N, N]
+        logits.append(dense.masked_fill(~mask, float('-inf')))
+        values.append(vf)
+    if with_shared_expert:
+        v_r = torch.softmax(rt.scores, dim=-1) @ vf                   # [B, H, M, d]
+        logits.append(rt.router)
+        values.append(v_r)
+    attn = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    return (attn @ torch.cat(values, dim=2)).to(q.dtype)
