@@ -1,10 +1,11 @@
 """How the patch grid reaches MiTA attention modules.
 
 mmseg's ``TransformerEncoderLayer`` calls ``self.attn(x, identity=x)`` without the grid
-shape. Instead of copying the backbones' ``forward``, the owner of the tokens (a ViT's
-``patch_embed``, a Segmenter head) gets a hook that writes the grid of the current forward
-into a :class:`GridContext` shared with its attention modules. Hooks are callable objects
-(not closures), so ``copy.deepcopy`` of a model (EMA, export) rebinds them to the copy.
+shape. Instead of copying the backbones' ``forward``, the owner of the tokens writes the grid
+of the current forward into a :class:`GridContext` shared with its attention modules: a
+ViT through a hook on its ``patch_embed`` (a callable object, not a closure, so
+``copy.deepcopy`` of a model rebinds it to the copy), a Segmenter head in its ``forward``
+(:class:`mita_seg.models.MiTASegmenterMaskTransformerHead`).
 """
 import math
 from typing import Optional, Tuple
@@ -34,18 +35,6 @@ class PatchEmbedGridHook:
 
     def __call__(self, module, args, output):
         self.context.hw_shape = tuple(int(s) for s in output[1])
-
-
-class DecodeHeadGridHook:
-    """Forward pre-hook for a decode head whose tokens are its input feature map
-    (``[B, C, h, w]``, after ``_transform_inputs``) followed by suffix tokens."""
-
-    def __init__(self, context: GridContext):
-        self.context = context
-
-    def __call__(self, module, args):
-        feature = module._transform_inputs(args[0])
-        self.context.hw_shape = tuple(int(s) for s in feature.shape[-2:])
 
 
 def resolve_grid(num_tokens: int, num_prefix_tokens: int,

@@ -8,7 +8,7 @@ from mmseg.models.backbones import VisionTransformer
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
 from .attention import MiTAAttention
-from .grid import DecodeHeadGridHook, GridContext, PatchEmbedGridHook
+from .grid import GridContext, PatchEmbedGridHook
 
 # Attention modules this tool knows it cannot swap, by class name, and why.
 _UNSWAPPABLE = {
@@ -22,15 +22,22 @@ _UNSWAPPABLE = {
 
 
 def _grid_context(owner: nn.Module) -> GridContext:
-    """The grid context of a token owner, hooking it up on first use."""
+    """The grid context of a token owner, hooked up on first use.
+
+    A ViT's grid is the output of its ``patch_embed`` (a forward hook). A Segmenter head is
+    called as ``decode_head.forward(x)`` by mmseg's segmentors, which skips module hooks:
+    its class becomes :class:`MiTASegmenterMaskTransformerHead` (same state and keys), whose
+    ``forward`` sets the grid from its input.
+    """
     ctx = getattr(owner, '_mita_grid', None)
     if ctx is None:
         if isinstance(owner, VisionTransformer):
             ctx = GridContext(num_prefix_tokens=1 if owner.with_cls_token else 0)
             owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
         else:
+            from .heads import MiTASegmenterMaskTransformerHead
             ctx = GridContext(num_prefix_tokens=0)
-            owner.register_forward_pre_hook(DecodeHeadGridHook(ctx))
+            owner.__class__ = MiTASegmenterMaskTransformerHead
         owner._mita_grid = ctx
     return ctx
 

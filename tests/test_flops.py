@@ -1,0 +1,409 @@
+"""FLOP counting with attention (mita_seg.analysis.flops, tools/get_flops.py).
+
+Budget: about 1.5 min on 2 cores, most of it in ``test_tool_real_configs`` (mmseg's
+Segmenter ViT-T, ViT-B UperNet, SETR ViT-L at 512 and Swin-T UperNet, built from the real
+configs with random weights).
+"""
+import copy
+import importlib.util
+import json
+import os.path as osp
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmcv.cnn.bricks.transformer import MultiheadAttention
+from mmseg.models.backbones.vit import TransformerEncoderLayer
+from mmseg.structures import SegDataSample
+from torch.utils.flop_counter import FlopCounterMode
+
+from mita_seg.analysis.flops import (CONVENTION, SegmentorFlops, count_flops,
+                                     decode_head_called_as_module, load_config, slide_crops,
+                                     inference_crops)
+from mita_seg.models import MiTAAttention, swap_attention
+from mita_seg.ops import attention_flops, mita_flops, select_backend
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+SEGMENTER_T = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
+VIT_B_UPERNET = 'mmseg::vit/vit_vit-b16_mln_upernet_8xb2-80k_ade20k-512x512.py'
+SETR = 'mmseg::setr/setr_vit-l_pup_8xb2-160k_ade20k-512x512.py'
+SWIN_T = 'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py'
+
+B, N, C, HEADS = 2, 50, 64, 4
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location('get_flops', osp.join(ROOT, 'tools',
+                                                                        'get_flops.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------
+# Standard attention: 2 N^2 C whichever path torch takes.
+# ----------------------------------------------------------------------------------------
+class TorchMHA(nn.Module):
+    """``nn.MultiheadAttention`` called as user code does, in one of its paths."""
+
+    def __init__(self, need_weights=True, mask=False):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(C, HEADS, batch_first=True)
+        self.need_weights, self.mask = need_weights, mask
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[1], x.shape[1]) if self.mask else None
+        return self.attn(x, x, x, need_weights=self.need_weights, attn_mask=mask)[0]
+
+
+class SDPAAttention(nn.Module):
+    """timm-style attention on ``F.scaled_dot_product_attention``, optionally with grouped
+    key/value heads (GQA)."""
+
+    def __init__(self, kv_heads=HEADS):
+        super().__init__()
+        self.d, self.kv_heads = C // HEADS, kv_heads
+        self.q = nn.Linear(C, C)
+        self.kv = nn.Linear(C, 2 * kv_heads * self.d)
+        self.proj = nn.Linear(C, C)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, HEADS, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.d).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != HEADS)
+        return self.proj(out.transpose(1, 2).reshape(b, n, C))
+
+
+def torch_encoder_layer():
+    return nn.TransformerEncoderLayer(C, HEADS, 4 * C, dropout=0., batch_first=True)
+
+
+def vit_layer():
+    """mmseg's ViT layer, with mmcv's MultiheadAttention as mmseg builds it."""
+    return TransformerEncoderLayer(embed_dims=C, num_heads=HEADS, feedforward_channels=4 * C)
+
+
+@pytest.mark.parametrize('make, train, op', [
+    (vit_layer, False, 'bmm'),
+    (vit_layer, True, 'bmm'),
+    (lambda: MultiheadAttention(C, HEADS, batch_first=True), False, 'bmm'),
+    (lambda: TorchMHA(), False, 'native_mha_attention'),       # fused fast path
+    (lambda: TorchMHA(), True, 'bmm'),
+    (lambda: TorchMHA(need_weights=False), True, 'scaled_dot_product_attention'),
+    (lambda: TorchMHA(mask=True), True, 'baddbmm'),
+    (lambda: SDPAAttention(), False, 'scaled_dot_product_attention'),
+    (lambda: torch_encoder_layer(), False, 'native_mha_attention'),
+], ids=['mmseg-vit-layer-eval', 'mmseg-vit-layer-train', 'mmcv-mha', 'torch-mha-fastpath',
+        'torch-mha-bmm', 'torch-mha-sdpa', 'torch-mha-baddbmm', 'sdpa', 'torch-encoder-layer'])
+def test_standard_attention_is_2_n2_c(make, train, op):
+    torch.manual_seed(0)
+    model = make()
+    model.train(train)
+    x = torch.randn(B, N, C)
+    with torch.set_grad_enabled(train):
+        flops = count_flops(model, (x, ))
+    assert flops.by_operator.get(op, 0) > 0, f'{op} not traced: {flops.by_operator}'
+    assert flops.attention == attention_flops(B, HEADS, N, C // HEADS) == 2 * B * N**2 * C
+
+
+def test_torch_mha_paths_count_the_same():
+    """The fused fast path counts its projections too: every path of the same module gives
+    the same total, 4 N C^2 (projections) + 2 N^2 C (attention) per batch item."""
+    torch.manual_seed(0)
+    model, x = TorchMHA(), torch.randn(B, N, C)
+    totals = []
+    for train, need_weights in ((False, True), (True, True), (True, False)):
+        model.train(train)
+        model.need_weights = need_weights
+        with torch.set_grad_enabled(train):
+            totals.append(count_flops(model, (x, )).total)
+    assert totals == [B * (4 * N * C * C + 2 * N * N * C)] * 3
+
+    # nn.TransformerEncoderLayer: fused attention in eval, unfused in training
+    model = torch_encoder_layer()
+    with torch.no_grad():
+        fused = count_flops(model.eval(), (x, ))
+    with torch.enable_grad():
+        unfused = count_flops(model.train(), (x, ))
+    assert 'native_mha_proj' in fused.by_operator
+    assert 'scaled_dot_product_attention' in unfused.by_operator
+    assert fused.total == unfused.total and fused.attention == unfused.attention
+
+
+def test_sdpa_grouped_query_attention():
+    torch.manual_seed(0)
+    flops = count_flops(SDPAAttention(kv_heads=2).eval(), (torch.randn(B, N, C), ))
+    # every query head attends over all N keys of its group
+    assert flops.attention == attention_flops(B, HEADS, N, C // HEADS)
+
+
+# ----------------------------------------------------------------------------------------
+# MiTA: the analytic count of the implementation.
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize('grid, pool, topk, router_topk, shared, batch', [
+    ((7, 7), 7, 49, 1, True, 1),
+    ((6, 10), (3, 4), 20, 1, True, 2),      # non-square grid, not a multiple of the pool
+    ((6, 10), 3, 16, 2, False, 2),          # router top-2, route-only
+], ids=['7x7-M49-k49', '6x10-M12-k20', '6x10-M9-k16-r2-route-only'])
+def test_mita_count_is_mita_flops(grid, pool, topk, router_topk, shared, batch,
+                                  monkeypatch):
+    torch.manual_seed(0)
+    h, w = grid
+    n = 1 + h * w
+    attn = MiTAAttention(C, HEADS, pool_size=pool, topk=topk, router_topk=router_topk,
+                         with_shared_expert=shared).eval()
+
+    class Layer(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, hw_shape=grid)
+
+    x = torch.randn(batch, n, C)
+    ph, pw = (pool, pool) if isinstance(pool, int) else pool
+    args = (batch, HEADS, n, C // HEADS, ph * pw, topk, router_topk, shared)
+    flops = count_flops(Layer(), (x, ))
+    expected = mita_flops(*args, backend=select_backend(x))
+    assert flops.by_operator['mita_attention'] == flops.attention == expected
+    # the projections are the same as standard attention's: 4 N C^2
+    assert flops.total - flops.attention == batch * 4 * n * C * C
+
+    # the blocked backend also computes the padding slots of its tiles
+    monkeypatch.setenv('MITA_BACKEND', 'blocked')
+    blocked = count_flops(Layer(), (x, ))
+    assert blocked.attention == mita_flops(*args, backend='blocked')
+    assert blocked.attention > mita_flops(*args)     # = (4M + 2k) N C without padding
+
+
+# ----------------------------------------------------------------------------------------
+# Small segmentors from mmseg's Segmenter config.
+# ----------------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def tiny_cfg():
+    """mmseg's Segmenter ViT-T config, narrowed: 64 channels, 2 + 1 layers, patch 8."""
+    return load_config(SEGMENTER_T, {
+        'model.backbone.embed_dims': 64, 'model.backbone.num_layers': 2,
+        'model.backbone.num_heads': 4, 'model.backbone.patch_size': 8,
+        'model.backbone.img_size': (64, 64), 'model.decode_head.in_channels': 64,
+        'model.decode_head.channels': 64, 'model.decode_head.embed_dims': 64,
+        'model.decode_head.num_heads': 4, 'model.decode_head.num_layers': 1,
+        'model.decode_head.num_classes': 10, 'model.test_cfg.crop_size': (64, 64),
+        'model.test_cfg.stride': (48, 48)
+    })
+
+
+MITA_TINY = dict(pool_size=3, topk=12)
+
+
+@pytest.fixture(scope='module')
+def tiny(tiny_cfg):
+    return SegmentorFlops(tiny_cfg, MITA_TINY, name='tiny-segmenter')
+
+
+def test_segmentor_breakdown(tiny):
+    shape = (64, 96)                                     # 8 x 12 grid, non-square
+    base, mita = tiny.count(shape)
+    n, d = 1 + 8 * 12, 16
+    backend = select_backend(torch.empty(1, 1, 1, 1))
+    assert base.backbone_attention == 2 * attention_flops(1, 4, n, d)
+    assert base.head_attention == attention_flops(1, 4, 8 * 12 + 10, d)   # + class tokens
+    assert mita.backbone_attention == 2 * mita_flops(1, 4, n, d, 9, 12, backend=backend)
+    assert mita.head_attention == mita_flops(1, 4, 8 * 12 + 10, d, 9, 12, backend=backend)
+    for f in (base, mita):
+        assert f.total == f.backbone + f.head           # no neck
+        assert f.attention == f.backbone_attention + f.head_attention
+        assert f.backbone_rest == base.backbone_rest    # projections, MLPs unchanged
+    assert mita.total < base.total and mita.params == base.params
+
+
+def test_meta_device_counts_like_cpu(tiny_cfg, tiny):
+    meta = SegmentorFlops(tiny_cfg, MITA_TINY, device='meta')
+    for shape in ((64, 64), (48, 80)):
+        for on_cpu, on_meta in zip(tiny.count(shape), meta.count(shape)):
+            assert on_cpu.by_operator == on_meta.by_operator
+            assert (on_cpu.total, on_cpu.backbone, on_cpu.head,
+                    on_cpu.attention) == (on_meta.total, on_meta.backbone, on_meta.head,
+                                          on_meta.attention)
+    assert next(meta.baseline.parameters()).is_meta
+
+
+# FlopCounterMode (2 FLOPs per MAC) misses CPU SDPA, the fused MHA kernel and our op.
+def _sdpa_cpu(q, k, v, *args, out_shape=None, **kwargs):
+    return 2 * q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
+
+
+def _native_mha(q, k, v, *args, out_shape=None, **kwargs):
+    b, L, E = q
+    S = k[1]
+    return 2 * (b * (2 * L + 2 * S) * E * E + 2 * b * L * S * E)
+
+
+def _mita(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens, with_shared_expert,
+          shared_scale, block_size, backend, out_shape=None, **kwargs):
+    return 2 * mita_flops(*q, ph * pw, topk, router_topk, with_shared_expert, block_size)
+
+
+# Keyed by packet: FlopCounterMode looks formulas up by ``func._overloadpacket``.
+CUSTOM = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+    torch.ops.aten._native_multi_head_attention: _native_mha,
+    torch.ops.mita_seg.mita_attention: _mita,
+}
+
+
+def flop_counter_mode(model, x):
+    """FlopCounterMode's total, and the ops it counted."""
+    counter = FlopCounterMode(display=False, custom_mapping=CUSTOM)
+    with torch.no_grad(), counter:
+        model(x)
+    return counter.get_total_flops(), {str(k) for k in counter.get_flop_counts()['Global']}
+
+
+SDPA_CPU = 'aten._scaled_dot_product_flash_attention_for_cpu'
+
+
+@pytest.mark.parametrize('make, train, op', [
+    (vit_layer, False, 'aten.bmm'),
+    (lambda: TorchMHA(), False, 'aten._native_multi_head_attention'),
+    (lambda: TorchMHA(need_weights=False), True, SDPA_CPU),   # train mode: not the fast path
+    (SDPAAttention, False, SDPA_CPU),
+], ids=['mmseg-vit-layer', 'torch-mha-fastpath', 'torch-mha-sdpa', 'sdpa'])
+def test_flop_counter_mode_agrees_on_layers(make, train, op):
+    torch.manual_seed(0)
+    model = make()
+    model.train(train)
+    x = torch.randn(B, N, C)
+    ours = count_flops(model, (x, ))
+    theirs, ops = flop_counter_mode(model, x)
+    assert op in ops
+    assert ours.macs == pytest.approx(theirs / 2, rel=0.01)
+
+
+def test_flop_counter_mode_agrees_on_segmentors(tiny):
+    x = tiny.inputs((64, 96))
+    for model in (tiny.baseline, tiny.mita):
+        with decode_head_called_as_module(model):
+            ours = count_flops(model, (x, ))
+            theirs, ops = flop_counter_mode(model, x)
+        assert ours.macs == pytest.approx(theirs / 2, rel=0.01)
+        assert ('mita_seg.mita_attention' in ops) == (model is tiny.mita)
+
+
+# ----------------------------------------------------------------------------------------
+# Whole-image cost under test_cfg.
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize('image', [(64, 64), (100, 150), (40, 130)],
+                         ids=['one-crop', '2x3-crops', 'smaller-than-crop'])
+def test_slide_crops_match_mmseg_slide_inference(tiny_cfg, image):
+    cfg = copy.deepcopy(tiny_cfg)
+    counter = SegmentorFlops(cfg)
+    model = counter.baseline
+    shapes = []
+    model.backbone.register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
+    H, W = image
+    meta = dict(ori_shape=image, img_shape=image, pad_shape=image)
+    data = dict(inputs=[torch.zeros(3, H, W, dtype=torch.uint8)],
+                data_samples=[SegDataSample(metainfo=meta)])
+    with torch.no_grad():
+        model.test_step(data)
+    n, crop = slide_crops(image, (64, 64), (48, 48))
+    assert n == len(shapes) and all(tuple(s[-2:]) == crop for s in shapes)
+    assert inference_crops(model.test_cfg, image) == ('slide', n, crop)
+
+    comparison = counter.compare((64, 64), image)
+    assert comparison.image['baseline'] == n * counter.count(crop)[0].total
+
+
+def test_bad_arguments(tiny):
+    # shapes are one or two positive ints
+    with pytest.raises(ValueError, match='shape'):
+        tiny.compare((64, 0))
+    # slide needs positive sizes
+    with pytest.raises(ValueError, match='positive'):
+        slide_crops((64, 64), (0, 64), (48, 48))
+    # test_cfg.mode is whole or slide
+    with pytest.raises(ValueError, match='whole'):
+        inference_crops(dict(mode='tiles'), (64, 64))
+    # devices: cpu or meta
+    with pytest.raises(ValueError, match='meta'):
+        SegmentorFlops(None, device='cuda')
+    # configs must exist
+    with pytest.raises(ValueError, match='does not exist'):
+        load_config('configs/nope.py')
+    # --mita-cfg takes MiTA settings only
+    with pytest.raises(SystemExit):
+        tool().parse_args([SEGMENTER_T, '--mita-cfg', 'pool=7'])
+
+
+# ----------------------------------------------------------------------------------------
+# The tool on mmseg's real configs.
+# ----------------------------------------------------------------------------------------
+def test_tool_real_configs(tmp_path, capsys):
+    get_flops = tool()
+    d = 192 // 3
+    out = tmp_path / 'segmenter.json'
+    # Segmenter ViT-T on CPU, as mmseg's tool runs; a slide image of 2 crops.
+    result = get_flops.main([SEGMENTER_T, '--mita-cfg', 'pool_size=7', 'topk=49',
+                             '--image-shape', '512', '683', '--json', str(out)])
+    text = capsys.readouterr().out
+    assert json.loads(out.read_text()) == result
+    assert set(result) == {'convention', 'shape', 'baseline', 'mita', 'reduction_percent'}
+    assert set(result['baseline']) == set(result['mita']) == {
+        'total', 'backbone', 'backbone_attention', 'head', 'params'}
+    assert result['shape'] == [512, 512] and CONVENTION in result['convention']
+    assert result['baseline']['backbone_attention'] == pytest.approx(
+        12 * attention_flops(1, 3, 1025, d) / 1e9)
+    assert result['mita']['backbone_attention'] == pytest.approx(
+        12 * mita_flops(1, 3, 1025, d, 49, 49, backend=select_backend(torch.empty(1))) / 1e9)
+    assert 35 < result['reduction_percent']['total'] < 45
+    assert 'slide: 2 crops of 512x512' in text and 'decode head' in text
+    print(text)
+
+    # ViT-B UperNet and SETR ViT-L: traced on meta (same counts, see above).
+    for config, layers, heads, width in ((VIT_B_UPERNET, 12, 12, 768), (SETR, 24, 16, 1024)):
+        result = get_flops.main([config, '--mita-cfg', 'pool_size=7', 'topk=49', '--device',
+                                 'meta'])
+        text = capsys.readouterr().out
+        base, mita = result['baseline'], result['mita']
+        assert base['backbone_attention'] == pytest.approx(
+            layers * attention_flops(1, heads, 1025, width // heads) / 1e9)
+        assert mita['backbone'] - mita['backbone_attention'] == pytest.approx(
+            base['backbone'] - base['backbone_attention'])
+        assert 0 < result['reduction_percent']['total'] < result['reduction_percent'][
+            'backbone'] < 100
+        assert 'MiTA' in text and 'reduction' in text
+        print(text)
+
+    # Swin: windowed attention, nothing to swap: said so, baseline only, counted.
+    out = tmp_path / 'swin.json'
+    result = get_flops.main([SWIN_T, '--swap-attn', 'mita', '--device', 'meta', '--shape',
+                             '256', '--json', str(out)])
+    text = capsys.readouterr().out
+    assert 'cannot swap to MiTA, baseline only' in text and 'WindowMSA' in text
+    assert result['mita'] is None and result['reduction_percent'] is None
+    assert json.loads(out.read_text())['mita'] is None
+    assert result['baseline']['backbone_attention'] > 0     # q k^T and attn v of windows
+    print(text)
+
+
+def test_tool_sweep_and_plot(tmp_path, tiny_cfg, capsys):
+    config = tmp_path / 'tiny.py'
+    tiny_cfg.dump(str(config))
+    png = tmp_path / 'sweep.png'
+    result = tool().main([str(config), '--shape', '64', '--mita-cfg', 'pool_size=3', 'topk=12',
+                          '--sweep', '64', '128', '256', '--plot', str(png)])
+    rows = result['sweep']
+    assert [r['size'] for r in rows] == [64, 128, 256]
+    assert png.stat().st_size > 10000
+    # attention grows like N^2 for the baseline, like N for MiTA (N = (s/8)^2 + 1)
+    base = [r['baseline_attention'] for r in rows]
+    mita = [r['mita_attention'] for r in rows]
+    assert base[2] / base[1] > 12 and mita[2] / mita[1] < 5
+    reductions = [1 - r['mita'] / r['baseline'] for r in rows]
+    assert reductions == sorted(reductions)
+    assert 'GFLOPs against input size' in capsys.readouterr().out

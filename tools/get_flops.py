@@ -1,0 +1,189 @@
+"""FLOPs of an mmseg segmentor, attention included, and what swapping to MiTA saves.
+
+Usage::
+
+    python tools/get_flops.py CONFIG [--shape H [W]] [--image-shape H [W]]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--device {cpu,meta}]
+        [--json OUT.json] [--sweep 512 1024 2048] [--plot OUT.png] [--cfg-options k=v ...]
+
+Like mmseg's ``tools/analysis_tools/get_flops.py`` (one crop, ``mode='tensor'``, auxiliary
+head removed, random weights, eval), but it works with mmengine 0.10.x and counts every
+attention: mmcv/torch ``MultiheadAttention`` in any path, SDPA, ``baddbmm`` and MiTA
+(:mod:`mita_seg.analysis.flops`). One multiply-accumulate = one FLOP. CONFIG is a file or
+``mmseg::<dir>/<name>.py``. ``--sweep`` counts square inputs of each size on the ``meta``
+device (shapes only: the same trace and counts, no compute, no memory).
+"""
+import argparse
+import json
+import os.path as osp
+import sys
+import time
+
+# Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import DictAction  # noqa: E402
+
+from mita_seg.analysis.flops import (CONVENTION, SegmentorFlops,  # noqa: E402
+                                     load_config)
+
+MITA_CFG_KEYS = ('pool_size', 'topk', 'router_topk', 'with_shared_expert', 'shared_scale',
+                 'layers', 'include_head')
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='FLOPs of a segmentor (attention included) and of its MiTA swap')
+    parser.add_argument('config', help="config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('--shape', type=int, nargs='+', default=None,
+                        help='input shape H [W] of the counted forward (one crop); default: '
+                        "the config's crop_size, else 512")
+    parser.add_argument('--image-shape', type=int, nargs='+', default=None,
+                        help='image shape H [W] for the whole-image cost under the '
+                        "config's test_cfg (slide: crops x per-crop cost); default: --shape")
+    parser.add_argument('--swap-attn', choices=['none', 'mita'], default=None,
+                        help='also count the model with its attention swapped to MiTA '
+                        '(implied by --mita-cfg)')
+    parser.add_argument('--mita-cfg', nargs='+', action=DictAction, default=None,
+                        help='MiTA settings for the swap: ' + ', '.join(MITA_CFG_KEYS)
+                        + ' (default: pool_size=7 topk=49)')
+    parser.add_argument('--device', choices=['cpu', 'meta'], default='cpu',
+                        help="'cpu' runs the forward (as mmseg's tool); 'meta' traces "
+                        'shapes only (same counts, for large inputs)')
+    parser.add_argument('--json', help='write the figures (GFLOPs) to this JSON file')
+    parser.add_argument('--sweep', type=int, nargs='+', default=None,
+                        help='also count square inputs of these sizes (meta device)')
+    parser.add_argument('--plot', help='PNG of GFLOPs against input size (needs --sweep)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value')
+    args = parser.parse_args(argv)
+    if args.mita_cfg is not None and args.swap_attn is None:
+        args.swap_attn = 'mita'
+    if args.mita_cfg is not None and args.swap_attn != 'mita':
+        parser.error('--mita-cfg needs --swap-attn mita')
+    if args.plot and not args.sweep:
+        parser.error('--plot needs --sweep SIZES')
+    bad = sorted(set(args.mita_cfg or {}) - set(MITA_CFG_KEYS))
+    if bad:
+        parser.error(f'unknown --mita-cfg keys {bad}; use {", ".join(MITA_CFG_KEYS)}')
+    for name in ('shape', 'image_shape'):
+        value = getattr(args, name)
+        if value is not None:
+            if len(value) not in (1, 2) or min(value) < 1:
+                parser.error(f'--{name.replace("_", "-")} takes one or two positive ints')
+            setattr(args, name, tuple(value) * (3 - len(value)))
+    return args
+
+
+def default_shape(cfg):
+    """The config's crop size (``crop_size``, else ``test_cfg.crop_size``), else 512x512."""
+    crop = cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+    return tuple(crop) if crop else (512, 512)
+
+
+def sweep(counter: SegmentorFlops, sizes):
+    """Count square inputs of each size; progress goes to stderr.
+
+    Returns:
+        list[dict]: per size: ``size``, ``baseline``, ``mita`` (total GFLOPs, mita None when
+        not swapped), ``baseline_attention``, ``mita_attention`` (GFLOPs).
+    """
+    rows, t0 = [], time.time()
+    for i, s in enumerate(sizes):
+        print(f'[sweep {i + 1}/{len(sizes)}] {s}x{s}: tracing on {counter.device} '
+              f'({time.time() - t0:.0f}s elapsed)', file=sys.stderr, flush=True)
+        base, mita = counter.count((s, s))
+        rows.append(dict(size=s, baseline=base.total / 1e9,
+                         mita=None if mita is None else mita.total / 1e9,
+                         baseline_attention=base.attention / 1e9,
+                         mita_attention=None if mita is None else mita.attention / 1e9))
+    return rows
+
+
+def format_sweep(rows) -> str:
+    has_mita = rows[0]['mita'] is not None
+    head = f'{"size":>10s}{"baseline":>12s}{"(attn)":>10s}'
+    if has_mita:
+        head += f'{"MiTA":>12s}{"(attn)":>10s}{"reduction":>11s}'
+    lines = ['GFLOPs against input size (one forward, ' + CONVENTION.split(' (')[0] + ')', head]
+    for r in rows:
+        line = (f'{r["size"]:>4d}x{r["size"]:<5d}{r["baseline"]:12.1f}'
+                f'{r["baseline_attention"]:10.1f}')
+        if has_mita:
+            red = 100 * (1 - r['mita'] / r['baseline'])
+            line += f'{r["mita"]:12.1f}{r["mita_attention"]:10.1f}{red:10.1f}%'
+        lines.append(line)
+    return '\n'.join(lines)
+
+
+def plot_sweep(rows, out: str, title: str):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    sizes = [r['size'] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.plot(sizes, [r['baseline'] for r in rows], 'o-', color='C0', label='baseline total')
+    ax.plot(sizes, [r['baseline_attention'] for r in rows], 'o--', color='C0',
+            label='baseline attention')
+    if rows[0]['mita'] is not None:
+        ax.plot(sizes, [r['mita'] for r in rows], 's-', color='C3', label='MiTA total')
+        ax.plot(sizes, [r['mita_attention'] for r in rows], 's--', color='C3',
+                label='MiTA attention')
+        low = min(min(r['mita_attention'], r['baseline_attention']) for r in rows)
+        ax.set_ylim(bottom=low / 4)  # room for the labels below the curves
+        ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
+        for r in rows:  # the reduction of the total, along the bottom of the plot
+            ax.text(r['size'], 0.03, f"total -{100 * (1 - r['mita'] / r['baseline']):.0f}%",
+                    transform=ax.get_xaxis_transform(), ha='center', fontsize=8, color='C3')
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log')
+    ax.set_xticks(sizes, [f'{s}' for s in sizes])
+    ax.set_xlabel('input size (pixels, square)')
+    ax.set_ylabel('GFLOPs (1 MAC = 1 FLOP)')
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which='both', alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    """Run the tool; returns the JSON figures (and ``sweep`` rows when asked)."""
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.cfg_options)
+    shape = args.shape or default_shape(cfg)
+    mita_cfg = None
+    if args.swap_attn == 'mita':
+        mita_cfg = dict(pool_size=7, topk=49)
+        mita_cfg.update(args.mita_cfg or {})
+    name = osp.splitext(osp.basename(args.config.split('::')[-1]))[0]
+    t0 = time.time()
+    print(f'building {name} and tracing {shape[0]}x{shape[1]} on {args.device} ...',
+          file=sys.stderr, flush=True)
+    counter = SegmentorFlops(cfg, mita_cfg, device=args.device, name=name)
+    comparison = counter.compare(shape, args.image_shape)
+    print(comparison.format())
+    print(f'({time.time() - t0:.1f}s)', file=sys.stderr)
+    result = comparison.to_json()
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(result, f, indent=2)
+        print(f'wrote {args.json}')
+    if args.sweep:
+        if args.device != 'meta':
+            counter = SegmentorFlops(cfg, mita_cfg, device='meta', name=name)
+        rows = sweep(counter, args.sweep)
+        print()
+        print(format_sweep(rows))
+        if args.plot:
+            what = 'baseline' if counter.mita is None else 'baseline vs MiTA (' + ', '.join(
+                f'{k}={v}' for k, v in mita_cfg.items()) + ')'
+            plot_sweep(rows, args.plot, f'{name}\n{what}')
+            print(f'wrote {args.plot}')
+        return dict(result, sweep=rows)
+    return result
+
+
+if __name__ == '__main__':
+    main()
