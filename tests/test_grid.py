@@ -56,3 +56,21 @@ def test_deepcopy_rebinds_the_grid_hooks():
     assert clone.backbone._mita_grid.hw_shape == (6, 8)
     assert clone.backbone.layers[0].attn.grid is clone.backbone._mita_grid
     assert model.backbone._mita_grid.hw_shape is None      # the original was not run
+
+
+def test_a_subclassed_head_keeps_its_own_forward():
+    from mmseg.models.decode_heads import SegmenterMaskTransformerHead
+
+    class MyHead(SegmenterMaskTransformerHead):
+        def forward(self, inputs):
+            self.called = True
+            return super().forward(inputs)
+
+    model = _segmenter('whole')
+    head = MyHead(in_channels=192, channels=192, num_classes=150, num_layers=1, num_heads=3,
+                  embed_dims=192, dropout_ratio=0.0)
+    model.decode_head = head
+    swap_attention(model, pool_size=2, topk=8, verbose=False)
+    assert isinstance(model.decode_head, MyHead)
+    _step(model, 96, 128)
+    assert head.called and head._mita_grid.hw_shape == (6, 8)

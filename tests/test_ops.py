@@ -181,3 +181,11 @@ def test_bad_arguments():
     # integer tensors are not attention inputs
     with pytest.raises(TypeError, match='floating'):
         mita_attention(q.long(), k.long(), v.long(), **kw)
+
+
+def test_autocast_does_not_change_the_operator():
+    q, k, v = _qkv(1, 2, 1 + 8 * 8, 16, seed=8)
+    kw = dict(hw_shape=(8, 8), pool_size=4, topk=12)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = mita_attention(q, k, v, **kw)
+    torch.testing.assert_close(out, mita_attention(q, k, v, **kw))

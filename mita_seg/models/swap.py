@@ -35,9 +35,9 @@ def _grid_context(owner: nn.Module) -> GridContext:
             ctx = GridContext(num_prefix_tokens=1 if owner.with_cls_token else 0)
             owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
         else:
-            from .heads import MiTASegmenterMaskTransformerHead
+            from .heads import with_grid_forward
             ctx = GridContext(num_prefix_tokens=0)
-            owner.__class__ = MiTASegmenterMaskTransformerHead
+            owner.__class__ = with_grid_forward(type(owner))
         owner._mita_grid = ctx
     return ctx
 
@@ -85,7 +85,9 @@ def swap_attention(model: nn.Module,
     cfg = dict(pool_size=pool_size, topk=topk, router_topk=router_topk,
                with_shared_expert=with_shared_expert, **mita_cfg)
     swapped: List[str] = []
+    left_by_choice = {}  # global attention not swapped because of layers= / include_head
     for owner_name, owner in model.named_modules():
+        prefix = f'{owner_name}.' if owner_name else ''
         if isinstance(owner, VisionTransformer):
             n = len(owner.layers)
             ids = range(n) if layers is None else list(layers)
@@ -94,8 +96,14 @@ def swap_attention(model: nn.Module,
                 raise ValueError(f'layers {bad} out of range: {owner_name or "the backbone"} '
                                  f'has {n} encoder layers')
             ids = sorted({i % n for i in ids})
-        elif include_head and isinstance(owner, SegmenterMaskTransformerHead):
+            left_by_choice.update({f'{prefix}layers.{i}.attn': f'not in layers={list(layers)}'
+                                   for i in range(n) if i not in ids})
+        elif isinstance(owner, SegmenterMaskTransformerHead):
             ids = range(len(owner.layers))
+            if not include_head:
+                left_by_choice.update({f'{prefix}layers.{i}.attn': 'in a decode head '
+                                       '(include_head=False)' for i in ids})
+                continue
         else:
             continue
         for i in ids:
@@ -108,7 +116,6 @@ def swap_attention(model: nn.Module,
             else:
                 continue
             layer.attn.grid = _grid_context(owner)
-            prefix = f'{owner_name}.' if owner_name else ''
             swapped.append(f'{prefix}layers.{i}.attn')
 
     skipped: List[Tuple[str, str]] = []
@@ -119,10 +126,9 @@ def swap_attention(model: nn.Module,
             continue  # the nn.MultiheadAttention holding a swapped module's weights
         if any(name.startswith(s + '.') for s, _ in skipped):
             continue
-        reason = _UNSWAPPABLE.get(type(m).__name__, 'not a global self-attention of a '
-                                  'supported model (ViT family, Segmenter head)')
-        if isinstance(m, MultiheadAttention) and not include_head:
-            reason = 'in a decode head (include_head=False)'
+        reason = left_by_choice.get(name) or _UNSWAPPABLE.get(
+            type(m).__name__, 'not a global self-attention of a supported model (ViT family, '
+            'Segmenter head)')
         skipped.append((name, f'{type(m).__name__}: {reason}'))
 
     if not swapped:

@@ -43,7 +43,7 @@ def _always(q: torch.Tensor) -> List[str]:
 # Selected by ``backend=``, else by the environment variable MITA_BACKEND, else the first
 # of _AUTO_ORDER that can run.
 BACKENDS: Dict[str, Backend] = {
-    'fused_cpu': Backend(mita_attention_fused_cpu, fused_cpu_unsupported, 'blocked'),
+    'fused_cpu': Backend(mita_attention_fused_cpu, fused_cpu_unsupported, 'fused_cpu'),
     'blocked': Backend(mita_attention_blocked, _always, 'blocked'),
     'reference': Backend(mita_attention_reference, _always, 'reference'),
 }
@@ -119,9 +119,12 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
 
 def _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
          with_shared_expert, shared_scale, block_size, backend):
-    return BACKENDS[backend].fn(q, k, v, (h, w), (ph, pw), topk, router_topk,
-                                num_prefix_tokens, with_shared_expert, shared_scale,
-                                block_size)
+    # The operator picks its own precision (routing and softmax in float32): autocast
+    # (e.g. mmengine's --amp) must not push its matmuls into bf16/fp16.
+    with torch.autocast(q.device.type, enabled=False):
+        return BACKENDS[backend].fn(q, k, v, (h, w), (ph, pw), topk, router_topk,
+                                    num_prefix_tokens, with_shared_expert, shared_scale,
+                                    block_size)
 
 
 @torch.library.custom_op('mita_seg::mita_attention', mutates_args=())

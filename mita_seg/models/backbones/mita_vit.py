@@ -7,7 +7,6 @@ from mmengine.runner.checkpoint import CheckpointLoader
 from mmseg.models.backbones import VisionTransformer
 from mmseg.registry import MODELS
 
-from mita_seg.utils.checkpoint import register_safe_globals
 from ..swap import swap_attention
 
 # Model keys a pretrained checkpoint legitimately lacks: MiTA's own optional parameters
@@ -54,7 +53,6 @@ class MiTAVisionTransformer(VisionTransformer):
         """mmseg's initialisation, after checking that pretrained weights fit."""
         if (self.strict_pretrained and isinstance(self.init_cfg, dict)
                 and self.init_cfg.get('type') in ('Pretrained', 'Pretrained_Part')):
-            register_safe_globals()
             checkpoint = CheckpointLoader.load_checkpoint(
                 self.init_cfg['checkpoint'], logger=None, map_location='cpu')
             self.check_pretrained(self._pretrained_state_dict(checkpoint),
@@ -100,7 +98,8 @@ class MiTAVisionTransformer(VisionTransformer):
             for title, keys in (('missing keys', missing), ('unexpected keys', unexpected),
                                 ('shape mismatch', mis_shaped)):
                 if keys:
-                    lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys))
+                    more = f', ... ({len(keys) - 12} more)' if len(keys) > 12 else ''
+                    lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys[:12]) + more)
             if any(k.startswith('blocks.') for k in unexpected):
                 lines.append('  (timm key names: convert the checkpoint with mmseg\'s '
                              'tools/model_converters/vit2mmseg.py)')

@@ -1,0 +1,87 @@
+"""Every config in configs/ inherits from mmseg, builds, and runs a forward pass."""
+import glob
+import os.path as osp
+
+import pytest
+import torch
+from mmengine.config import Config
+from mmengine.registry import init_default_scope
+from mmseg.registry import MODELS
+
+from mita_seg.models import MiTAAttention
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+CONFIGS = sorted(glob.glob(osp.join(ROOT, 'configs', '*.py')))
+TINY = [c for c in CONFIGS if 'tiny-ade20k' in c]
+REAL = [c for c in CONFIGS if c not in TINY]
+
+
+def cfg_id(path):
+    return osp.splitext(osp.basename(path))[0]
+
+
+def build(cfg):
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model)
+    return model.eval()
+
+
+def num_mita(module):
+    return sum(isinstance(m, MiTAAttention) for m in module.modules())
+
+
+def test_configs_exist():
+    names = [cfg_id(c) for c in CONFIGS]
+    assert 'mita_upernet_ade20k' in names
+    for size in 'tsb':
+        assert f'mita_segmenter_vit-{size}_mask_8xb1-160k_ade20k-512x512' in names
+    assert any('deit-s16' in n and 'upernet' in n for n in names)
+    assert TINY
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=cfg_id)
+def test_config_inherits_from_mmseg(path):
+    text = open(path).read()
+    assert "_base_ = ['mmseg::" in text, 'configs inherit from mmseg base files'
+    cfg = Config.fromfile(path)
+    assert 'mita_seg.models' in cfg.custom_imports['imports']
+    assert cfg.model.backbone.type == 'MiTAVisionTransformer'
+    if path in REAL:  # published defaults and the real dataset, unchanged
+        assert cfg.model.backbone.mita_cfg == dict(pool_size=7, topk=49)
+        assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
+        assert cfg.model.decode_head.num_classes == 150
+    if 'segmenter' in path:
+        assert cfg.model.decode_head.type == 'MiTASegmenterMaskTransformerHead'
+        assert cfg.model.decode_head.mita_cfg == dict(pool_size=7, topk=49)
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=cfg_id)
+def test_config_forward_512(path):
+    cfg = Config.fromfile(path)
+    model = build(cfg)
+    layers = len(model.backbone.layers)
+    heads = len(model.decode_head.layers) if 'segmenter' in path else 0
+    assert num_mita(model) == layers + heads
+    # UperNet predicts at 1/4 of the input, Segmenter's mask head at the 1/16 patch grid
+    stride = 16 if 'segmenter' in path else 4
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 512, 512), mode='tensor')
+    assert out.shape == (1, 150, 512 // stride, 512 // stride)
+    assert torch.isfinite(out).all()
+
+
+def test_non_square_whole_inference():
+    # whole-image inference at 512x683: a 32x43 grid in the backbone and in the mask head
+    cfg = Config.fromfile(
+        osp.join(ROOT, 'configs', 'mita_segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'))
+    cfg.model.test_cfg = dict(mode='whole')
+    model = build(cfg)
+    img = torch.randn(1, 3, 512, 683)
+    meta = dict(img_shape=(512, 683), ori_shape=(512, 683), pad_shape=(512, 683),
+                padding_size=[0, 0, 0, 0])
+    with torch.no_grad():
+        seg_logits = model.inference(img, [meta])
+    assert model.backbone._mita_grid.hw_shape == (32, 43)
+    assert model.decode_head._mita_grid.hw_shape == (32, 43)
+    assert seg_logits.shape == (1, 150, 512, 683)

@@ -1,0 +1,236 @@
+"""Benchmark MiTA against softmax attention: operator level and model level.
+
+Operator level (``--level op``): MiTA (the auto-selected backend, and the plain PyTorch
+``blocked`` one) against ``F.scaled_dot_product_attention`` and against the path mmseg's
+ViT actually takes (mmcv ``MultiheadAttention`` -> ``nn.MultiheadAttention`` with
+``need_weights=True``, which materialises the N x N weights), ViT-B heads (H=12, d=64) by
+default, for forward and forward+backward, float32 and bfloat16. Prints median times, the
+speed-up of MiTA over each alternative measured in the same run, the multiply-add ratio
+beside it, and peak memory.
+
+Model level (``--level model``): images per second and peak memory of mmseg segmenters
+(``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
+mode (slide) or whole-image at a given size.
+
+Peak memory is the rise of the process's peak RSS during one call (``/proc/self/status``
+VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap threshold lowered so
+freed buffers go back to the OS; the script re-executes itself to set that.
+
+Examples::
+
+    python tools/benchmark.py --level op
+    python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
+    python tools/benchmark.py --level model --models segmenter-vit-t
+"""
+import argparse
+import gc
+import os
+import sys
+import time
+
+MMAP_ENV = 'MALLOC_MMAP_THRESHOLD_'
+if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
+    # Large buffers through mmap, so RSS falls when they are freed and peaks are exact.
+    os.environ[MMAP_ENV] = '65536'
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.benchmark import Timer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mita_seg.ops import attention_flops, mita_attention, mita_flops, select_backend  # noqa
+
+# name -> (config, test size or None for the config's own test mode)
+MODELS = {
+    'segmenter-vit-t': ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py',
+                        None),
+    'segmenter-vit-b': ('mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py',
+                        None),
+    'segmenter-vit-b-1024': (
+        'mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py', (1024, 1024)),
+    'segmenter-vit-b-2048': (
+        'mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py', (2048, 2048)),
+    'upernet-vit-b': ('mmseg::vit/vit_vit-b16_mln_upernet_8xb2-160k_ade20k-512x512.py', None),
+}
+
+
+def peak_rss_rise(fn):
+    """Run ``fn`` once; return its result and the rise of peak RSS in MiB (None where
+    /proc/self/clear_refs is not available)."""
+    gc.collect()
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')  # reset VmHWM to the current RSS
+    except OSError:
+        return fn(), None
+
+    def status(key):
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+    before = status('VmRSS:')
+    out = fn()
+    return out, status('VmHWM:') - before
+
+
+def median_time(fn, min_run_time):
+    return Timer('fn()', globals={'fn': fn}).blocked_autorange(
+        min_run_time=min_run_time).median
+
+
+def mmcv_attention_core(q, k, v):
+    """The attention core of mmseg's ViT layer. mmcv's ``MultiheadAttention`` calls
+    ``nn.MultiheadAttention`` with ``need_weights=True``, so torch's
+    ``F.multi_head_attention_forward`` runs this (between the projections, which are the
+    same for MiTA and are left out here): scaled ``bmm``, softmax, ``bmm``, and the
+    head-averaged N x N weights it returns."""
+    B, H, N, d = q.shape
+    qs, ks, vs = (t.reshape(B * H, N, d) for t in (q, k, v))
+    w = torch.softmax(torch.bmm(qs * d ** -0.5, ks.transpose(1, 2)), dim=-1)
+    out = torch.bmm(w, vs).view(B, H, N, d)
+    return out, w.view(B, H, N, N).mean(dim=1)
+
+
+def op_level(args):
+    H, d = args.heads, args.head_dim
+    M = args.pool_size ** 2
+    print(f'# operator: B=1, H={H}, d={d}, MiTA pool {args.pool_size}x{args.pool_size} '
+          f'(M={M}), k={args.topk}; torch {torch.__version__}, {torch.get_num_threads()} '
+          f'threads, MiTA backend: {select_backend(torch.empty(0))}')
+    print('# ratio = time(alternative) / time(MiTA) measured in this run; '
+          'MAC ratio = multiply-adds of softmax attention / of MiTA')
+    header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | {'SDPA ms':>9} {'mmcv ms':>9} "
+              f"{'MiTA ms':>9} {'blocked':>9} | {'vs SDPA':>7} {'vs mmcv':>7} "
+              f"{'MACs':>6} | {'SDPA MiB':>8} {'mmcv MiB':>8} {'MiTA MiB':>8}")
+    print(header)
+    print('-' * len(header))
+    for N in args.tokens:
+        side = int(round((N - 1) ** 0.5))
+        if side * side + 1 != N:
+            raise SystemExit(f'--tokens must be 1 + s*s (a cls token and an s x s grid), got {N}')
+        macs = attention_flops(1, H, N, d) / mita_flops(1, H, N, d, M, args.topk)
+        for dtype in args.dtypes:
+            dt = getattr(torch, dtype)
+            for pass_ in args.passes:
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dt).requires_grad_(
+                    pass_ == 'fwd+bwd') for _ in range(3))
+                grad = torch.randn(1, H, N, d, generator=g).to(dt)
+                fns = {
+                    'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
+                    'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
+                    'MiTA': lambda: mita_attention(q, k, v, (side, side), args.pool_size,
+                                                   args.topk),
+                    'blocked': lambda: mita_attention(q, k, v, (side, side), args.pool_size,
+                                                      args.topk, backend='blocked'),
+                }
+                # the mmcv path holds ~2 H N^2 floats: skip it where that does not fit
+                mmcv_bytes = 2 * H * N * N * dt.itemsize * (3 if pass_ == 'fwd+bwd' else 1)
+                times, mems = {}, {}
+                for name, f in fns.items():
+                    if name == 'mmcv' and mmcv_bytes > args.max_mmcv_gib * 2**30:
+                        times[name] = mems[name] = None
+                        continue
+                    if pass_ == 'fwd+bwd':
+                        run = lambda f=f: torch.autograd.grad(f(), (q, k, v), grad)  # noqa
+                    else:
+                        def run(f=f):
+                            with torch.no_grad():
+                                return f()
+                    run()  # warm-up
+                    _, mems[name] = peak_rss_rise(run)
+                    times[name] = median_time(run, args.min_run_time)
+                fmt = lambda t: f'{t * 1e3:9.1f}' if t else f"{'n/a':>9}"  # noqa
+                ratio = lambda a: f"{times[a] / times['MiTA']:6.2f}x" if times[a] else \
+                    f"{'n/a':>7}"  # noqa
+                mem = lambda a: f'{mems[a]:8.0f}' if mems.get(a) is not None else \
+                    f"{'n/a':>8}"  # noqa
+                print(f"{N:>6} {dtype:>8} {pass_:>7} | {fmt(times['SDPA'])} "
+                      f"{fmt(times['mmcv'])} {fmt(times['MiTA'])} {fmt(times['blocked'])} | "
+                      f"{ratio('SDPA')} {ratio('mmcv')} {macs:5.1f}x | {mem('SDPA')} "
+                      f"{mem('mmcv')} {mem('MiTA')}", flush=True)
+                del q, k, v, grad
+
+
+def model_level(args):
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS as SEG_MODELS
+    from mmseg.structures import SegDataSample
+
+    import mita_seg.models  # noqa: F401
+    from mita_seg import swap_attention
+
+    init_default_scope('mmseg')
+    print(f'# model level: random weights, batch 1, eval, no_grad; {torch.get_num_threads()} '
+          'threads; baseline = mmseg as released (mmcv MultiheadAttention)')
+    header = (f"{'model':>22} {'image':>10} {'mode':>6} | {'base img/s':>10} "
+              f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
+    print(header)
+    print('-' * len(header))
+    for name in args.models:
+        cfg_path, size = MODELS[name]
+        cfg = Config.fromfile(cfg_path)
+        cfg.model.pop('pretrained', None)
+        cfg.model.backbone.pop('init_cfg', None)
+        cfg.model.pop('data_preprocessor', None)
+        if size is not None:
+            cfg.model.test_cfg = dict(mode='whole')
+        h, w = size or (512, 683)  # an ADE20K-like image: slide over 512 crops
+        torch.manual_seed(0)
+        model = SEG_MODELS.build(cfg.model).eval()
+        img = torch.randn(1, 3, h, w)
+        meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
+                                            pad_shape=(h, w)))]
+        run = lambda: model.predict(img, meta)  # noqa
+        res = {}
+        for variant in ('base', 'MiTA'):
+            if variant == 'MiTA':
+                swap_attention(model, pool_size=args.pool_size, topk=args.topk, verbose=False)
+            with torch.no_grad():
+                run()
+                _, mem = peak_rss_rise(run)
+                t = median_time(run, args.min_run_time)
+            res[variant] = (1 / t, mem)
+        mode = cfg.model.test_cfg.get('mode', 'whole')
+        print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {res['base'][0]:10.3f} "
+              f"{res['MiTA'][0]:10.3f} {res['MiTA'][0] / res['base'][0]:7.2f}x | "
+              f"{res['base'][1]:8.0f} {res['MiTA'][1]:8.0f}", flush=True)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--level', choices=['op', 'model', 'all'], default='op')
+    p.add_argument('--tokens', type=int, nargs='+', default=[1025, 4097, 16385],
+                   help='token counts N = 1 + s*s (65537 where memory allows)')
+    p.add_argument('--dtypes', nargs='+', default=['float32', 'bfloat16'],
+                   choices=['float32', 'bfloat16', 'float16'])
+    p.add_argument('--passes', nargs='+', default=['fwd', 'fwd+bwd'],
+                   choices=['fwd', 'fwd+bwd'])
+    p.add_argument('--heads', type=int, default=12)
+    p.add_argument('--head-dim', type=int, default=64)
+    p.add_argument('--pool-size', type=int, default=7)
+    p.add_argument('--topk', type=int, default=49)
+    p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
+                                                   'upernet-vit-b'], choices=list(MODELS))
+    p.add_argument('--min-run-time', type=float, default=1.0,
+                   help='seconds of repeated calls per measurement (median reported)')
+    p.add_argument('--max-mmcv-gib', type=float, default=8.0,
+                   help='skip the mmcv path where its N x N weights exceed this')
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    t0 = time.time()
+    if args.level in ('op', 'all'):
+        op_level(args)
+    if args.level in ('model', 'all'):
+        model_level(args)
+    print(f'# done in {time.time() - t0:.0f} s')
+
+
+if __name__ == '__main__':
+    main()
