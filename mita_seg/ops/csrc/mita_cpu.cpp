@@ -486,15 +486,6 @@ mita_readout_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   return {dq, dk, dv, dls, dvr};
 }
 
-// Out only (kept for callers of the first version of this extension).
-torch::Tensor mita_readout(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                           torch::Tensor keys, torch::Tensor choice,
-                           torch::Tensor shared_logits, torch::Tensor shared_values,
-                           bool shared, double scale) {
-  return std::get<0>(mita_readout_forward(q, k, v, keys, choice, shared_logits, shared_values,
-                                          shared, scale));
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -503,5 +494,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mita_readout_backward", &mita_readout_backward,
         "Gradients of the fused MiTA read-out (CPU): (dq, dk, dv, dshared_logits, "
         "dshared_values)");
-  m.def("mita_readout", &mita_readout, "Fused MiTA read-out (CPU): out");
 }
