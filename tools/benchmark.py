@@ -155,7 +155,7 @@ def op_level(args):
 
 
 def model_level(args):
-    from mmengine.config import Config
+    from mmengine.hub import get_config
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS as SEG_MODELS
     from mmseg.structures import SegDataSample
@@ -172,7 +172,7 @@ def model_level(args):
     print('-' * len(header))
     for name in args.models:
         cfg_path, size = MODELS[name]
-        cfg = Config.fromfile(cfg_path)
+        cfg = get_config(cfg_path)
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.pop('data_preprocessor', None)

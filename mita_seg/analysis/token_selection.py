@@ -21,7 +21,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mita_seg.ops import mita_routing
 from mita_seg.ops.routing import pair
@@ -173,21 +172,12 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
                      kwargs: dict) -> LayerSelection:
     """Recompute the routing of ``module`` (a MiTAAttention) on its input ``query``, as
     :meth:`MiTAAttention.forward` does."""
-    from mita_seg.models.grid import resolve_grid
     if kwargs.get('query_pos') is not None:
         query = query + kwargs['query_pos']
     if not module.batch_first:
         query = query.transpose(0, 1)
-    B, N, C = query.shape
-    H = module.num_heads
-    hw_shape = kwargs.get('hw_shape')
-    if module.grid is not None:
-        p, hw_shape = module.grid.num_prefix_tokens, hw_shape or module.grid.hw_shape
-    else:
-        p = module.num_prefix_tokens
-    h, w = resolve_grid(N, p, hw_shape)
-    qkv = F.linear(query, module.attn.in_proj_weight, module.attn.in_proj_bias)
-    q, k, _ = qkv.reshape(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+    N = query.shape[1]
+    q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
     ph, pw = pair(module.pool_size, 'pool_size')
     topk = min(module.topk, N)
     selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, module.router_topk, p)

@@ -105,6 +105,24 @@ class MiTAAttention(MultiheadAttention):
         return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
                 f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
 
+    def project(self, query: torch.Tensor, hw_shape: Optional[Tuple[int, int]] = None):
+        """Heads and grid of ``query`` (``[B, N, C]``, batch first).
+
+        Returns:
+            tuple: ``q, k, v`` (``[B, H, N, d]``), the grid ``(h, w)`` (``hw_shape``, else the
+            grid context, else a square) and the number of prefix tokens.
+        """
+        B, N, C = query.shape
+        if self.grid is not None:
+            p, hw_shape = self.grid.num_prefix_tokens, hw_shape or self.grid.hw_shape
+        else:
+            p = self.num_prefix_tokens
+        h, w = resolve_grid(N, p, hw_shape)
+        qkv = F.linear(query, self.attn.in_proj_weight, self.attn.in_proj_bias)
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
+            2, 0, 3, 1, 4).unbind(0)                                    # [B, H, N, d]
+        return q, k, v, (h, w), p
+
     def forward(self,
                 query: torch.Tensor,
                 key: Optional[torch.Tensor] = None,
@@ -142,16 +160,7 @@ class MiTAAttention(MultiheadAttention):
         if not self.batch_first:
             query = query.transpose(0, 1)
         B, N, C = query.shape
-        H = self.num_heads
-        d = C // H
-        if self.grid is not None:
-            p, hw_shape = self.grid.num_prefix_tokens, hw_shape or self.grid.hw_shape
-        else:
-            p = self.num_prefix_tokens
-        h, w = resolve_grid(N, p, hw_shape)
-
-        qkv = F.linear(query, self.attn.in_proj_weight, self.attn.in_proj_bias)
-        q, k, v = qkv.reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, N, d]
+        q, k, v, (h, w), p = self.project(query, hw_shape)
         x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=self.pool_size, topk=self.topk,
                            router_topk=self.router_topk, num_prefix_tokens=p,
                            with_shared_expert=self.with_shared_expert,
