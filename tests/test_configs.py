@@ -85,3 +85,18 @@ def test_non_square_whole_inference():
     assert model.backbone._mita_grid.hw_shape == (32, 43)
     assert model.decode_head._mita_grid.hw_shape == (32, 43)
     assert seg_logits.shape == (1, 150, 512, 683)
+
+
+def test_baseline_config_is_standard_attention_and_swappable():
+    # configs/baselines/: a standard-attention model for the swap tools (docs/swap.md)
+    path = osp.join(ROOT, 'configs', 'baselines',
+                    'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
+    model = build(Config.fromfile(path))
+    assert num_mita(model) == 0
+    x = torch.randn(1, 3, 128, 160)
+    with torch.no_grad():
+        base = model(x, mode='tensor')
+        from mita_seg import swap_attention
+        assert swap_attention(model, pool_size=4, topk=16, verbose=False) == 4 + 2
+        out = model(x, mode='tensor')
+    assert base.shape == out.shape == (1, 150, 16, 20) and torch.isfinite(out).all()
