@@ -21,6 +21,7 @@ Examples::
     python tools/benchmark.py --level op
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
+    python tools/benchmark.py --level op --threads 1
 """
 import argparse
 import gc
@@ -76,8 +77,9 @@ def peak_rss_rise(fn):
 
 
 def median_time(fn, min_run_time):
-    return Timer('fn()', globals={'fn': fn}).blocked_autorange(
-        min_run_time=min_run_time).median
+    # Timer runs single-threaded unless told otherwise: use the threads torch would use
+    return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
+                 ).blocked_autorange(min_run_time=min_run_time).median
 
 
 def mmcv_attention_core(q, k, v):
@@ -215,6 +217,8 @@ def parse_args():
     p.add_argument('--topk', type=int, default=49)
     p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
                                                    'upernet-vit-b'], choices=list(MODELS))
+    p.add_argument('--threads', type=int, default=None,
+                   help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--min-run-time', type=float, default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-mmcv-gib', type=float, default=8.0,
@@ -224,6 +228,8 @@ def parse_args():
 
 def main():
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.time()
     if args.level in ('op', 'all'):
         op_level(args)
