@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup_env.sh
 
 demo: setup
-	$(PY) tools/demo.py
+	$(PY) tools/train_demo.py
 
 test: setup
 	$(PY) -m pytest tests

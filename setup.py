@@ -3,7 +3,7 @@
 does). Set MITA_NO_EXT=1 to skip it (the plain PyTorch backend is used then)."""
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ext_modules, cmdclass = [], {}
 if not os.environ.get('MITA_NO_EXT'):
@@ -13,18 +13,5 @@ if not os.environ.get('MITA_NO_EXT'):
                      extra_compile_args=['-O3', '-march=native', '-fopenmp-simd', '-ffast-math']))
     cmdclass['build_ext'] = BuildExtension
 
-setup(
-    name='mita_seg',
-    version='0.1.0',
-    description='MiTA (Mixture-of-Top-k Attention) for MMSegmentation 1.x',
-    packages=find_packages(include=['mita_seg', 'mita_seg.*']),
-    python_requires='>=3.9',
-    install_requires=[
-        'torch>=2.1',
-        'mmcv==2.1.0',
-        'mmengine==0.10.7',
-        'mmsegmentation==1.2.2',
-    ],
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+# Name, version, dependencies and packages are in pyproject.toml.
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

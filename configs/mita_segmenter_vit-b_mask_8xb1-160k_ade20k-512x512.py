@@ -1,9 +1,11 @@
 # Segmenter ViT-B mask transformer, ADE20K 512x512, 160k: MiTA in all encoder layers
 # and in both layers of the mask head (its 150 class tokens are suffix tokens).
 _base_ = ['mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py']
-custom_imports = dict(imports=['mita_seg.models'], allow_failed_imports=False)
+custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
 mita_cfg = dict(pool_size=7, topk=49)
 model = dict(
     backbone=dict(type='MiTAVisionTransformer', mita_cfg=mita_cfg),
     decode_head=dict(type='MiTASegmenterMaskTransformerHead', mita_cfg=mita_cfg))
+# crash-safe saves, strict weights-only loads (mita_seg.engine), with any train/test tool
+default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))

@@ -4,7 +4,7 @@
 # ViT with 64-dim tokens, 4 layers, patch 8 (a 16x16 grid at 128x128), BN instead of
 # SyncBN, gloo for distributed runs, a short schedule.
 _base_ = ['mmseg::vit/vit_vit-b16_mln_upernet_8xb2-160k_ade20k-512x512.py']
-custom_imports = dict(imports=['mita_seg.models'], allow_failed_imports=False)
+custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
 data_root = 'data/ade/tiny_ade20k'
 crop_size = (128, 128)
@@ -63,6 +63,6 @@ param_scheduler = [
 train_cfg = dict(max_iters=max_iters, val_interval=interval)
 default_hooks = dict(
     logger=dict(interval=20),
-    checkpoint=dict(interval=interval, max_keep_ckpts=2))
+    checkpoint=dict(type='SafeCheckpointHook', interval=interval, max_keep_ckpts=2))
 env_cfg = dict(cudnn_benchmark=False, dist_cfg=dict(backend='gloo'))
 randomness = dict(seed=0)

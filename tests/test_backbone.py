@@ -80,7 +80,7 @@ def test_checkpoint_that_does_not_fit(tmp_path):
         pretrained(tmp_path / 'vit.pth', num_layers=1, out_indices=(0, )).init_weights()
     # wider tokens: shapes are listed (pos_embed included: its channels differ)
     with pytest.raises(ValueError, match=r'shape mismatch .*cls_token: checkpoint '
-                       r'\(1, 1, 64\), model \(1, 1, 128\)'):
+                       r'\(1, 1, 64\) vs model \(1, 1, 128\)'):
         pretrained(tmp_path / 'vit.pth', embed_dims=128).init_weights()
     # mmseg's behaviour on request: mismatches are only logged
     pretrained(tmp_path / 'vit.pth', num_layers=3, out_indices=(2, ),

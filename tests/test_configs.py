@@ -45,7 +45,9 @@ def test_config_inherits_from_mmseg(path):
     text = open(path).read()
     assert "_base_ = ['mmseg::" in text, 'configs inherit from mmseg base files'
     cfg = Config.fromfile(path)
-    assert 'mita_seg.models' in cfg.custom_imports['imports']
+    assert cfg.custom_imports['imports'] == ['mita_seg.models', 'mita_seg.engine']
+    # crash-safe saves and strict weights-only loads with mmseg's own tools too
+    assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook'
     assert cfg.model.backbone.type == 'MiTAVisionTransformer'
     if path in REAL:  # published defaults and the real dataset, unchanged
         assert cfg.model.backbone.mita_cfg == dict(pool_size=7, topk=49)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -49,6 +50,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_agree(tmp_path):
     data = tmp_path / 'tiny_ade20k'
     subprocess.run([sys.executable, 'tools/dataset/make_tiny_ade20k.py', '--out', str(data),

@@ -1,11 +1,10 @@
-"""FLOP counting with attention (mita_seg.analysis.flops, tools/get_flops.py).
+"""FLOP counting with attention (mita_seg.analysis, tools/get_flops.py).
 
 Budget: about 1.5 min on 2 cores, most of it in ``test_tool_real_configs`` (mmseg's
 Segmenter ViT-T, ViT-B UperNet, SETR ViT-L at 512 and Swin-T UperNet, built from the real
 configs with random weights).
 """
 import copy
-import importlib.util
 import json
 import os.path as osp
 
@@ -18,9 +17,11 @@ from mmseg.models.backbones.vit import TransformerEncoderLayer
 from mmseg.structures import SegDataSample
 from torch.utils.flop_counter import FlopCounterMode
 
-from mita_seg.analysis.flops import (CONVENTION, SegmentorFlops, count_flops,
-                                     decode_head_called_as_module, load_config, slide_crops,
-                                     inference_crops)
+from mita_seg.analysis.flop_count import count_flops
+from mita_seg.analysis.flop_handles import CONVENTION
+from mita_seg.analysis.segmentor_cost import (SegmentorFlops, decode_head_called_as_module,
+                                              inference_crops, slide_crops)
+from mita_seg.apis import load_config
 from mita_seg.models import MiTAAttention, swap_attention
 from mita_seg.ops import attention_flops, mita_flops, select_backend
 
@@ -31,14 +32,6 @@ SETR = 'mmseg::setr/setr_vit-l_pup_8xb2-160k_ade20k-512x512.py'
 SWIN_T = 'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py'
 
 B, N, C, HEADS = 2, 50, 64, 4
-
-
-def tool():
-    spec = importlib.util.spec_from_file_location('get_flops', osp.join(ROOT, 'tools',
-                                                                        'get_flops.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,27 +325,29 @@ def test_bad_arguments(tiny):
     # devices: cpu or meta
     with pytest.raises(ValueError, match='meta'):
         SegmentorFlops(None, device='cuda')
-    # configs must exist
-    with pytest.raises(ValueError, match='does not exist'):
-        load_config('configs/nope.py')
-    # --mita-cfg takes MiTA settings only
-    with pytest.raises(SystemExit):
-        tool().parse_args([SEGMENTER_T, '--mita-cfg', 'pool=7'])
+    # nothing to swap: an error listing the attention modules, not a baseline-only count
+    with pytest.raises(ValueError, match='no global attention to swap.*\n.*WindowMSA'):
+        SegmentorFlops(load_config(SWIN_T), {}, device='meta')
 
 
 # ----------------------------------------------------------------------------------------
 # The tool on mmseg's real configs.
 # ----------------------------------------------------------------------------------------
-def test_tool_real_configs(tmp_path, capsys):
-    get_flops = tool()
+def get_flops(tools, tmp_path, *args):
+    """Run tools/get_flops.py with --json; returns (figures, printed text)."""
+    out = tmp_path / 'flops.json'
+    _, text = tools('tools/get_flops.py', *args, '--json', out)
+    return json.loads(out.read_text()), text
+
+
+@pytest.mark.slow
+def test_tool_real_configs(tmp_path, tools):
     d = 192 // 3
-    out = tmp_path / 'segmenter.json'
     # Segmenter ViT-T on CPU, as mmseg's tool runs; a slide image of 2 crops.
-    result = get_flops.main([SEGMENTER_T, '--mita-cfg', 'pool_size=7', 'topk=49',
-                             '--image-shape', '512', '683', '--json', str(out)])
-    text = capsys.readouterr().out
-    assert json.loads(out.read_text()) == result
-    assert set(result) == {'convention', 'shape', 'baseline', 'mita', 'reduction_percent'}
+    result, text = get_flops(tools, tmp_path, SEGMENTER_T, '--mita-cfg', 'pool_size=7',
+                             'topk=49', '--image-shape', 512, 683)
+    assert set(result) == {'convention', 'shape', 'baseline', 'mita', 'reduction_percent',
+                           'image'}
     assert set(result['baseline']) == set(result['mita']) == {
         'total', 'backbone', 'backbone_attention', 'head', 'params'}
     assert result['shape'] == [512, 512] and CONVENTION in result['convention']
@@ -361,14 +356,17 @@ def test_tool_real_configs(tmp_path, capsys):
     assert result['mita']['backbone_attention'] == pytest.approx(
         12 * mita_flops(1, 3, 1025, d, 49, 49, backend=select_backend(torch.empty(1))) / 1e9)
     assert 35 < result['reduction_percent']['total'] < 45
+    image = result['image']
+    assert (image['mode'], image['crops'], image['crop_shape']) == ('slide', 2, [512, 512])
+    assert image['baseline'] == pytest.approx(2 * result['baseline']['total'])
     assert 'slide: 2 crops of 512x512' in text and 'decode head' in text
-    print(text)
+    assert ('MiTA: 14 attention modules swapped, pool_size=7, topk=49, router_topk=1, '
+            'with_shared_expert=True, shared_scale=None') in text
 
     # ViT-B UperNet and SETR ViT-L: traced on meta (same counts, see above).
     for config, layers, heads, width in ((VIT_B_UPERNET, 12, 12, 768), (SETR, 24, 16, 1024)):
-        result = get_flops.main([config, '--mita-cfg', 'pool_size=7', 'topk=49', '--device',
-                                 'meta'])
-        text = capsys.readouterr().out
+        result, text = get_flops(tools, tmp_path, config, '--swap-attn', 'mita', '--device',
+                                 'meta')
         base, mita = result['baseline'], result['mita']
         assert base['backbone_attention'] == pytest.approx(
             layers * attention_flops(1, heads, 1025, width // heads) / 1e9)
@@ -376,27 +374,21 @@ def test_tool_real_configs(tmp_path, capsys):
             base['backbone'] - base['backbone_attention'])
         assert 0 < result['reduction_percent']['total'] < result['reduction_percent'][
             'backbone'] < 100
-        assert 'MiTA' in text and 'reduction' in text
-        print(text)
+        assert f'MiTA: {layers} attention modules swapped, pool_size=7, topk=49' in text
 
-    # Swin: windowed attention, nothing to swap: said so, baseline only, counted.
-    out = tmp_path / 'swin.json'
-    result = get_flops.main([SWIN_T, '--swap-attn', 'mita', '--device', 'meta', '--shape',
-                             '256', '--json', str(out)])
-    text = capsys.readouterr().out
-    assert 'cannot swap to MiTA, baseline only' in text and 'WindowMSA' in text
+    # Swin without a swap: windowed attention counted (q k^T and attn v of the windows)
+    result, text = get_flops(tools, tmp_path, SWIN_T, '--device', 'meta', '--shape', 256)
     assert result['mita'] is None and result['reduction_percent'] is None
-    assert json.loads(out.read_text())['mita'] is None
-    assert result['baseline']['backbone_attention'] > 0     # q k^T and attn v of windows
-    print(text)
+    assert result['baseline']['backbone_attention'] > 0
 
 
-def test_tool_sweep_and_plot(tmp_path, tiny_cfg, capsys):
+@pytest.mark.slow
+def test_tool_sweep_and_plot(tmp_path, tiny_cfg, tools):
     config = tmp_path / 'tiny.py'
     tiny_cfg.dump(str(config))
     png = tmp_path / 'sweep.png'
-    result = tool().main([str(config), '--shape', '64', '--mita-cfg', 'pool_size=3', 'topk=12',
-                          '--sweep', '64', '128', '256', '--plot', str(png)])
+    result, text = get_flops(tools, tmp_path, config, '--shape', 64, '--mita-cfg',
+                             'pool_size=3', 'topk=12', '--sweep', 64, 128, 256, '--plot', png)
     rows = result['sweep']
     assert [r['size'] for r in rows] == [64, 128, 256]
     assert png.stat().st_size > 10000
@@ -406,4 +398,5 @@ def test_tool_sweep_and_plot(tmp_path, tiny_cfg, capsys):
     assert base[2] / base[1] > 12 and mita[2] / mita[1] < 5
     reductions = [1 - r['mita'] / r['baseline'] for r in rows]
     assert reductions == sorted(reductions)
-    assert 'GFLOPs against input size' in capsys.readouterr().out
+    assert 'GFLOPs against input size' in text
+    assert f'{256:>4d}x{256:<5d}{rows[2]["baseline"]:12.1f}' in text

@@ -4,7 +4,6 @@ seeded random weights and saved as model-zoo checkpoints (``meta`` + ``state_dic
 Inputs are 128x160 (an 8x10 patch grid, non-square) to stay fast; about 40 s on 2 cores.
 """
 import copy
-import logging
 import warnings
 
 import pytest
@@ -12,7 +11,6 @@ import torch
 import torch.nn as nn
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.hub import get_config
-from mmengine.logging import MMLogger
 from mmengine.runner import load_checkpoint
 from mmseg.models.backbones import BEiT, VisionTransformer
 from mmseg.registry import MODELS
@@ -111,21 +109,6 @@ def test_route_only_full_topk_equals_softmax_attention(zoo, test_cfg):
     torch.testing.assert_close(logits(model), ref, rtol=1e-4, atol=1e-4)
 
 
-class LogRecords(logging.Handler):
-    """Collects the messages of mmengine's current logger."""
-
-    def __enter__(self):
-        self.messages = []
-        MMLogger.get_current_instance().addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        MMLogger.get_current_instance().removeHandler(self)
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture(scope='module')
 def segmenter():
     cfg = model_cfg(CONFIGS['segmenter_vit-t'])
@@ -133,7 +116,7 @@ def segmenter():
     return cfg, MODELS.build(cfg).eval()
 
 
-def test_layers_selection(segmenter):
+def test_layers_selection(segmenter, log_records):
     cfg, base = segmenter
     model = copy.deepcopy(base)
     assert swap_attention(model, layers=[0, -1], verbose=False) == 4   # 2 + 2 head layers
@@ -142,7 +125,7 @@ def test_layers_selection(segmenter):
     assert all(isinstance(layer.attn, MiTAAttention) for layer in model.decode_head.layers)
 
     model = copy.deepcopy(base)
-    with LogRecords() as records:
+    with log_records() as records:
         assert swap_attention(model, layers=[3], include_head=False) == 1
     assert all(type(layer.attn) is MultiheadAttention for layer in model.decode_head.layers)
     log = '\n'.join(records.messages)
@@ -184,11 +167,11 @@ def test_swin_raises_naming_what_it_found():
     assert 'windowed attention (Swin)' in str(err.value)
 
 
-def test_mixed_model_reports_unswappable_by_name():
+def test_mixed_model_reports_unswappable_by_name(log_records):
     model = nn.ModuleDict(dict(
         vit=VisionTransformer(img_size=(32, 32), embed_dims=32, num_layers=2, num_heads=2),
         beit=BEiT(img_size=(32, 32), embed_dims=32, num_layers=1, num_heads=2)))
-    with LogRecords() as records:
+    with log_records() as records:
         assert swap_attention(model, pool_size=2, topk=4) == 2
     assert isinstance(model['vit'].layers[1].attn, MiTAAttention)
     log = '\n'.join(records.messages)

@@ -1,25 +1,19 @@
-"""The swap tools end to end on the tiny ADE20K data: tools/test.py --swap-attn mita,
-tools/swap_sweep.py, tools/export_swapped.py, tools/analyze_token_selection.py, and the
-token-selection analysis they rest on.
+"""The swap workflows end to end on the tiny ADE20K data: ``tools/test.py --swap-attn mita``,
+``tools/swap_sweep.py``, ``tools/export_swapped.py``, ``tools/analyze_token_selection.py``
+(run as users run them), and the token-selection analysis they rest on.
 
-A tiny Segmenter (ViT with 64-dim tokens, 4 layers, patch 8; 2-layer mask head) with
-standard attention is trained for 4 iterations by mmengine's Runner on 8 synthetic images and
-saved as a model-zoo checkpoint (``meta`` + ``state_dict``); evaluation uses 4 images.
-About 90 s on 2 cores.
+The checkpoint is the standard-attention tiny Segmenter of ``conftest.segmenter_ckpt``
+(ViT 4 x 64, patch 8; 2-layer mask head), evaluated on 4 images.
 """
 import csv
-import importlib.util
 import json
 import os.path as osp
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from mmengine.config import Config
 from mmengine.hub import get_config
-from mmengine.runner import Runner, load_checkpoint
 from mmseg.models.backbones import VisionTransformer
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
@@ -27,6 +21,8 @@ from mmseg.utils import register_all_modules
 from mita_seg import swap_attention
 from mita_seg.analysis.token_selection import (TokenSelectionRecorder, plot_selection_overlay,
                                                selection_from_qk)
+from mita_seg.apis import export_swapped, init_model, mita_config
+from mita_seg.models import NothingToSwapError
 from mita_seg.ops import mita_attention
 
 register_all_modules()
@@ -34,124 +30,81 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
 SWIN = 'mmseg::swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py'
 MITA = dict(pool_size=4, topk=32)        # 16 experts of 32 keys over a 16x16 grid
+# route-only MiTA with every key is softmax attention: the unswapped model's outputs
+EXACT = ['pool_size=2', 'topk=100000', 'with_shared_expert=False']
 
 
-def tool(name):
-    """tools/<name>.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f'mita_tools_{name}',
-                                                  osp.join(ROOT, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run(*args):
-    """Run a repository script; its output, or the failure with its output."""
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(config path, checkpoint trained with standard attention, data root)."""
-    tmp = tmp_path_factory.mktemp('swap_tools')
-    data = str(tmp / 'tiny_ade20k')
-    run('tools/dataset/make_tiny_ade20k.py', '--out', data, '--train', '8', '--val', '4')
-
-    cfg = Config.fromfile(TINY)
-    cfg.model.backbone.type = 'VisionTransformer'           # standard attention
-    cfg.model.backbone.pop('mita_cfg')
-    cfg.model.backbone.out_indices = 3
-    cfg.model.neck = None
-    cfg.model.auxiliary_head = None
-    cfg.model.decode_head = dict(
-        type='SegmenterMaskTransformerHead', in_channels=64, channels=64, num_classes=150,
-        num_layers=2, num_heads=2, embed_dims=64, dropout_ratio=0.0,
-        loss_decode=dict(type='CrossEntropyLoss', use_sigmoid=False, loss_weight=1.0))
-    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        cfg[loader].dataset.data_root = data
-        cfg[loader].num_workers = 0
-        cfg[loader].persistent_workers = False
-    cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=4, val_interval=100)
-    cfg.default_hooks.checkpoint = dict(type='CheckpointHook', by_epoch=False, interval=100)
-    cfg.default_hooks.logger.interval = 1
-    config = str(tmp / 'segmenter_vit-tiny_tiny-ade20k-128x128.py')
-    cfg.dump(config)
-    cfg.work_dir = str(tmp / 'train')
-    runner = Runner.from_cfg(cfg)
-    model = runner.train()
-    ckpt = str(tmp / 'segmenter_vit-tiny_iter4.pth')
-    torch.save({'meta': dict(dataset_meta=runner.train_dataloader.dataset.metainfo),
-                'state_dict': model.state_dict()}, ckpt)
-    return config, ckpt, data
-
-
-def build(config, checkpoint):
-    cfg = Config.fromfile(config)
-    model = MODELS.build(cfg.model)
-    load_checkpoint(model, checkpoint, map_location='cpu', strict=True, logger='silent')
-    return model.eval()
-
-
-def test_test_py_swap_attn_mita_reports_miou(tiny, tmp_path):
-    config, ckpt, _ = tiny
-    out = run('tools/test.py', config, ckpt, '--swap-attn', 'mita', '--work-dir', str(tmp_path),
-              '--mita-cfg', 'pool_size=4', 'topk=32')
+@pytest.mark.slow
+def test_test_py_swap_attn_mita(segmenter_ckpt, tools, tmp_path):
+    config, ckpt = segmenter_ckpt
+    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'base')
+    base = tools.miou(out)
+    assert 'on MiTA' not in out and 'per class results' not in out  # short console
+    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'exact',
+                   '--mita-cfg', *EXACT)
     assert 'swap_attention: 6 attention modules on MiTA' in out    # 4 backbone + 2 head
-    miou = float(out.split('mIoU: ')[-1].split()[0])
-    assert 0 <= miou <= 100
+    assert tools.miou(out) == base
+    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'mita',
+                   '--swap-attn', 'mita', '--mita-cfg', 'pool_size=4', 'topk=32')
+    assert "6 attention modules on MiTA ({'pool_size': 4, 'topk': 32, 'router_topk': 1" in out
+    assert re_summary(out, 6)
 
 
-def test_swap_sweep(tiny, tmp_path):
-    config, ckpt, _ = tiny
-    rows = tool('swap_sweep').main([
-        config, ckpt, '--pool-sizes', '2', '4', '--topks', '8', '100000',
-        '--mita-cfg', 'with_shared_expert=False', '--work-dir', str(tmp_path / 'work'),
-        '--out', str(tmp_path / 'sweep.md'), '--plot', str(tmp_path / 'sweep.png')])
+def re_summary(out, swapped):
+    """The tool's last line before the log path: images, swap, metrics."""
+    import re
+    return re.search(rf'on 4 images, {swapped} attention modules on MiTA: aAcc: [\d.]+  '
+                     r'mIoU: [\d.]+  mAcc: [\d.]+', out)
+
+
+@pytest.mark.slow
+def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
+    config, ckpt = segmenter_ckpt
+    _, out = tools('tools/swap_sweep.py', config, ckpt, '--pool-sizes', 2, 4, '--topks', 8,
+                   100000, '--mita-cfg', 'with_shared_expert=False', '--work-dir',
+                   tmp_path / 'work', '--out', tmp_path / 'sweep.md', '--plot',
+                   tmp_path / 'sweep.png')
+    with open(tmp_path / 'sweep.csv') as f:
+        rows = list(csv.DictReader(f))
     assert [r['setting'] for r in rows] == [
         'baseline', 'MiTA M=2x2 k=8', 'MiTA M=2x2 k=100000', 'MiTA M=4x4 k=8',
         'MiTA M=4x4 k=100000']
+    rows = [{k: (float(v) if k not in ('setting', 'M', 'topk') else v) for k, v in r.items()}
+            for r in rows]
     base = rows[0]
     for r in rows[1:]:
-        if r['topk'] == 100000:   # route-only with every key: softmax attention, same mIoU
+        if r['topk'] == '100000':   # route-only with every key: softmax attention, same mIoU
             assert r['mIoU'] == pytest.approx(base['mIoU'], abs=1e-6)
         else:
             assert r['attn_GMACs'] < base['attn_GMACs'] / 2
-            assert r['model_GFLOPs'] < base['model_GFLOPs']
             assert r['attn_reduction_%'] > 50
-            # the whole-model trace (mita_seg.analysis.flops) saves what the analytic
-            # attention count saves: nothing else changes
+            # the whole-model trace saves what the analytic attention count saves
             assert base['model_GFLOPs'] - r['model_GFLOPs'] == pytest.approx(
                 base['attn_GMACs'] - r['attn_GMACs'], rel=0.01)
-    with open(tmp_path / 'sweep.csv') as f:
-        table = list(csv.DictReader(f))
-    assert [float(r['mIoU']) for r in table] == pytest.approx([r['mIoU'] for r in rows])
     assert (tmp_path / 'sweep.md').read_text().startswith('| setting | M | topk | mIoU')
     assert (tmp_path / 'sweep.png').stat().st_size > 10000
+    assert f'MiTA M=2x2 k=100000          {base["mIoU"]:8.2f}   +0.00' in out
 
 
-def test_swap_sweep_rejects_settings_it_owns():
-    # pool_size/topk come from --pool-sizes/--topks, not --mita-cfg
-    with pytest.raises(ValueError, match='--pool-sizes'):
-        tool('swap_sweep').parse_args(['c.py', 'x.pth', '--mita-cfg', 'topk=3'])
-
-
-def test_export_swapped_pair_loads_strictly_and_matches_swap(tiny, tmp_path):
-    config, ckpt, _ = tiny
-    export = tool('export_swapped')
-    out_cfg, out_ckpt = export.export(config, ckpt, str(tmp_path), dict(MITA))
+@pytest.mark.slow
+def test_export_swapped_pair_loads_strictly_and_matches_swap(segmenter_ckpt, tools, tmp_path):
+    config, ckpt = segmenter_ckpt
+    _, out = tools('tools/export_swapped.py', config, ckpt, '--out-dir', tmp_path,
+                   '--mita-cfg', 'pool_size=4', 'topk=32')
+    out_cfg = str(tmp_path / (osp.splitext(osp.basename(config))[0] + '_mita.py'))
+    out_ckpt = str(tmp_path / (osp.splitext(osp.basename(ckpt))[0] + '_mita.pth'))
+    assert f'wrote {out_cfg}\nwrote {out_ckpt}' in out
 
     cfg = Config.fromfile(out_cfg)
     assert cfg.model.backbone.type == 'MiTAVisionTransformer'
     assert cfg.model.backbone.mita_cfg == MITA
     assert cfg.model.decode_head.type == 'MiTASegmenterMaskTransformerHead'
-    assert 'mita_seg.models' in cfg.custom_imports.imports
+    assert {'mita_seg.models', 'mita_seg.engine'} <= set(cfg.custom_imports.imports)
+    assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook'
     assert cfg.load_from == out_ckpt
-    exported = build(out_cfg, out_ckpt)              # strict
-    swapped = build(config, ckpt)
+    exported = init_model(out_cfg, out_ckpt)                 # strict
+    swapped = init_model(config, ckpt, mita_cfg=MITA)
     assert list(exported.state_dict()) == list(swapped.state_dict())
-    assert swap_attention(swapped, verbose=False, **MITA) == 6
     x = torch.randn(2, 3, 128, 96)
     metas = [dict(ori_shape=(128, 96), img_shape=(128, 96), pad_shape=(128, 96))] * 2
     with torch.no_grad():
@@ -159,22 +112,28 @@ def test_export_swapped_pair_loads_strictly_and_matches_swap(tiny, tmp_path):
                                    rtol=0, atol=0)
 
     # tools/test.py evaluates the pair as it is, like --swap-attn on the original
-    test = tool('test')
-    m1 = test.main([out_cfg, out_ckpt, '--work-dir', str(tmp_path / 'a')])
-    m2 = test.main([config, ckpt, '--swap-attn', 'mita', '--work-dir', str(tmp_path / 'b'),
-                    '--mita-cfg', 'pool_size=4', 'topk=32'])
-    assert m1['mIoU'] == m2['mIoU']
+    _, out1 = tools('tools/test.py', out_cfg, out_ckpt, '--work-dir', tmp_path / 'a')
+    _, out2 = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'b',
+                    '--mita-cfg', 'pool_size=4', 'topk=32')
+    assert tools.miou(out1) == tools.miou(out2)
 
 
-def test_export_swapped_errors(tiny, tmp_path):
-    config, ckpt, _ = tiny
-    export = tool('export_swapped')
-    # with_dwc adds parameters the checkpoint lacks
-    with pytest.raises(ValueError, match='with_dwc adds parameters'):
-        export.export(config, ckpt, str(tmp_path), dict(with_dwc=True))
+def test_export_refuses_what_it_cannot_swap(segmenter_ckpt, tmp_path):
+    config, ckpt = segmenter_ckpt
     # only ViT-family backbones can be exported
-    with pytest.raises(ValueError, match="VisionTransformer backbone.*'SwinTransformer'"):
-        export.mita_config(get_config(SWIN), {})
+    with pytest.raises(NothingToSwapError, match="VisionTransformer backbone.*'SwinTransformer'"):
+        mita_config(get_config(SWIN), {})
+    # the MiTA model is built and loaded before anything is written: a MiTA model with
+    # more parameters (the DWC branch) than the checkpoint has is refused by name
+    cfg = mita_config(Config.fromfile(config), MITA)
+    cfg.model.backbone.mita_cfg.with_dwc = True
+    with pytest.raises(ValueError, match=r'missing keys \(8\): backbone.layers.0.attn.dwc.bias'):
+        init_model(cfg, ckpt)
+    out_cfg, _ = export_swapped(config, ckpt, str(tmp_path), dict(layers=[-1],
+                                                                 include_head=False))
+    cfg = Config.fromfile(out_cfg)
+    assert cfg.model.backbone.mita_layers == [-1]
+    assert cfg.model.decode_head.type == 'SegmenterMaskTransformerHead'
 
 
 # --------------------------------------------------------------------------------------
@@ -245,19 +204,22 @@ def test_plot_selection_overlay(tmp_path):
         plot_selection_overlay(image, rec.records, str(tmp_path / 'x.png'), which='all')
 
 
-def test_analyze_token_selection_cli(tiny, tmp_path):
-    config, ckpt, data = tiny
-    imgs = [osp.join(data, 'images', 'validation', f'ADE_val_{i:08d}.jpg') for i in (1, 2)]
-    summary = tool('analyze_token_selection').main(
-        [config, ckpt, *imgs, '--out-dir', str(tmp_path), '--mita-cfg', 'pool_size=4',
-         'topk=16'])
+@pytest.mark.slow
+def test_analyze_token_selection_cli(segmenter_ckpt, tiny_data, tools, tmp_path):
+    config, ckpt = segmenter_ckpt
+    imgs = [osp.join(tiny_data, 'images', 'validation', f'ADE_val_{i:08d}.jpg') for i in (1, 2)]
+    _, out = tools('tools/analyze_token_selection.py', config, ckpt, *imgs, '--out-dir',
+                   tmp_path, '--mita-cfg', 'pool_size=4', 'topk=16')
+    summary = json.loads((tmp_path / 'token_selection.json').read_text())
     layers = [f'backbone.layers.{i}.attn' for i in range(4)] + [
         f'decode_head.layers.{i}.attn' for i in range(2)]
     for img in imgs:
         assert list(summary[img]) == layers
-        assert all(0 <= s['never_selected'] <= s['never_used'] <= 1
-                   for s in summary[img].values())
+        for s in summary[img].values():
+            assert (s['hw_shape'], s['num_experts'], s['topk']) == ([16, 16], 16, 16)
+            # a used key is a selected key; 16 experts of 16 keys cannot cover 257 tokens
+            assert 0 < s['never_selected'] <= s['never_used'] < 1
         png = tmp_path / (osp.splitext(osp.basename(img))[0] + '_selected.png')
         assert png.stat().st_size > 10000
-    saved = json.loads((tmp_path / 'token_selection.json').read_text())
-    assert saved == summary
+        first = summary[img]['backbone.layers.0.attn']['never_selected']
+        assert f'{100 * first:.1f}%' in out.split(img)[1].split('\n')[3]   # layer 0's row

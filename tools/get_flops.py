@@ -9,9 +9,10 @@ Usage::
 Like mmseg's ``tools/analysis_tools/get_flops.py`` (one crop, ``mode='tensor'``, auxiliary
 head removed, random weights, eval), but it works with mmengine 0.10.x and counts every
 attention: mmcv/torch ``MultiheadAttention`` in any path, SDPA, ``baddbmm`` and MiTA
-(:mod:`mita_seg.analysis.flops`). One multiply-accumulate = one FLOP. CONFIG is a file or
+(:mod:`mita_seg.analysis`). One multiply-accumulate = one FLOP. CONFIG is a file or
 ``mmseg::<dir>/<name>.py``. ``--sweep`` counts square inputs of each size on the ``meta``
-device (shapes only: the same trace and counts, no compute, no memory).
+device (shapes only: the same trace and counts, no compute, no memory). A model with
+nothing to swap is an error (exit status 1) listing its attention modules.
 """
 import argparse
 import json
@@ -24,11 +25,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 
-from mita_seg.analysis.flops import (CONVENTION, SegmentorFlops,  # noqa: E402
-                                     load_config)
-
-MITA_CFG_KEYS = ('pool_size', 'topk', 'router_topk', 'with_shared_expert', 'shared_scale',
-                 'layers', 'include_head')
+from mita_seg.analysis.flop_handles import CONVENTION  # noqa: E402
+from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
+from mita_seg.apis import (add_mita_args, config_name, load_config, run_tool,  # noqa: E402
+                           swap_settings)
+from mita_seg.models import MITA_KEYS, MiTAAttention  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,12 +42,7 @@ def parse_args(argv=None):
     parser.add_argument('--image-shape', type=int, nargs='+', default=None,
                         help='image shape H [W] for the whole-image cost under the '
                         "config's test_cfg (slide: crops x per-crop cost); default: --shape")
-    parser.add_argument('--swap-attn', choices=['none', 'mita'], default=None,
-                        help='also count the model with its attention swapped to MiTA '
-                        '(implied by --mita-cfg)')
-    parser.add_argument('--mita-cfg', nargs='+', action=DictAction, default=None,
-                        help='MiTA settings for the swap: ' + ', '.join(MITA_CFG_KEYS)
-                        + ' (default: pool_size=7 topk=49)')
+    add_mita_args(parser)
     parser.add_argument('--device', choices=['cpu', 'meta'], default='cpu',
                         help="'cpu' runs the forward (as mmseg's tool); 'meta' traces "
                         'shapes only (same counts, for large inputs)')
@@ -57,15 +53,9 @@ def parse_args(argv=None):
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
-    if args.mita_cfg is not None and args.swap_attn is None:
-        args.swap_attn = 'mita'
-    if args.mita_cfg is not None and args.swap_attn != 'mita':
-        parser.error('--mita-cfg needs --swap-attn mita')
+    args.mita = swap_settings(parser, args)
     if args.plot and not args.sweep:
         parser.error('--plot needs --sweep SIZES')
-    bad = sorted(set(args.mita_cfg or {}) - set(MITA_CFG_KEYS))
-    if bad:
-        parser.error(f'unknown --mita-cfg keys {bad}; use {", ".join(MITA_CFG_KEYS)}')
     for name in ('shape', 'image_shape'):
         value = getattr(args, name)
         if value is not None:
@@ -148,42 +138,94 @@ def plot_sweep(rows, out: str, title: str):
     plt.close(fig)
 
 
+def format_comparison(c: FlopComparison, settings: str) -> str:
+    """The side-by-side table of a :class:`FlopComparison`."""
+    g = 1e9
+    rows = [('total', 'total'), ('backbone', 'backbone'),
+            ('  attention (QK^T, AV, SDPA, MiTA)', 'backbone_attention'),
+            ('  rest (projections, MLP, embed)', 'backbone_rest')]
+    if c.baseline.neck or (c.mita and c.mita.neck):
+        rows.append(('neck', 'neck'))
+    rows.append(('decode head', 'head'))
+    if c.baseline.head_attention or (c.mita and c.mita.head_attention):
+        rows.append(('  attention', 'head_attention'))
+    H, W = c.shape
+    lines = [f'FLOPs of {c.name}: input {H}x{W} (one crop, mode=\'tensor\', '
+             'auxiliary head removed)',
+             f'Convention: {CONVENTION}. GFLOPs = 1e9 MACs.']
+    if c.mita is not None:
+        lines.append(f'MiTA: {c.num_swapped} attention modules swapped, {settings}')
+    if c.note:
+        lines.append(c.note)
+    label = 'as config' if c.note.startswith('note: the config already') else 'baseline'
+    head = f'{"":36s}{label:>12s}'
+    if c.mita is not None:
+        head += f'{"MiTA":>12s}{"reduction":>11s}'
+    lines += ['', head]
+    for label, key in rows:
+        line = f'{label + " (GFLOPs)" if key == "total" else label:36s}'
+        line += f'{getattr(c.baseline, key) / g:12.2f}'
+        if c.mita is not None:
+            line += f'{getattr(c.mita, key) / g:12.2f}{c.reduction(key):10.1f}%'
+        lines.append(line)
+    line = f'{"params (M)":36s}{c.baseline.params / 1e6:12.2f}'
+    if c.mita is not None:
+        line += f'{c.mita.params / 1e6:12.2f}'
+    lines.append(line)
+    if c.image is not None:
+        im = c.image
+        ih, iw = im['shape']
+        ch, cw = im['crop_shape']
+        how = 'whole'
+        if im['mode'] == 'slide':
+            how = f"slide: {im['crops']} crop{'s' * (im['crops'] > 1)} of {ch}x{cw}"
+        lines.append(f'whole image {ih}x{iw} under test_cfg ({how}):')
+        line = f'{"  total (GFLOPs)":36s}{im["baseline"] / g:12.2f}'
+        if c.mita is not None and im.get('mita') is not None:
+            red = 100.0 * (1 - im['mita'] / im['baseline'])
+            line += f'{im["mita"] / g:12.2f}{red:10.1f}%'
+        lines.append(line)
+    return '\n'.join(lines)
+
+
+def mita_settings(counter: SegmentorFlops) -> str:
+    """The MiTA settings of the swapped model, as ``key=value`` pairs."""
+    if counter.mita is None:
+        return ''
+    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTAAttention))
+    return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
+
+
 def main(argv=None) -> dict:
-    """Run the tool; returns the JSON figures (and ``sweep`` rows when asked)."""
+    """Run the tool; returns the figures written with ``--json`` (``sweep`` rows too)."""
     args = parse_args(argv)
     cfg = load_config(args.config, args.cfg_options)
     shape = args.shape or default_shape(cfg)
-    mita_cfg = None
-    if args.swap_attn == 'mita':
-        mita_cfg = dict(pool_size=7, topk=49)
-        mita_cfg.update(args.mita_cfg or {})
-    name = osp.splitext(osp.basename(args.config.split('::')[-1]))[0]
+    name = config_name(args.config)
     t0 = time.time()
     print(f'building {name} and tracing {shape[0]}x{shape[1]} on {args.device} ...',
           file=sys.stderr, flush=True)
-    counter = SegmentorFlops(cfg, mita_cfg, device=args.device, name=name)
+    counter = SegmentorFlops(cfg, args.mita, device=args.device, name=name)
     comparison = counter.compare(shape, args.image_shape)
-    print(comparison.format())
+    print(format_comparison(comparison, mita_settings(counter)))
     print(f'({time.time() - t0:.1f}s)', file=sys.stderr)
     result = comparison.to_json()
+    if args.sweep:
+        if args.device != 'meta':
+            counter = SegmentorFlops(cfg, args.mita, device='meta', name=name)
+        result['sweep'] = sweep(counter, args.sweep)
+        print()
+        print(format_sweep(result['sweep']))
+        if args.plot:
+            what = 'baseline' if counter.mita is None else (
+                f'baseline vs MiTA ({mita_settings(counter)})')
+            plot_sweep(result['sweep'], args.plot, f'{name}\n{what}')
+            print(f'wrote {args.plot}')
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(result, f, indent=2)
         print(f'wrote {args.json}')
-    if args.sweep:
-        if args.device != 'meta':
-            counter = SegmentorFlops(cfg, mita_cfg, device='meta', name=name)
-        rows = sweep(counter, args.sweep)
-        print()
-        print(format_sweep(rows))
-        if args.plot:
-            what = 'baseline' if counter.mita is None else 'baseline vs MiTA (' + ', '.join(
-                f'{k}={v}' for k, v in mita_cfg.items()) + ')'
-            plot_sweep(rows, args.plot, f'{name}\n{what}')
-            print(f'wrote {args.plot}')
-        return dict(result, sweep=rows)
     return result
 
-
 if __name__ == '__main__':
-    main()
+    run_tool(main)

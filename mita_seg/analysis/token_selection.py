@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -178,10 +179,45 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
         query = query.transpose(0, 1)
     N = query.shape[1]
     q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
-    ph, pw = pair(module.pool_size, 'pool_size')
-    topk = min(module.topk, N)
-    selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, module.router_topk, p)
+    (ph, pw), topk, router_topk = module.effective_settings(N, (h, w))
+    selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, router_topk, p)
     return LayerSelection(name, (h, w), p, ph * pw, topk, selected.cpu(), used.cpu())
+
+
+def network_image(data_preprocessor, inputs: torch.Tensor) -> np.ndarray:
+    """The network input ``[3, H, W]`` as a uint8 RGB image (normalisation undone)."""
+    img = inputs.float()
+    if getattr(data_preprocessor, '_enable_normalize', True):
+        img = img * data_preprocessor.std + data_preprocessor.mean
+    img = img.clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy()
+    if not getattr(data_preprocessor, 'channel_conversion', False):
+        img = img[..., ::-1]                                # BGR as loaded -> RGB
+    return np.ascontiguousarray(img)
+
+
+def record_image(model: nn.Module, img) -> Tuple[List[LayerSelection], np.ndarray]:
+    """Run mmseg's ``inference_model`` on one image and record every MiTA layer.
+
+    Args:
+        model (nn.Module): a segmentor with MiTA attention and ``cfg`` (from
+            :func:`mita_seg.apis.init_model`); set ``model.test_cfg.mode='whole'`` for one
+            grid per image, aligned with the input.
+        img (str | np.ndarray): the image.
+
+    Returns:
+        tuple: the records (one per layer, in call order) and the network input as an RGB
+        uint8 image.
+    """
+    from mmseg.apis import inference_model
+    inputs = []
+    handle = model.backbone.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    try:
+        with TokenSelectionRecorder(model) as recorder:
+            inference_model(model, img)
+    finally:
+        handle.remove()
+    records = [recs[0] for recs in recorder.by_layer().values()]
+    return records, network_image(model.data_preprocessor, inputs[0][0])
 
 
 def plot_selection_overlay(image,

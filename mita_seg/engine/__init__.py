@@ -3,11 +3,9 @@
 (mmseg ``OPTIM_WRAPPERS``) and the atomic local file backend (``mita_atomic_local``)."""
 from .amp import BF16AmpOptimWrapper, use_amp
 from .atomic_io import ATOMIC_BACKEND, AtomicLocalBackend, atomic_write_bytes, atomic_write_text
-from .checkpoint_hook import (CheckpointMismatchError, SafeCheckpointHook, check_checkpoint_keys,
-                              use_safe_checkpoint)
+from .checkpoint_hook import SafeCheckpointHook, use_safe_checkpoint
 
 __all__ = [
-    'SafeCheckpointHook', 'use_safe_checkpoint', 'CheckpointMismatchError',
-    'check_checkpoint_keys', 'AtomicLocalBackend', 'ATOMIC_BACKEND', 'atomic_write_bytes',
+    'SafeCheckpointHook', 'use_safe_checkpoint', 'AtomicLocalBackend', 'ATOMIC_BACKEND', 'atomic_write_bytes',
     'atomic_write_text', 'BF16AmpOptimWrapper', 'use_amp'
 ]

@@ -13,8 +13,8 @@ at it atomically, and (3) only then delete the checkpoints that fell out of
 
 On load (``--resume``, ``load_from``, ``tools/test.py``) it checks the checkpoint's
 ``state_dict`` keys against the model before mmengine's non-strict load, and raises a
-:class:`CheckpointMismatchError` listing missing and unexpected keys instead of a silent
-partial load.
+:class:`~mita_seg.utils.CheckpointMismatchError` listing missing, unexpected and
+mis-shaped keys instead of a silent partial load.
 
 It also stores the torch RNG states (CPU, and CUDA when present) in every checkpoint and
 restores them when training resumes, so that stochastic layers (dropout, drop path) draw the
@@ -22,81 +22,20 @@ same numbers after ``--resume`` as in an uninterrupted run. The data pipeline's 
 RNG needs no such care: mmengine's ``IterBasedTrainLoop`` replays the skipped batches.
 """
 import os.path as osp
-import re
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from mmengine.dist import is_main_process
 from mmengine.fileio import LocalBackend, get_file_backend
 from mmengine.hooks import CheckpointHook
-from mmengine.model import BaseTTAModel, is_model_wrapper
 from mmseg.registry import HOOKS
 
+from mita_seg.utils.checkpoint import check_checkpoint_keys
 from .atomic_io import ATOMIC_BACKEND, atomic_write_text
 
-__all__ = [
-    'SafeCheckpointHook', 'use_safe_checkpoint', 'CheckpointMismatchError',
-    'check_checkpoint_keys'
-]
+__all__ = ['SafeCheckpointHook', 'use_safe_checkpoint']
 
 RNG_KEY = 'mita_rng_state'
-
-
-class CheckpointMismatchError(KeyError):
-    """A checkpoint's ``state_dict`` does not fit the model (see the message)."""
-
-    def __str__(self):  # KeyError would quote the message
-        return str(self.args[0])
-
-
-def _short(keys, limit: int = 20) -> str:
-    keys = sorted(keys)
-    more = f' ... and {len(keys) - limit} more' if len(keys) > limit else ''
-    return ', '.join(keys[:limit]) + more
-
-
-def check_checkpoint_keys(model: torch.nn.Module, checkpoint: Dict, source: str = '') -> None:
-    """Check that a checkpoint's weights fit ``model`` exactly, as ``strict=True`` would.
-
-    Keys are compared as mmengine loads them (``state_dict`` entry if present, a leading
-    ``module.`` removed).
-
-    Args:
-        model (nn.Module): the model (a wrapper's or a test-time-augmentation model's
-            ``module`` is used, as mmengine loads into it).
-        checkpoint (dict): the loaded checkpoint.
-        source (str): where the checkpoint comes from, for the message. Default: ''.
-
-    Raises:
-        CheckpointMismatchError: keys are missing, unexpected, or of another shape; the
-            message lists them.
-    """
-    if is_model_wrapper(model) or isinstance(model, BaseTTAModel):
-        model = model.module
-    state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise CheckpointMismatchError(f'checkpoint {source} holds no state_dict')
-    state = {re.sub(r'^module\.', '', k): v for k, v in state.items()}
-    expected = model.state_dict()
-    missing = expected.keys() - state.keys()
-    unexpected = state.keys() - expected.keys()
-    shapes = [
-        f'{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}'
-        for k, v in expected.items()
-        if k in state and hasattr(state[k], 'shape') and tuple(state[k].shape) != tuple(v.shape)
-    ]
-    if missing or unexpected or shapes:
-        lines = [f'checkpoint {source} does not fit {type(model).__name__}:']
-        if missing:
-            lines.append(f'  missing keys ({len(missing)}): {_short(missing)}')
-        if unexpected:
-            lines.append(f'  unexpected keys ({len(unexpected)}): {_short(unexpected)}')
-        if shapes:
-            lines.append(f'  shape mismatch ({len(shapes)}): {_short(shapes)}')
-        lines.append('  Use the config this checkpoint was trained with, or convert the '
-                     'checkpoint; set default_hooks.checkpoint.strict_load=False to accept '
-                     'a partial load knowingly.')
-        raise CheckpointMismatchError('\n'.join(lines))
 
 
 @HOOKS.register_module()
@@ -110,7 +49,7 @@ class SafeCheckpointHook(CheckpointHook):
     Args:
         save_rng_state (bool): store the torch RNG states in checkpoints and restore them
             on resume. Default: True.
-        strict_load (bool): raise :class:`CheckpointMismatchError` when a loaded
+        strict_load (bool): raise ``CheckpointMismatchError`` when a loaded
             checkpoint's keys or shapes do not fit the model. Default: True.
         **kwargs: arguments of ``mmengine.hooks.CheckpointHook``.
     """
@@ -149,8 +88,11 @@ class SafeCheckpointHook(CheckpointHook):
         RNG states for :meth:`before_train` (which applies them only when the run resumes,
         not for ``load_from``)."""
         if self.strict_load:
-            check_checkpoint_keys(runner.model, checkpoint,
-                                  source=runner._load_from or '(latest in work_dir)')
+            check_checkpoint_keys(
+                runner.model, checkpoint, source=runner._load_from or '(latest in work_dir)',
+                hint='  Use the config this checkpoint was trained with, or convert the '
+                'checkpoint; set default_hooks.checkpoint.strict_load=False to accept a '
+                'partial load knowingly.')
         if self.save_rng_state:
             self._resumed_rng = checkpoint.get(RNG_KEY)
 

@@ -1,16 +1,21 @@
 """mmseg components of mita_seg; importing this module registers them, and makes
 mmengine load local checkpoints weights-only with mmengine's few safe globals allowed
-(:func:`mita_seg.utils.checkpoint.register_safe_globals`)."""
+(:func:`mita_seg.utils.checkpoint.register_safe_globals`).
+
+Imports within: ``grid`` <- ``attention`` <- ``backbones``, ``heads`` <- ``swap``
+(the high-level swap depends on the modules, never the reverse).
+"""
 from mita_seg.utils.checkpoint import register_safe_globals
-from .attention import MiTAAttention
+from .attention import MITA_DEFAULTS, MITA_KEYS, MiTAAttention, check_settings, use_mita
 from .backbones import MiTAVisionTransformer
 from .grid import GridContext
 from .heads import MiTASegmenterMaskTransformerHead
-from .swap import swap_attention
+from .swap import SWAP_RULES, NothingToSwapError, swap_attention
 
 register_safe_globals()
 
 __all__ = [
     'MiTAAttention', 'MiTAVisionTransformer', 'MiTASegmenterMaskTransformerHead',
-    'GridContext', 'swap_attention'
+    'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
+    'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError'
 ]

@@ -1,15 +1,76 @@
-"""``MiTAAttention``: mmcv's ``MultiheadAttention`` with MiTA as its attention."""
+"""``MiTAAttention``: mmcv's ``MultiheadAttention`` with MiTA as its attention, the MiTA
+settings (defaults defined once, in its signature, and their validation), and
+:func:`use_mita`, which puts given layers of a token owner on MiTA (the low-level
+replacement the MiTA backbone, the MiTA head and :func:`mita_seg.swap_attention` share)."""
+import inspect
 import warnings
-from typing import Optional, Tuple, Union
+from numbers import Real
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mmcv.cnn.bricks.transformer import MultiheadAttention
+from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
 from mita_seg.ops import mita_attention
-from .grid import GridContext, resolve_grid
+from mita_seg.ops.routing import pair
+from .grid import GridContext, grid_context, resolve_grid
+
+# The MiTA settings of MiTAAttention (what configs' mita_cfg and --mita-cfg set).
+MITA_KEYS = ('pool_size', 'topk', 'router_topk', 'with_shared_expert', 'shared_scale')
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_pool(x: Any) -> bool:
+    if _is_int(x):
+        return x >= 1
+    return (isinstance(x, (tuple, list)) and len(x) == 2
+            and all(_is_int(i) and i >= 1 for i in x))
+
+
+# setting -> (what it must be, check)
+SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
+    'pool_size': ('an int >= 1 or a pair [h, w] of them', _is_pool),
+    'topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
+    'router_topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
+    'with_shared_expert': ('True or False', lambda x: isinstance(x, bool)),
+    'shared_scale': ('a number > 0, or None for 1/d',
+                     lambda x: x is None or (isinstance(x, Real) and not isinstance(x, bool)
+                                             and x > 0)),
+    'with_dwc': ('True or False', lambda x: isinstance(x, bool)),
+}
+
+
+def check_settings(settings: Dict[str, Any],
+                   rules: Optional[Dict[str, Tuple[str, Callable]]] = None) -> Dict[str, Any]:
+    """Check names and values of settings against ``rules`` (default: the MiTA settings).
+
+    Args:
+        settings (dict): e.g. ``dict(pool_size=7, topk=49)``.
+        rules (dict, optional): ``name -> (description, check)``. Default:
+            :data:`SETTING_RULES`.
+
+    Returns:
+        dict: ``settings`` (unchanged) when every name is known and every value valid.
+
+    Raises:
+        ValueError: an unknown name (the message lists the allowed ones) or a bad value
+            (the message says what the value must be).
+    """
+    rules = SETTING_RULES if rules is None else rules
+    for key, value in settings.items():
+        if key not in rules:
+            raise ValueError(f'unknown MiTA setting {key!r}; allowed: '
+                             + ', '.join(f'{k} ({rules[k][0]})' for k in rules))
+        what, ok = rules[key]
+        if not ok(value):
+            raise ValueError(f'{key}={value!r}: {key} must be {what}')
+    return settings
 
 
 @MODELS.register_module()
@@ -74,11 +135,9 @@ class MiTAAttention(MultiheadAttention):
         if attn_drop > 0:
             warnings.warn(f'MiTAAttention does not apply attn_drop={attn_drop} (no dense '
                           'attention matrix); proj_drop and dropout_layer still apply')
-        self.pool_size = pool_size
-        self.topk = topk
-        self.router_topk = router_topk
-        self.with_shared_expert = with_shared_expert
-        self.shared_scale = shared_scale
+        check_settings(dict(with_dwc=with_dwc))
+        self.configure(pool_size=pool_size, topk=topk, router_topk=router_topk,
+                       with_shared_expert=with_shared_expert, shared_scale=shared_scale)
         self.num_prefix_tokens = num_prefix_tokens
         self.grid: Optional[GridContext] = None
         self.dwc = nn.Conv2d(embed_dims, embed_dims, 3, padding=1,
@@ -101,9 +160,50 @@ class MiTAAttention(MultiheadAttention):
         new.train(attn.training)
         return new
 
+    def configure(self, **settings) -> None:
+        """Change MiTA settings (any of :data:`MITA_KEYS`), e.g. M and k at test time.
+
+        Raises:
+            ValueError: an unknown setting or a bad value (:func:`check_settings`).
+        """
+        check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
+        self.__dict__.update(settings)
+
+    def effective_settings(self, num_tokens: int,
+                           hw_shape: Tuple[int, int]) -> Tuple[Tuple[int, int], int, int]:
+        """The ``(pool_size, topk, router_topk)`` a forward over ``num_tokens`` tokens on
+        a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
+        (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
+        (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
+        once per setting."""
+        (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
+        pool = (min(ph, h), min(pw, w))
+        topk = min(self.topk, num_tokens)
+        router_topk = min(self.router_topk, pool[0] * pool[1])
+        if (pool, router_topk) != ((ph, pw), self.router_topk) or topk < self.topk:
+            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk < self.topk)
+            if key not in _ADAPTED:
+                _ADAPTED.add(key)
+                print_log(
+                    f'MiTAAttention: a {h}x{w} grid of N={num_tokens} tokens is smaller than '
+                    f'pool_size={(ph, pw)}, topk={self.topk}, router_topk={self.router_topk}'
+                    f': running pool_size={pool}, topk={topk}, router_topk={router_topk} '
+                    '(logged once)', logger='current')
+        return pool, topk, router_topk
+
     def extra_repr(self) -> str:
         return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
                 f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
+
+    def token_layout(self, num_tokens: int, hw_shape: Optional[Tuple[int, int]] = None
+                     ) -> Tuple[Tuple[int, int], int]:
+        """The grid ``(h, w)`` and number of prefix tokens of a forward over ``num_tokens``
+        tokens: ``hw_shape`` if given, else the grid context, else a square."""
+        if self.grid is not None:
+            p, hw_shape = self.grid.num_prefix_tokens, hw_shape or self.grid.hw_shape
+        else:
+            p = self.num_prefix_tokens
+        return resolve_grid(num_tokens, p, hw_shape), p
 
     def project(self, query: torch.Tensor, hw_shape: Optional[Tuple[int, int]] = None):
         """Heads and grid of ``query`` (``[B, N, C]``, batch first).
@@ -113,11 +213,7 @@ class MiTAAttention(MultiheadAttention):
             grid context, else a square) and the number of prefix tokens.
         """
         B, N, C = query.shape
-        if self.grid is not None:
-            p, hw_shape = self.grid.num_prefix_tokens, hw_shape or self.grid.hw_shape
-        else:
-            p = self.num_prefix_tokens
-        h, w = resolve_grid(N, p, hw_shape)
+        (h, w), p = self.token_layout(N, hw_shape)
         qkv = F.linear(query, self.attn.in_proj_weight, self.attn.in_proj_bias)
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
             2, 0, 3, 1, 4).unbind(0)                                    # [B, H, N, d]
@@ -161,8 +257,9 @@ class MiTAAttention(MultiheadAttention):
             query = query.transpose(0, 1)
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
-        x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=self.pool_size, topk=self.topk,
-                           router_topk=self.router_topk, num_prefix_tokens=p,
+        pool_size, topk, router_topk = self.effective_settings(N, (h, w))
+        x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=pool_size, topk=topk,
+                           router_topk=router_topk, num_prefix_tokens=p,
                            with_shared_expert=self.with_shared_expert,
                            shared_scale=self.shared_scale)
         x = x.transpose(1, 2).reshape(B, N, C)
@@ -174,3 +271,62 @@ class MiTAAttention(MultiheadAttention):
         if not self.batch_first:
             x = x.transpose(0, 1)
         return identity + self.dropout_layer(self.proj_drop(x))
+
+
+# (settings, effective settings) already logged by MiTAAttention.effective_settings
+_ADAPTED: set = set()
+
+# The defaults of the MiTA settings: those of MiTAAttention's signature.
+MITA_DEFAULTS: Dict[str, Any] = {
+    k: inspect.signature(MiTAAttention.__init__).parameters[k].default
+    for k in MITA_KEYS
+}
+
+
+def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
+                  name: str = 'layers') -> List[int]:
+    """The sorted indices ``layers`` picks out of ``num_layers`` (negative ones count from
+    the end; None for all).
+
+    Raises:
+        ValueError: an index out of range, naming the argument ``name``.
+    """
+    ids = list(range(num_layers)) if layers is None else list(layers)
+    bad = [i for i in ids if not -num_layers <= i < num_layers]
+    if bad:
+        raise ValueError(f'{name} {bad} out of range: there are {num_layers} encoder layers')
+    return sorted({i % num_layers for i in ids})
+
+
+def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
+    """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) on MiTA, in place.
+
+    ``owner`` is a token owner (a ViT backbone or a Segmenter mask head) whose layers call
+    ``self.attn(x, identity=x)``. An mmcv ``MultiheadAttention`` becomes a
+    :class:`MiTAAttention` that takes over its very parameters (keys and weights
+    unchanged), with the MiTA defaults for settings not given; a :class:`MiTAAttention` is
+    reconfigured with the settings given (the others keep their values). Either way the
+    module gets the owner's grid (:func:`~mita_seg.models.grid.grid_context`). Other
+    attention modules are left alone.
+
+    Args:
+        owner (nn.Module): the module with ``layers``.
+        layer_ids (Iterable[int]): indices into ``owner.layers``.
+        **settings: MiTA settings (:data:`MITA_KEYS`).
+
+    Returns:
+        int: the number of layers whose attention is now MiTA.
+    """
+    check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
+    done = 0
+    for i in layer_ids:
+        layer = owner.layers[i]
+        if isinstance(layer.attn, MiTAAttention):
+            layer.attn.configure(**settings)
+        elif type(layer.attn) is MultiheadAttention:
+            layer.attn = MiTAAttention.from_mmcv(layer.attn, **{**MITA_DEFAULTS, **settings})
+        else:
+            continue
+        layer.attn.grid = grid_context(owner)
+        done += 1
+    return done

@@ -2,13 +2,21 @@
 
 mmseg's ``TransformerEncoderLayer`` calls ``self.attn(x, identity=x)`` without the grid
 shape. Instead of copying the backbones' ``forward``, the owner of the tokens writes the grid
-of the current forward into a :class:`GridContext` shared with its attention modules: a
-ViT through a hook on its ``patch_embed`` (a callable object, not a closure, so
-``copy.deepcopy`` of a model rebinds it to the copy), a Segmenter head in its ``forward``
-(:class:`mita_seg.models.MiTASegmenterMaskTransformerHead`).
+of the current forward into a :class:`GridContext` shared with its attention modules
+(:func:`grid_context` hooks an owner up):
+
+- a ViT through a hook on its ``patch_embed`` (:class:`PatchEmbedGridHook`, a callable
+  object, not a closure, so ``copy.deepcopy`` of a model rebinds it to the copy);
+- a Segmenter mask head in its ``forward`` (:class:`GridFromInputsMixin`): mmseg's
+  segmentors call ``decode_head.forward(x)`` directly, which skips module hooks.
+
+This module depends on mmseg's classes only; the MiTA modules depend on it.
 """
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
+
+import torch.nn as nn
+from mmseg.models.backbones import VisionTransformer
 
 
 class GridContext:
@@ -37,6 +45,58 @@ class PatchEmbedGridHook:
         self.context.hw_shape = tuple(int(s) for s in output[1])
 
 
+class GridFromInputsMixin:
+    """Sets the grid of a decode head's MiTA layers from its input, then runs the head.
+
+    mmseg's segmentors call ``decode_head.forward(x)`` directly (``predict``, ``loss``,
+    ``mode='tensor'``), which skips module hooks, so the grid is set in ``forward``.
+    """
+
+    def forward(self, inputs):
+        self._mita_grid.hw_shape = tuple(
+            int(s) for s in self._transform_inputs(inputs).shape[-2:])
+        return super().forward(inputs)
+
+
+# head class -> its subclass with GridFromInputsMixin (registered classes are added by
+# their modules, e.g. SegmenterMaskTransformerHead -> MiTASegmenterMaskTransformerHead)
+_GRID_CLASSES: Dict[type, type] = {}
+
+
+def register_grid_class(cls: type, grid_cls: type) -> None:
+    """Make :func:`with_grid_forward` turn ``cls`` into ``grid_cls`` (a registered
+    subclass of ``cls`` with :class:`GridFromInputsMixin`)."""
+    _GRID_CLASSES[cls] = grid_cls
+
+
+def with_grid_forward(cls: type) -> type:
+    """``cls`` (a decode head class) with :class:`GridFromInputsMixin`; a user's subclass
+    keeps its own methods."""
+    if issubclass(cls, GridFromInputsMixin):
+        return cls
+    if cls not in _GRID_CLASSES:
+        _GRID_CLASSES[cls] = type(f'MiTA{cls.__name__}', (GridFromInputsMixin, cls), {})
+    return _GRID_CLASSES[cls]
+
+
+def grid_context(owner: nn.Module) -> GridContext:
+    """The grid context of a token owner (a ViT or a decode head), hooked up on first use.
+
+    A ViT's grid is the output of its ``patch_embed`` (a forward hook); a head's class gets
+    :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
+    """
+    ctx = getattr(owner, '_mita_grid', None)
+    if ctx is None:
+        if isinstance(owner, VisionTransformer):
+            ctx = GridContext(num_prefix_tokens=1 if owner.with_cls_token else 0)
+            owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
+        else:
+            ctx = GridContext(num_prefix_tokens=0)
+            owner.__class__ = with_grid_forward(type(owner))
+        owner._mita_grid = ctx
+    return ctx
+
+
 def resolve_grid(num_tokens: int, num_prefix_tokens: int,
                  hw_shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
     """The grid of ``num_tokens`` tokens: ``hw_shape`` if given, else a square of the
@@ -56,3 +116,9 @@ def resolve_grid(num_tokens: int, num_prefix_tokens: int,
             'hw_shape=(h, w) to forward, or build the model with a MiTA backbone or '
             'mita_seg.swap_attention, which pass the grid to every layer')
     return side, side
+
+
+__all__ = [
+    'GridContext', 'PatchEmbedGridHook', 'GridFromInputsMixin', 'register_grid_class',
+    'with_grid_forward', 'grid_context', 'resolve_grid'
+]

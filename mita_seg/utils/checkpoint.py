@@ -6,24 +6,42 @@ tensors: numpy arrays, scalars and dtypes (message-hub history, metrics) and mme
 ``HistoryBuffer``. :func:`register_safe_globals` adds exactly those to torch's allow-list,
 and replaces mmengine's loader of local files by :func:`load_local_checkpoint`, which loads
 with ``weights_only=True`` explicitly and fails with :class:`UnsafeCheckpointError` (naming
-the globals at fault) for anything else. ``--resume``, ``load_from``, ``tools/test.py``
-and ``Pretrained`` init all go through it; no file is unpickled with ``weights_only=False``.
+the globals at fault), or :class:`UnreadableCheckpointError` for a file that is no
+checkpoint at all. ``--resume``, ``load_from``, every tool and ``Pretrained`` init go
+through it; no file is unpickled with ``weights_only=False``.
+
+:func:`check_state_dict` is the one report of a checkpoint that does not fit a model
+(missing, unexpected and mis-shaped keys), used by :func:`load_checkpoint`, the
+checkpoint hook and the MiTA backbone's ``Pretrained`` check.
 """
 import importlib
+import os.path as osp
 import pickle
-from typing import Any, Callable, List, Optional, Union
+import re
+import zipfile
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
+import torch.nn as nn
 from mmengine.runner.checkpoint import CheckpointLoader
 
 __all__ = [
-    'UnsafeCheckpointError', 'mmengine_safe_globals', 'register_safe_globals',
-    'load_local_checkpoint'
+    'UnsafeCheckpointError', 'UnreadableCheckpointError', 'CheckpointMismatchError',
+    'mmengine_safe_globals', 'register_safe_globals', 'load_local_checkpoint',
+    'check_state_dict', 'check_checkpoint_keys', 'load_checkpoint'
 ]
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint holds Python objects outside the weights-only allow-list."""
+
+
+class UnreadableCheckpointError(ValueError):
+    """A file is not a readable checkpoint (random bytes, text, a truncated file)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's ``state_dict`` does not fit the model (the message lists the keys)."""
 
 
 # HistoryBuffer pickles its statistics methods (HistoryBuffer.min, ...) as
@@ -88,21 +106,22 @@ def load_local_checkpoint(filename: str,
     Raises:
         FileNotFoundError: ``filename`` does not exist.
         UnsafeCheckpointError: the file holds objects outside the allow-list.
+        UnreadableCheckpointError: the file is not a checkpoint torch can read.
     """
-    import os.path as osp
     filename = osp.expanduser(filename)
     if not osp.isfile(filename):
         raise FileNotFoundError(f'checkpoint {filename} does not exist')
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(filename)
-        except Exception:  # not a zip checkpoint: fall back to torch's message
-            unsafe = []
-        allowed = {g[1] if isinstance(g, tuple) else f'{g.__module__}.{g.__qualname__}'
-                   for g in torch.serialization.get_safe_globals()}
-        unsafe = [g for g in unsafe if g not in allowed] or ['(see the error below)']
+    except Exception as e:  # noqa: BLE001  (classified below, always re-raised)
+        unsafe = _unsafe_globals(filename, e)
+        if unsafe is None:
+            size = osp.getsize(filename)
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise UnreadableCheckpointError(
+                f'{filename} is not a readable checkpoint ({size} bytes; torch.load said: '
+                f'{reason[:200]}). Give a .pth file saved by torch.save (an mmseg/mmengine '
+                'checkpoint); a download may be incomplete.') from e
         raise UnsafeCheckpointError(
             f'refusing to load checkpoint {filename}: it holds Python objects outside the '
             f'weights-only allow-list: {", ".join(unsafe)}. Checkpoints of mmengine runs only '
@@ -110,6 +129,135 @@ def load_local_checkpoint(filename: str,
             'trust this file and know what these objects are, allow them with '
             'torch.serialization.add_safe_globals([...]) before loading. '
             f'torch said: {e}') from e
+
+
+def _unsafe_globals(filename: str, error: Exception) -> Optional[List[str]]:
+    """The globals outside the allow-list that made a weights-only load fail, or None if
+    the file is not a readable checkpoint."""
+    if zipfile.is_zipfile(filename):  # torch's format since 1.6
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(filename)
+        except Exception:  # noqa: BLE001  a damaged archive
+            return None
+        allowed = {g[1] if isinstance(g, tuple) else f'{g.__module__}.{g.__qualname__}'
+                   for g in torch.serialization.get_safe_globals()}
+        # all globals allowed, yet the load failed: a refused call (e.g. getattr)
+        return [g for g in found if g not in allowed] or ['(see the error below)']
+    # legacy (pre-1.6) pickles: torch names the global it refused
+    found = re.findall(r'Unsupported global: GLOBAL ([\w.]+)', str(error))
+    return found or None
+
+
+def check_state_dict(expected: Dict[str, Any],
+                     state_dict: Dict[str, Any],
+                     source: str = '',
+                     target: str = 'the model',
+                     skip: Optional[Callable[[str, str], bool]] = None,
+                     same_shape: Optional[Callable[[str, tuple, tuple], bool]] = None,
+                     hint: Optional[str] = None) -> List[str]:
+    """Check that ``state_dict`` fits ``expected`` exactly, as ``strict=True`` would.
+
+    Args:
+        expected (dict): the model's state dict (keys and tensors).
+        state_dict (dict): the checkpoint's.
+        source (str): where the checkpoint comes from, for the message. Default: ''.
+        target (str): what it is loaded into, for the message. Default: 'the model'.
+        skip (Callable, optional): ``skip(kind, key)`` with ``kind`` ``'missing'`` or
+            ``'unexpected'``: True for keys that may legitimately differ. Default: None.
+        same_shape (Callable, optional): ``same_shape(key, model_shape, ckpt_shape)``;
+            default: equal shapes.
+        hint (str, optional): the last line of the message, what to do. Default: use the
+            right config or convert the checkpoint.
+
+    Returns:
+        list[str]: the keys skipped by ``skip``.
+
+    Raises:
+        CheckpointMismatchError: keys are missing, unexpected, or of another shape; the
+            message lists them all (up to 20 of each).
+    """
+    skip = skip or (lambda kind, key: False)
+    same_shape = same_shape or (lambda key, want, got: want == got)
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    skipped = [k for k in missing if skip('missing', k)]
+    skipped += [k for k in unexpected if skip('unexpected', k)]
+    missing = [k for k in missing if k not in skipped]
+    unexpected = [k for k in unexpected if k not in skipped]
+    shapes = []
+    for k in sorted(expected.keys() & state_dict.keys()):
+        want, got = (tuple(getattr(d[k], 'shape', ())) for d in (expected, state_dict))
+        if not same_shape(k, want, got):
+            shapes.append(f'{k}: checkpoint {got} vs model {want}')
+    if missing or unexpected or shapes:
+        lines = [f'checkpoint {source} does not fit {target}:']
+        for title, keys in (('missing keys', missing), ('unexpected keys', unexpected),
+                            ('shape mismatch', shapes)):
+            if keys:
+                more = f' ... and {len(keys) - 20} more' if len(keys) > 20 else ''
+                lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys[:20]) + more)
+        lines.append(hint or '  Use the config this checkpoint was trained with, or convert '
+                     'the checkpoint.')
+        raise CheckpointMismatchError('\n'.join(lines))
+    return skipped
+
+
+def _model_and_state(model: nn.Module, checkpoint: Any, source: str):
+    """The module mmengine loads into (a wrapper's or TTA model's ``module``) and the
+    checkpoint's state dict as mmengine loads it (``state_dict`` entry, ``module.``
+    prefix removed)."""
+    from mmengine.model import BaseTTAModel, is_model_wrapper
+    if is_model_wrapper(model) or isinstance(model, BaseTTAModel):
+        model = model.module
+    state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise CheckpointMismatchError(
+            f'checkpoint {source} holds no state_dict (a dict of tensors): it is not a '
+            'model checkpoint')
+    return model, {re.sub(r'^module\.', '', k): v for k, v in state.items()}
+
+
+def check_checkpoint_keys(model: nn.Module, checkpoint: Any, source: str = '',
+                          hint: Optional[str] = None) -> None:
+    """Check that a loaded checkpoint fits ``model`` exactly (:func:`check_state_dict`).
+
+    Args:
+        model (nn.Module): the model (a wrapper's or a test-time-augmentation model's
+            ``module`` is used, as mmengine loads into it).
+        checkpoint (dict): the loaded checkpoint.
+        source (str): where the checkpoint comes from, for the message. Default: ''.
+        hint (str, optional): what to do, the last line of the message.
+
+    Raises:
+        CheckpointMismatchError: see :func:`check_state_dict`.
+    """
+    model, state = _model_and_state(model, checkpoint, source)
+    check_state_dict(model.state_dict(), state, source, type(model).__name__, hint=hint)
+
+
+def load_checkpoint(model: nn.Module, filename: str, map_location: str = 'cpu') -> dict:
+    """Load a checkpoint into ``model`` strictly and weights-only.
+
+    Args:
+        model (nn.Module): the model; its weights are replaced by the checkpoint's.
+        filename (str): a local checkpoint (mmengine's format or a bare state dict).
+        map_location (str): where tensors are loaded. Default: 'cpu'.
+
+    Returns:
+        dict: the checkpoint (``meta`` and the like); ``{'state_dict': ...}`` for a bare
+        state dict.
+
+    Raises:
+        FileNotFoundError, UnreadableCheckpointError, UnsafeCheckpointError: see
+            :func:`load_local_checkpoint`.
+        CheckpointMismatchError: the weights do not fit ``model`` (nothing is loaded).
+    """
+    checkpoint = load_local_checkpoint(filename, map_location=map_location)
+    model, state = _model_and_state(model, checkpoint, filename)
+    check_state_dict(model.state_dict(), state, filename, type(model).__name__)
+    model.load_state_dict(state, strict=True)
+    return checkpoint if 'state_dict' in checkpoint else dict(state_dict=checkpoint)
 
 
 _REGISTERED = False

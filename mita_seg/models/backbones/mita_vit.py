@@ -1,5 +1,5 @@
 """mmseg's VisionTransformer with MiTA attention."""
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from mmengine.logging import print_log
@@ -7,7 +7,8 @@ from mmengine.runner.checkpoint import CheckpointLoader
 from mmseg.models.backbones import VisionTransformer
 from mmseg.registry import MODELS
 
-from ..swap import swap_attention
+from mita_seg.utils.checkpoint import check_state_dict
+from ..attention import layer_indices, use_mita
 
 # Model keys a pretrained checkpoint legitimately lacks: MiTA's own optional parameters
 # (the DWC branch), which keep their initialisation.
@@ -47,7 +48,8 @@ class MiTAVisionTransformer(VisionTransformer):
                  **kwargs):
         super().__init__(**kwargs)
         self.strict_pretrained = strict_pretrained
-        swap_attention(self, layers=mita_layers, verbose=False, **(mita_cfg or {}))
+        use_mita(self, layer_indices(len(self.layers), mita_layers, 'mita_layers'),
+                 **(mita_cfg or {}))
 
     def init_weights(self):
         """mmseg's initialisation, after checking that pretrained weights fit."""
@@ -75,37 +77,27 @@ class MiTAVisionTransformer(VisionTransformer):
             source (str): where they come from, for messages. Default: ''.
 
         Raises:
-            ValueError: missing, unexpected or mis-shaped keys (all of them listed).
+            CheckpointMismatchError: missing, unexpected or mis-shaped keys (a
+                ``ValueError``; all of them listed).
         """
-        own = self.state_dict()
-        unexpected = sorted(set(state_dict) - set(own))
-        missing = sorted(set(own) - set(state_dict))
-        skipped: List[str] = []
-        if not self.final_norm:
-            skipped += [k for k in unexpected if k.startswith('ln1.')]
-        skipped += [k for k in missing if any(s in k for s in _MITA_ONLY)]
-        unexpected = [k for k in unexpected if k not in skipped]
-        missing = [k for k in missing if k not in skipped]
-        mis_shaped = []
-        for k in sorted(set(state_dict) & set(own)):
-            want, got = tuple(own[k].shape), tuple(state_dict[k].shape)
-            if k == 'pos_embed':  # resized by mmseg: only the channel count must match
+        def skip(kind: str, key: str) -> bool:
+            if kind == 'unexpected':
+                return not self.final_norm and key.startswith('ln1.')
+            return any(s in key for s in _MITA_ONLY)
+
+        def same_shape(key: str, want: tuple, got: tuple) -> bool:
+            if key == 'pos_embed':  # resized by mmseg: only the channel count must match
                 want, got = want[-1:], got[-1:]
-            if want != got:
-                mis_shaped.append(f'{k}: checkpoint {got}, model {want}')
-        if unexpected or missing or mis_shaped:
-            lines = [f'pretrained weights {source} do not fit {type(self).__name__}']
-            for title, keys in (('missing keys', missing), ('unexpected keys', unexpected),
-                                ('shape mismatch', mis_shaped)):
-                if keys:
-                    more = f', ... ({len(keys) - 12} more)' if len(keys) > 12 else ''
-                    lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys[:12]) + more)
-            if any(k.startswith('blocks.') for k in unexpected):
-                lines.append('  (timm key names: convert the checkpoint with mmseg\'s '
-                             'tools/model_converters/vit2mmseg.py)')
-            lines.append('  Fix the config (embed_dims, num_layers, final_norm, ...) or the '
-                         'checkpoint, or set strict_pretrained=False to load what fits.')
-            raise ValueError('\n'.join(lines))
+            return want == got
+
+        hint = ''
+        if any(k.startswith('blocks.') for k in state_dict):
+            hint = ('  (timm key names: convert the checkpoint with mmseg\'s '
+                    'tools/model_converters/vit2mmseg.py)\n')
+        skipped = check_state_dict(
+            self.state_dict(), state_dict, source, f'{type(self).__name__} (Pretrained)', skip,
+            same_shape, hint + '  Fix the config (embed_dims, num_layers, final_norm, ...) or '
+            'the checkpoint, or set strict_pretrained=False to load what fits.')
         if skipped:
             print_log(f'{type(self).__name__}: not loaded from {source}: {", ".join(skipped)}',
                       logger='current')

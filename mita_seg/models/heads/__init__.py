@@ -1,3 +1,3 @@
-from .mita_segmenter_head import MiTASegmenterMaskTransformerHead, with_grid_forward
+from .mita_segmenter_head import MiTASegmenterMaskTransformerHead
 
-__all__ = ['MiTASegmenterMaskTransformerHead', 'with_grid_forward']
+__all__ = ['MiTASegmenterMaskTransformerHead']

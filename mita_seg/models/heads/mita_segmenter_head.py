@@ -1,24 +1,11 @@
 """Segmenter's mask transformer head with MiTA attention."""
-from typing import List, Optional
+from typing import Optional
 
-import torch
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..swap import swap_attention
-
-
-class GridFromInputsMixin:
-    """Sets the grid of a decode head's MiTA layers from its input, then runs the head.
-
-    mmseg's segmentors call ``decode_head.forward(x)`` directly (``predict``, ``loss``,
-    ``mode='tensor'``), which skips module hooks, so the grid is set in ``forward``.
-    """
-
-    def forward(self, inputs: List[torch.Tensor]) -> torch.Tensor:
-        self._mita_grid.hw_shape = tuple(
-            int(s) for s in self._transform_inputs(inputs).shape[-2:])
-        return super().forward(inputs)
+from ..attention import use_mita
+from ..grid import GridFromInputsMixin, register_grid_class
 
 
 @MODELS.register_module()
@@ -36,14 +23,8 @@ class MiTASegmenterMaskTransformerHead(GridFromInputsMixin, SegmenterMaskTransfo
 
     def __init__(self, mita_cfg: Optional[dict] = None, **kwargs):
         super().__init__(**kwargs)
-        swap_attention(self, verbose=False, **(mita_cfg or {}))
+        use_mita(self, range(len(self.layers)), **(mita_cfg or {}))
 
 
-def with_grid_forward(cls: type) -> type:
-    """``cls`` (a ``SegmenterMaskTransformerHead`` class) with :class:`GridFromInputsMixin`;
-    a user's subclass keeps its own methods."""
-    if issubclass(cls, GridFromInputsMixin):
-        return cls
-    if cls is SegmenterMaskTransformerHead:
-        return MiTASegmenterMaskTransformerHead
-    return type(f'MiTA{cls.__name__}', (GridFromInputsMixin, cls), {})
+# a swapped SegmenterMaskTransformerHead becomes this registered class
+register_grid_class(SegmenterMaskTransformerHead, MiTASegmenterMaskTransformerHead)

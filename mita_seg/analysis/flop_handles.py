@@ -1,0 +1,198 @@
+"""FLOP handles that count attention: mmengine's ``FlopAnalyzer`` plus the handles it lacks.
+
+mmengine's ``FlopAnalyzer`` (a jit trace, fvcore's rules: **one multiply-accumulate (MAC) =
+one FLOP**) counts ``linear/matmul/bmm/einsum/conv`` but gives zero for
+``scaled_dot_product_attention``, for the fast path of ``nn.MultiheadAttention``
+(``_native_multi_head_attention``), for ``baddbmm`` and for MiTA. :func:`flop_analyzer`
+registers handles for them (:data:`EXTRA_FLOP_HANDLES`):
+
+============================================  ==============================================
+traced op                                     MACs
+============================================  ==============================================
+``aten::scaled_dot_product_attention``        ``B L S (E + Ev)`` (``B``: the broadcast batch
+                                              and head dims, query heads under GQA; masks
+                                              and ``is_causal`` do not reduce it)
+``aten::_native_multi_head_attention``        projections ``(2 L + 2 S) E^2`` and attention
+                                              ``2 L S E``, per batch item
+``aten::baddbmm``                             ``b n m p``, as ``bmm``
+``mita_seg::mita_attention``                  :func:`mita_seg.ops.mita_flops`
+``topk, sort, argsort, gather, scatter, ...`` 0 (memory traffic, no MACs)
+============================================  ==============================================
+
+For full attention over ``N`` tokens of width ``C = H d`` this gives ``2 N^2 C`` per layer
+and batch item whichever path torch takes (mmcv's ``bmm`` path, SDPA, the fused fast path).
+MiTA's count is :func:`mita_seg.ops.mita_flops` for the backend the traced call ran::
+
+    S = R K^T                 M N d
+    G = q R^T                 N M d     (router logits, also the shared logits)
+    V_R = softmax(S) V        M N d     (shared expert only)
+    shared output  P_s V_R    N M d     (shared expert only)
+    routed logits + output    2 L k d   L = N r routed query slots
+
+per head, i.e. ``(4M + 2k) N C`` with the shared expert and ``(2M + 2k) N C`` without
+(router top-1). The plain-PyTorch ``'blocked'`` backend also computes the padding slots
+of its tiles, ``L = T * ceil((N r + M (T - 1)) / T)``; a ``meta`` trace is counted for the
+backend a CPU run would pick.
+
+Tracing notes (torch 2.13): MiTA's ``torch.library.custom_op`` appears in the jit trace as
+one node of kind ``mita_seg::mita_attention`` (not ``prim::PythonOp``, which is what an
+``autograd.Function`` would give), its scalar arguments as ``prim::Constant`` inputs.
+:func:`meta_tracing` lets the tracer run on the ``meta`` device (shapes only).
+"""
+import contextlib
+import warnings
+from collections import Counter
+from math import prod
+from typing import Any, List, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from mmengine.analysis import FlopAnalyzer
+from mmengine.analysis.jit_handles import get_shape
+
+__all__ = ['CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'flop_analyzer', 'meta_tracing']
+
+CONVENTION = ('one multiply-accumulate (MAC) = one FLOP (mmengine/fvcore convention; '
+              'FlopCounterMode and "2 FLOPs per MAC" papers report twice these numbers)')
+
+# Index selection, sorting, top-k: memory traffic, no multiply-accumulates.
+ZERO_FLOP_OPS = ('aten::topk', 'aten::sort', 'aten::argsort', 'aten::argmax', 'aten::argmin',
+                 'aten::gather', 'aten::index_select', 'aten::scatter', 'aten::scatter_',
+                 'aten::scatter_add', 'aten::scatter_add_', 'aten::take_along_dim',
+                 'aten::one_hot', 'aten::cumsum')
+
+
+def _shape(value: torch._C.Value, what: str) -> List[int]:
+    shape = get_shape(value)
+    if shape is None:
+        raise ValueError(f'FLOP count: the trace has no static shape for {what} (nested '
+                         'tensors from a key_padding_mask on the fast path?); count with '
+                         'torch.enable_grad() or without masks')
+    return list(shape)
+
+
+def _batch(*shapes: Sequence[int]) -> int:
+    """Product of the right-aligned broadcast (max) of batch dims; GQA's query heads
+    exceed the key heads, so the larger count is used, not strict broadcasting."""
+    n = max(len(s) for s in shapes)
+    padded = [[1] * (n - len(s)) + list(s) for s in shapes]
+    return prod(max(dims) for dims in zip(*padded))
+
+
+def sdpa_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``aten::scaled_dot_product_attention(q, k, v, ...)``: ``B L S (E + Ev)``."""
+    q = _shape(inputs[0], 'the SDPA query')
+    k = _shape(inputs[1], 'the SDPA key')
+    v = _shape(inputs[2], 'the SDPA value')
+    B = _batch(q[:-2], k[:-2], v[:-2])
+    L, E, S, Ev = q[-2], q[-1], k[-2], v[-1]
+    return Counter({'scaled_dot_product_attention': B * L * S * (E + Ev)})
+
+
+def native_mha_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``aten::_native_multi_head_attention(query, key, value, embed_dim, ...)``, the fused
+    inference path of ``nn.MultiheadAttention``: projections and attention."""
+    q = _shape(inputs[0], 'the MHA query')
+    k = _shape(inputs[1], 'the MHA key')
+    B, L, S, E = prod(q[:-2]), q[-2], k[-2], q[-1]
+    return Counter({
+        'native_mha_proj': B * (2 * L + 2 * S) * E * E,  # q and out from L, k and v from S
+        'native_mha_attention': 2 * B * L * S * E,
+    })
+
+
+def baddbmm_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``aten::baddbmm(input, batch1, batch2, beta, alpha)``: ``b n m p``."""
+    b, n, m = _shape(inputs[1], 'baddbmm batch1')
+    p = _shape(inputs[2], 'baddbmm batch2')[-1]
+    return Counter({'baddbmm': b * n * m * p})
+
+
+def _mita_arg_names() -> List[str]:
+    from mita_seg import ops  # noqa: F401  (registers torch.ops.mita_seg)
+    return [a.name for a in torch.ops.mita_seg.mita_attention.default._schema.arguments]
+
+
+def _constant(value: torch._C.Value, name: str):
+    out = value.toIValue()
+    if out is None and value.node().kind() != 'prim::Constant':
+        raise ValueError(f'FLOP count: MiTA argument {name!r} is not a constant of the trace '
+                         f'(it is computed by {value.node().kind()}); pass Python ints')
+    return out
+
+
+def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...)``:
+    :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read from the trace."""
+    from mita_seg.ops import mita_flops, select_backend
+    args = dict(zip(_mita_arg_names(), inputs))
+    B, H, N, d = _shape(args['q'], 'the MiTA query')
+    c = {n: _constant(args[n], n) for n in ('ph', 'pw', 'topk', 'router_topk',
+                                             'with_shared_expert', 'block_size', 'backend')}
+    device = args['q'].type().device()
+    if device is not None and device.type == 'meta':
+        # A meta trace stands for a CPU run: count the backend a CPU run would pick.
+        c['backend'] = select_backend(torch.empty(1, 1, 1, 1))
+    return Counter({
+        'mita_attention':
+        mita_flops(B, H, N, d, num_experts=c['ph'] * c['pw'], topk=c['topk'],
+                   router_topk=c['router_topk'], with_shared_expert=c['with_shared_expert'],
+                   block_size=c['block_size'], backend=c['backend'])
+    })
+
+
+EXTRA_FLOP_HANDLES = {
+    'aten::scaled_dot_product_attention': sdpa_flop_jit,
+    'aten::_native_multi_head_attention': native_mha_flop_jit,
+    'aten::baddbmm': baddbmm_flop_jit,
+    'mita_seg::mita_attention': mita_flop_jit,
+}
+
+
+def _convolution_meta(input, weight, bias, stride, padding, dilation, transposed,
+                      output_padding, groups):
+    # The flags are those aten::convolution passes on CPU.
+    return torch.ops.aten._convolution.default(input, weight, bias, stride, padding,
+                                               dilation, transposed, output_padding, groups,
+                                               False, False, True, True)
+
+
+@contextlib.contextmanager
+def meta_tracing():
+    """Lets the jit tracer record convolutions of ``meta`` tensors.
+
+    The tracer records a convolution as ``aten::_convolution`` (what mmengine's handle
+    counts), which ``aten::convolution`` calls on CPU; on ``meta`` its Python meta kernel
+    computes the shape itself, so nothing is recorded, and it fails anyway because the
+    tracer turns ``tensor.shape`` into tensors. For the duration of the context, the meta
+    kernel of ``aten::convolution`` calls ``aten::_convolution`` as the CPU kernel does; the
+    original kernel is restored afterwards.
+    """
+    lib = torch.library.Library('aten', 'IMPL', 'Meta')
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # "overriding a previously registered kernel"
+            lib.impl(torch.ops.aten.convolution.default, _convolution_meta)
+        yield
+    finally:
+        lib._destroy()
+
+
+def flop_analyzer(model: nn.Module, inputs: Union[torch.Tensor, Tuple]) -> FlopAnalyzer:
+    """mmengine's ``FlopAnalyzer`` with the handles of :data:`EXTRA_FLOP_HANDLES`, zero for
+    :data:`ZERO_FLOP_OPS`, and its warnings off (unsupported ops are listed by
+    :func:`count_flops` instead).
+
+    Args:
+        model (nn.Module): the model; ``model(*inputs)`` is traced.
+        inputs (Tensor | tuple): its inputs.
+
+    Returns:
+        FlopAnalyzer: lazily evaluated (the trace runs on the first query).
+    """
+    analyzer = FlopAnalyzer(model, inputs)
+    analyzer.set_op_handle(**EXTRA_FLOP_HANDLES)
+    analyzer.set_op_handle(**{op: None for op in ZERO_FLOP_OPS})
+    analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+    analyzer.tracer_warnings('none')
+    return analyzer

@@ -1,0 +1,48 @@
+"""Configs for the tools: a file or ``mmseg::<dir>/<name>.py``, ``--cfg-options``, work_dir."""
+import os.path as osp
+from typing import Optional
+
+from mmengine.config import Config
+
+
+def config_name(config: str) -> str:
+    """``'configs/a.py'`` and ``'mmseg::vit/a.py'`` -> ``'a'``."""
+    return osp.splitext(osp.basename(config.split('::')[-1]))[0]
+
+
+def load_config(config: str,
+                cfg_options: Optional[dict] = None,
+                work_dir: Optional[str] = None) -> Config:
+    """An mmengine ``Config`` from a file or from an installed package, ready for a tool.
+
+    Args:
+        config (str): a config file, or ``'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'``
+            (a config shipped with mmsegmentation).
+        cfg_options (dict, optional): ``--cfg-options``, merged into the config.
+        work_dir (str, optional): the run's directory. Default: the config's ``work_dir``,
+            else ``./work_dirs/<config name>`` (mmseg's rule).
+
+    Returns:
+        Config: the config, with ``work_dir`` set.
+
+    Raises:
+        FileNotFoundError: the config file does not exist.
+    """
+    if osp.isfile(config):
+        cfg = Config.fromfile(config)
+    elif '::' in config:
+        from mmengine.hub import get_config
+        try:
+            cfg = get_config(config)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f'config {config!r} does not exist: {e}') from e
+    else:
+        raise FileNotFoundError(f'config {config!r} does not exist: give a config file or '
+                         "'mmseg::<dir>/<config>.py' (a config of the mmsegmentation package)")
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', config_name(config))
+    return cfg

@@ -1,0 +1,101 @@
+"""A MiTA config + checkpoint pair from a standard-attention one (``tools/export_swapped.py``).
+
+The written config is the original one (all bases merged) with the ``VisionTransformer``
+backbone switched to ``MiTAVisionTransformer`` (``mita_cfg``, ``mita_layers``) and Segmenter's
+``SegmenterMaskTransformerHead`` to ``MiTASegmenterMaskTransformerHead``, ``mita_seg.models``
+and ``mita_seg.engine`` in ``custom_imports``, the crash-safe checkpoint hook, pretrained
+initialisation removed and ``load_from`` pointing at the written checkpoint. MiTA adds no
+parameters, so the checkpoint holds the very same ``state_dict``. Both models are built and
+the checkpoint is loaded into each strictly before anything is written.
+"""
+import copy
+import os
+import os.path as osp
+from typing import Optional, Tuple
+
+import torch
+from mmengine.config import Config
+
+from mita_seg.engine import use_safe_checkpoint
+from mita_seg.models import MITA_KEYS, NothingToSwapError
+from mita_seg.utils import load_local_checkpoint
+from .config import config_name, load_config
+from .model import init_model
+
+VIT_TYPES = ('VisionTransformer', 'mmseg.VisionTransformer', 'MiTAVisionTransformer')
+HEAD_TYPES = ('SegmenterMaskTransformerHead', 'mmseg.SegmenterMaskTransformerHead',
+              'MiTASegmenterMaskTransformerHead')
+
+
+def mita_config(cfg: Config, mita_cfg: dict) -> Config:
+    """The MiTA version of ``cfg`` (a copy).
+
+    Args:
+        cfg (Config): the standard-attention config.
+        mita_cfg (dict): ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``).
+
+    Raises:
+        NothingToSwapError: the backbone is not mmseg's ``VisionTransformer`` family.
+    """
+    cfg = copy.deepcopy(cfg)
+    settings = {k: v for k, v in mita_cfg.items() if k in MITA_KEYS}
+    backbone = cfg.model.backbone
+    if backbone.type not in VIT_TYPES:
+        raise NothingToSwapError(
+            f'export_swapped needs a VisionTransformer backbone (ViT, DeiT, Segmenter, SETR, '
+            f'DPT configs); this config has {backbone.type!r}, whose attention MiTA cannot '
+            'replace')
+    backbone.type = 'MiTAVisionTransformer'
+    backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
+    layers = mita_cfg.get('layers')
+    backbone.mita_layers = list(layers) if layers is not None else None
+    backbone.init_cfg = None         # the weights come from load_from
+    backbone.pop('pretrained', None)
+    cfg.model.pretrained = None
+    head = cfg.model.decode_head
+    if (mita_cfg.get('include_head', True) and isinstance(head, dict)
+            and head.get('type') in HEAD_TYPES):
+        head.type = 'MiTASegmenterMaskTransformerHead'
+        head.mita_cfg = {**head.get('mita_cfg', {}), **settings}
+    imports = list(cfg.get('custom_imports', {}).get('imports', []))
+    imports += [m for m in ('mita_seg.models', 'mita_seg.engine') if m not in imports]
+    cfg.custom_imports = dict(imports=imports, allow_failed_imports=False)
+    use_safe_checkpoint(cfg)
+    return cfg
+
+
+def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
+                   cfg_options: Optional[dict] = None) -> Tuple[str, str]:
+    """Write ``OUT_DIR/<config>_mita.py`` and ``OUT_DIR/<checkpoint>_mita.pth``.
+
+    Args:
+        config (str): config of the standard-attention model (file or ``mmseg::``).
+        checkpoint (str): its checkpoint.
+        out_dir (str): where to write the pair.
+        mita_cfg (dict): ``--mita-cfg`` (checked by :func:`~mita_seg.apis.check_mita_cfg`).
+        cfg_options (dict, optional): ``--cfg-options``.
+
+    Returns:
+        tuple[str, str]: the config and checkpoint paths.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the original or the MiTA model.
+    """
+    cfg = load_config(config, cfg_options)
+    new_cfg = mita_config(cfg, mita_cfg)
+    models = [init_model(copy.deepcopy(c), checkpoint) for c in (cfg, new_cfg)]  # strict
+    meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
+    os.makedirs(out_dir, exist_ok=True)
+    out_cfg = osp.join(out_dir, config_name(config) + '_mita.py')
+    out_ckpt = osp.abspath(osp.join(
+        out_dir, osp.splitext(osp.basename(checkpoint))[0] + '_mita.pth'))
+    new_cfg.load_from = out_ckpt
+    keep = {k: v for k, v in meta.items()
+            if k in ('dataset_meta', 'CLASSES', 'PALETTE')
+            or isinstance(v, (str, int, float, bool))}
+    keep.update(mita_cfg=dict(new_cfg.model.backbone.mita_cfg),
+                mita_layers=new_cfg.model.backbone.mita_layers,
+                exported_from=dict(config=str(config), checkpoint=str(checkpoint)))
+    torch.save({'meta': keep, 'state_dict': models[1].state_dict()}, out_ckpt)
+    new_cfg.dump(out_cfg)
+    return out_cfg, out_ckpt

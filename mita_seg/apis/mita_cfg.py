@@ -1,0 +1,91 @@
+"""The one ``--mita-cfg`` of every tool: names and values checked at argument parsing.
+
+``--mita-cfg pool_size=7 topk=49 router_topk=1 with_shared_expert=True shared_scale=0.02
+layers=[0,1] include_head=False``: the MiTA settings of
+:class:`~mita_seg.models.MiTAAttention` (their defaults are its signature's,
+:data:`~mita_seg.models.MITA_DEFAULTS`) and the layer choice of
+:func:`~mita_seg.swap_attention`. An unknown name or a bad value ends the tool at once with
+exit status 2 and a message naming the setting and what it accepts, before anything is
+built or loaded.
+"""
+import argparse
+from typing import Any, Dict, Optional, Sequence
+
+from mmengine.config import DictAction
+
+from mita_seg.models import MITA_DEFAULTS, MITA_KEYS, SWAP_RULES, check_settings
+from mita_seg.models.attention import SETTING_RULES
+
+
+def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
+    """``name -> (what it must be, check)`` of the settings ``--mita-cfg`` accepts:
+    the MiTA settings and ``layers``/``include_head``, less ``exclude``."""
+    rules = {k: SETTING_RULES[k] for k in MITA_KEYS}
+    rules.update(SWAP_RULES)
+    return {k: v for k, v in rules.items() if k not in exclude}
+
+
+def check_mita_cfg(mita_cfg: Dict[str, Any], exclude: Sequence[str] = ()) -> Dict[str, Any]:
+    """Check a ``--mita-cfg`` dict (``ValueError`` naming the setting and what it accepts).
+
+    Args:
+        mita_cfg (dict): parsed ``key=value`` pairs.
+        exclude (Sequence[str]): settings a tool sets by other means.
+
+    Returns:
+        dict: ``mita_cfg`` unchanged.
+    """
+    return check_settings(mita_cfg, mita_cfg_rules(exclude))
+
+
+class MiTACfgAction(DictAction):
+    """mmengine's ``DictAction`` (``key=value`` pairs, values as Python literals) that
+    checks names and values; a bad one is a usage error (exit status 2)."""
+
+    exclude: Sequence[str] = ()
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        try:
+            check_mita_cfg(getattr(namespace, self.dest), self.exclude)
+        except ValueError as e:
+            parser.error(f'{option_string}: {e}')
+
+
+def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
+                  exclude: Sequence[str] = ()) -> None:
+    """Add ``--mita-cfg`` (and ``--swap-attn {none,mita}`` with ``swap_flag``) to a tool.
+
+    Args:
+        parser (ArgumentParser): the tool's parser.
+        swap_flag (bool): the tool swaps only on request (``--swap-attn mita``, implied by
+            ``--mita-cfg``). Default: True.
+        exclude (Sequence[str]): settings the tool sets by other means (refused here).
+    """
+    rules = mita_cfg_rules(exclude)
+    defaults = ' '.join(f'{k}={MITA_DEFAULTS[k]}' for k in MITA_KEYS if k in rules)
+    if swap_flag:
+        parser.add_argument(
+            '--swap-attn', choices=['none', 'mita'], default=None,
+            help='"mita": put the global attention of the model on MiTA (or reconfigure its '
+            'MiTA modules) before running; implied by --mita-cfg')
+    action = type('MiTACfg', (MiTACfgAction, ), dict(exclude=tuple(exclude)))
+    parser.add_argument(
+        '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
+        help=f'MiTA settings: {", ".join(rules)}. Defaults for a model swapped now: '
+        f'{defaults}; a model already on MiTA keeps its values for the settings not given.')
+
+
+def swap_settings(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """The swap a tool's arguments ask for: None (no swap) or the ``--mita-cfg`` dict.
+
+    Raises:
+        SystemExit: ``--swap-attn none`` with ``--mita-cfg`` (a usage error, status 2).
+    """
+    swap = getattr(args, 'swap_attn', 'mita')
+    if swap == 'none' and args.mita_cfg:
+        parser.error('--mita-cfg needs --swap-attn mita (not none)')
+    if swap == 'mita' or args.mita_cfg is not None:
+        return dict(args.mita_cfg or {})
+    return None

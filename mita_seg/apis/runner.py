@@ -1,0 +1,72 @@
+"""MMEngine runners for ``tools/train.py`` and ``tools/test.py``: the config as mmseg's tools
+prepare it, plus what they lack (strict weights-only checkpoints for any config, gloo on
+CPU, bf16 AMP on CPU), and a console without the long records unless asked for."""
+import logging
+import os
+from typing import Optional
+
+from mmengine.config import Config
+from mmengine.runner import Runner
+
+from mita_seg.engine import use_amp, use_safe_checkpoint
+from mita_seg.utils import setup_cpu_distributed
+
+# Multi-line info records longer than this go to the log file only (config dump,
+# environment, mmseg's per-class table of 150 rows).
+MAX_CONSOLE_LINES = 6
+
+
+def _short_record(record: logging.LogRecord) -> bool:
+    """Console filter: drop long info records and the heading of the per-class table."""
+    if record.levelno > logging.INFO:
+        return True
+    msg = record.getMessage()
+    return msg.count('\n') < MAX_CONSOLE_LINES and msg.strip() != 'per class results:'
+
+
+class QuietRunner(Runner):
+    """mmengine's ``Runner`` whose console leaves out long info records (they stay in the
+    log file of ``work_dir``); everything else is the Runner's."""
+
+    def build_logger(self, log_level='INFO', log_file: Optional[str] = None, **kwargs):
+        """The Runner's logger, with :func:`_short_record` on its console handlers."""
+        logger = super().build_logger(log_level=log_level, log_file=log_file, **kwargs)
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler and _short_record not in handler.filters:
+                handler.addFilter(_short_record)
+        return logger
+
+
+def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str] = None,
+                   resume: bool = False, amp: bool = False) -> Config:
+    """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner.
+
+    Args:
+        cfg (Config): from :func:`~mita_seg.apis.load_config` (``work_dir`` set).
+        launcher (str): ``none``, ``pytorch`` (gloo on CPU), ``slurm`` or ``mpi``.
+        checkpoint (str, optional): ``load_from``. Default: None.
+        resume (bool): resume from the latest checkpoint in ``work_dir``. Default: False.
+        amp (bool): mixed precision (fp16 on CUDA, bf16 on CPU). Default: False.
+
+    Returns:
+        Config: ``cfg``, changed in place.
+    """
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = '0'
+    cfg.launcher = launcher
+    if checkpoint is not None:
+        cfg.load_from = checkpoint
+    cfg.resume = resume
+    if amp:
+        use_amp(cfg)
+    use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
+    setup_cpu_distributed(cfg, launcher)
+    return cfg
+
+
+def build_runner(cfg: Config, verbose: bool = False) -> Runner:
+    """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default."""
+    if 'runner_type' in cfg:
+        from mmseg.registry import RUNNERS
+        return RUNNERS.build(cfg)
+    return (Runner if verbose else QuietRunner).from_cfg(cfg)

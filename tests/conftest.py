@@ -1,0 +1,125 @@
+"""Shared fixtures: one tiny ADE20K-format dataset per session, a standard-attention tiny
+Segmenter checkpoint trained on it, and running the tools as users do (subprocesses).
+
+``tests/`` stays a plain folder of test files (the mmsegmentation wheel installs its own
+``tests`` package); long end-to-end runs are marked ``slow`` (``pytest -m "not slow"`` is
+the fast unit subset).
+"""
+import logging
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TINY_UPERNET = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
+TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
+                          'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
+# One thread per process: the tests' subprocesses share 2 cores.
+ENV = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', PYTHONHASHSEED='0',
+           PYTHONWARNINGS='ignore')
+
+
+class Tools:
+    """Runs ``python tools/<name>.py ...`` (or any script) from the repository root."""
+
+    root = ROOT
+    env = ENV
+
+    def __call__(self, script, *args, check=True, env=None, timeout=900):
+        """Run a script; returns ``(returncode, stdout + stderr)``. ``check``: a non-zero
+        exit fails the test with the end of the output."""
+        proc = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout,
+                              env=env or self.env)
+        out = proc.stdout + proc.stderr
+        if check and proc.returncode != 0:
+            raise AssertionError(f'{script} {args} failed ({proc.returncode}):\n{out[-4000:]}')
+        return proc.returncode, out
+
+    @staticmethod
+    def miou(out: str) -> float:
+        """The last ``mIoU: x`` a tool printed."""
+        found = re.findall(r'mIoU: ([0-9.]+)', out)
+        assert found, out[-3000:]
+        return float(found[-1])
+
+    @staticmethod
+    def data_options(data_root) -> list:
+        """``--cfg-options`` values that point a tiny config at ``data_root``, without
+        dataloader worker processes."""
+        opts = []
+        for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+            opts += [f'{loader}.dataset.data_root={data_root}', f'{loader}.num_workers=0',
+                     f'{loader}.persistent_workers=False']
+        return opts
+
+
+@pytest.fixture(scope='session')
+def tools():
+    return Tools()
+
+
+@pytest.fixture(scope='session')
+def tiny_data(tmp_path_factory, tools):
+    """A tiny ADE20K-format dataset: 8 training and 4 validation images of 128x128."""
+    root = tmp_path_factory.mktemp('data') / 'tiny_ade20k'
+    tools('tools/dataset/make_tiny_ade20k.py', '--out', root, '--train', 8, '--val', 4,
+          '--size', 128)
+    return str(root)
+
+
+@pytest.fixture(scope='session')
+def segmenter_ckpt(tmp_path_factory, tiny_data):
+    """``(config, checkpoint)``: the standard-attention tiny Segmenter of
+    ``configs/baselines`` (ViT 4 x 64, patch 8, 2-layer mask head) on ``tiny_data``,
+    trained 4 iterations by mmengine's Runner and saved as a model-zoo checkpoint
+    (``meta`` + ``state_dict``)."""
+    import torch
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    tmp = tmp_path_factory.mktemp('segmenter')
+    cfg = Config.fromfile(TINY_SEGMENTER)
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        cfg[loader].dataset.data_root = tiny_data
+        cfg[loader].num_workers = 0
+        cfg[loader].persistent_workers = False
+    cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=4, val_interval=100)
+    cfg.default_hooks.checkpoint.interval = 100
+    config = str(tmp / 'segmenter_vit-tiny_tiny-ade20k-128x128.py')
+    cfg.dump(config)
+    cfg.work_dir = str(tmp / 'train')
+    runner = Runner.from_cfg(cfg)
+    model = runner.train()
+    ckpt = str(tmp / 'segmenter_vit-tiny_iter4.pth')
+    torch.save({'meta': dict(dataset_meta=runner.train_dataloader.dataset.metainfo),
+                'state_dict': model.state_dict()}, ckpt)
+    return config, ckpt
+
+
+class LogRecords(logging.Handler):
+    """Collects the messages of mmengine's current logger (``with LogRecords() as r:``,
+    then ``r.messages``)."""
+
+    def __enter__(self):
+        from mmengine.logging import MMLogger
+        self.messages = []
+        self.logger = MMLogger.get_current_instance()
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def log_records():
+    """:class:`LogRecords`, the context manager that collects mmengine's log messages."""
+    return LogRecords
