@@ -52,9 +52,10 @@ def test_settings_are_checked_when_built():
 def vit_pair(**mita_cfg):
     """mmseg's ViT and a MiTA ViT with the same weights."""
     torch.manual_seed(0)
-    vit = VisionTransformer(**VIT).eval()
-    mita = MiTAVisionTransformer(**VIT, mita_cfg=mita_cfg).eval()
+    vit = VisionTransformer(**VIT)
+    mita = MiTAVisionTransformer(**VIT, mita_cfg=mita_cfg)
     mita.load_state_dict(vit.state_dict(), strict=True)
+    vit.eval(), mita.eval()             # (mmseg's ViT.train() returns None)
     return vit, mita
 
 

@@ -312,17 +312,18 @@ def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
     Args:
         owner (nn.Module): the module with ``layers``.
         layer_ids (Iterable[int]): indices into ``owner.layers``.
-        **settings: MiTA settings (:data:`MITA_KEYS`).
+        **settings: MiTA settings (:data:`MITA_KEYS`; ``with_dwc`` for modules swapped now,
+            as a MiTA backbone's config may ask).
 
     Returns:
         int: the number of layers whose attention is now MiTA.
     """
-    check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
+    check_settings(settings)
     done = 0
     for i in layer_ids:
         layer = owner.layers[i]
         if isinstance(layer.attn, MiTAAttention):
-            layer.attn.configure(**settings)
+            layer.attn.configure(**{k: v for k, v in settings.items() if k in MITA_KEYS})
         elif type(layer.attn) is MultiheadAttention:
             layer.attn = MiTAAttention.from_mmcv(layer.attn, **{**MITA_DEFAULTS, **settings})
         else:
