@@ -147,14 +147,14 @@ def test_every_tool_checks_mita_cfg_at_argument_parsing(segmenter_ckpt, tiny_dat
     commands = dict(every_tool(config, ckpt, image, tmp_path),
                     get_flops=['tools/get_flops.py', config, '--json', tmp_path / 'f.json'])
     commands['swap_sweep'] += ['--flops-images', 1]
-    runs = {}
-    for i, (name, command) in enumerate(commands.items()):
-        bad, _ = BAD_MITA_CFG[i % len(BAD_MITA_CFG)]           # a different error per tool
-        runs[name] = command + ['--mita-cfg', *bad]
+    # a different error per tool (swap_sweep sets pool_size and topk itself)
+    bad = dict(zip(['test', 'export_swapped', 'analyze_token_selection', 'image_demo',
+                    'get_flops', 'swap_sweep'], BAD_MITA_CFG))
+    runs = {name: commands[name] + ['--mita-cfg', *bad[name][0]] for name in bad}
     runs['sweep-owns-topk'] = commands['swap_sweep'] + ['--mita-cfg', 'topk=3']
     results = run_all(tools, runs)
-    for i, (name, (code, out)) in enumerate(results.items()):
-        want = BAD_MITA_CFG[i % len(BAD_MITA_CFG)][1] if name in commands else \
+    for name, (code, out) in results.items():
+        want = bad[name][1] if name in bad else \
             "unknown MiTA setting 'topk'; allowed: router_topk"
         assert code == 2, f'{name}: {code}\n{out[-3000:]}'
         assert f'--mita-cfg: {want}' in out, f'{name}\n{out[-3000:]}'

@@ -26,8 +26,7 @@ from mmengine.config import ConfigDict, DictAction  # noqa: E402
 
 from mita_seg.analysis.token_selection import (plot_selection_overlay,  # noqa: E402
                                                record_image)
-from mita_seg.apis import add_mita_args, init_model, run_tool, swap_model  # noqa: E402
-from mita_seg.models import MiTAAttention  # noqa: E402
+from mita_seg.apis import add_mita_args, init_model, run_tool  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,11 +50,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options)
+    # a MiTA model keeps the settings --mita-cfg does not give; others get the defaults
+    model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options,
+                       mita_cfg=dict(args.mita_cfg or {}))
     model.test_cfg = ConfigDict(mode='whole')   # one grid per image, aligned with the input
-    if args.mita_cfg is not None or not any(isinstance(m, MiTAAttention)
-                                            for m in model.modules()):
-        swap_model(model, dict(args.mita_cfg or {}))
     patch = model.cfg.model.backbone.get('patch_size', None)
     os.makedirs(args.out_dir, exist_ok=True)
     summary = {}

@@ -89,7 +89,8 @@ def main(argv=None):
     if args.out:
         print(f'predictions: {args.out}')
     if args.show_dir:
-        painted = sum(len(files) for _, _, files in os.walk(args.show_dir))
+        painted = sum(f.endswith(('.png', '.jpg')) for _, _, files in os.walk(args.show_dir)
+                      for f in files)
         print(f'painted {painted} images (every {args.show_interval}) under {args.show_dir}')
     print(f'log: {runner.log_dir}')
     return metrics
