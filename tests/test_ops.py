@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mita_seg.ops import BACKENDS, mita_attention, mita_attention_reference, mita_routing
+from mita_seg.ops import (BACKENDS, Inputs, mita_attention, mita_attention_reference, mita_routing,
+                          select_backend)
 
 # (B, H, h, w, prefix, suffix, d, pool, topk, router_topk): awkward sizes on purpose.
 CASES = {
@@ -52,9 +53,30 @@ def test_any_block_size_is_the_same_operator(block_size):
 
 def test_the_fused_cpu_backend_is_built_and_chosen_on_cpu():
     q = torch.zeros(1, 1, 5, 4)
-    assert BACKENDS['fused_cpu'].unsupported(q) == []
-    from mita_seg.ops import select_backend
-    assert select_backend(q) == 'fused_cpu'
+    inp = Inputs(q, q, q, (2, 2), (1, 1), 3)
+    assert BACKENDS['fused_cpu'].unsupported(inp) == []
+    assert select_backend(inp) == 'fused_cpu'
+    # router top-2 too: the fused kernel reads several experts per query
+    assert select_backend(inp._replace(pool_size=(2, 2), router_topk=2)) == 'fused_cpu'
+
+
+def test_dispatch_reasons_name_every_backend():
+    q = torch.zeros(1, 1, 5, 4)
+    inp = Inputs(q, q, q, (2, 2), (2, 2), 3, router_topk=2)
+    # a forced backend that cannot run says why, naming the argument
+    with pytest.raises(ValueError, match=r"'varlen' cannot run[\s\S]*router_topk=2"):
+        select_backend(inp, 'varlen')
+    # the environment variable forces a backend as backend= does
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv('MITA_BACKEND', 'reference')
+        assert select_backend(inp) == 'reference'
+    # when no backend of the device's order can run, each gives its reasons on its own line
+    from mita_seg.ops import dispatch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(dispatch.AUTO_ORDER, 'cpu', ('varlen', ))
+        with pytest.raises(ValueError, match=r'no MiTA backend can run these inputs:\n  varlen: '
+                           r'router_topk=2'):
+            select_backend(inp)
 
 
 def test_backend_switch():

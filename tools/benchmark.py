@@ -1,20 +1,22 @@
 """Benchmark MiTA against softmax attention: operator level and model level.
 
-Operator level (``--level op``): MiTA (the auto-selected backend, and the plain PyTorch
-``blocked`` one) against ``F.scaled_dot_product_attention`` and against the path mmseg's
-ViT actually takes (mmcv ``MultiheadAttention`` -> ``nn.MultiheadAttention`` with
+Operator level (``--level op``, ``--device cpu`` or ``cuda``): MiTA (the auto-selected
+backend: ``fused_cpu`` on CPU, ``varlen`` on CUDA; and the plain PyTorch ``blocked`` one)
+against ``F.scaled_dot_product_attention`` (flash on CUDA) and against the path mmseg's ViT
+actually takes (mmcv ``MultiheadAttention`` -> ``nn.MultiheadAttention`` with
 ``need_weights=True``, which materialises the N x N weights), ViT-B heads (H=12, d=64) by
-default, for forward and forward+backward, float32 and bfloat16. Prints median times, the
-speed-up of MiTA over each alternative measured in the same run, the multiply-add ratio
-beside it, and peak memory.
+default, for forward and forward+backward, float32 and bfloat16 (and float16 on CUDA).
+Prints median times, the speed-up of MiTA over each alternative measured in the same run,
+the multiply-add ratio beside it, and peak memory.
 
 Model level (``--level model``): images per second and peak memory of mmseg segmenters
 (``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
 mode (slide) or whole-image at a given size.
 
-Peak memory is the rise of the process's peak RSS during one call (``/proc/self/status``
-VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap threshold lowered so
-freed buffers go back to the OS; the script re-executes itself to set that.
+Peak memory on CPU is the rise of the process's peak RSS during one call
+(``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap
+threshold lowered so freed buffers go back to the OS (the script re-executes itself to set
+that); on CUDA it is the rise of ``torch.cuda.max_memory_allocated``.
 
 Examples::
 
@@ -22,6 +24,7 @@ Examples::
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level op --threads 1
+    python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
 import argparse
 import gc
@@ -40,7 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.benchmark import Timer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mita_seg.ops import attention_flops, mita_attention, mita_flops, select_backend  # noqa
+from mita_seg.ops import (Inputs, attention_flops, mita_attention, mita_flops,  # noqa: E402
+                          select_backend)
 
 # name -> (config, test size or None for the config's own test mode)
 MODELS = {
@@ -56,10 +60,18 @@ MODELS = {
 }
 
 
-def peak_rss_rise(fn):
-    """Run ``fn`` once; return its result and the rise of peak RSS in MiB (None where
+def peak_memory_rise(fn, device):
+    """Run ``fn`` once; return its result and the rise of peak memory in MiB: CUDA's peak
+    allocated memory on ``cuda``, the process's peak RSS on CPU (None where
     /proc/self/clear_refs is not available)."""
     gc.collect()
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, (torch.cuda.max_memory_allocated(device) - before) / 2**20
     try:
         with open('/proc/self/clear_refs', 'w') as f:
             f.write('5')  # reset VmHWM to the current RSS
@@ -76,8 +88,16 @@ def peak_rss_rise(fn):
     return out, status('VmHWM:') - before
 
 
+def describe(device):
+    """The device, in words: the GPU's name, or the CPU's thread count."""
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    return f'{torch.get_num_threads()} threads'
+
+
 def median_time(fn, min_run_time):
-    # Timer runs single-threaded unless told otherwise: use the threads torch would use
+    # Timer runs single-threaded unless told otherwise: use the threads torch would use.
+    # It synchronizes the accelerator around each measurement (CUDA time is real time).
     return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
                  ).blocked_autorange(min_run_time=min_run_time).median
 
@@ -98,14 +118,20 @@ def mmcv_attention_core(q, k, v):
 def op_level(args):
     H, d = args.heads, args.head_dim
     M = args.pool_size ** 2
+    dev = torch.device(args.device)
+    x = torch.empty(1, 1, 1, d, device=dev)
+    auto = select_backend(Inputs(x, x, x, (1, 1), (1, 1), args.topk))
+    where = describe(dev)
     print(f'# operator: B=1, H={H}, d={d}, MiTA pool {args.pool_size}x{args.pool_size} '
-          f'(M={M}), k={args.topk}; torch {torch.__version__}, {torch.get_num_threads()} '
-          f'threads, MiTA backend: {select_backend(torch.empty(0))}')
+          f'(M={M}), k={args.topk}; torch {torch.__version__}, {dev.type} ({where}); '
+          f'MiTA = the automatic backend ({auto}), blocked = the plain PyTorch one')
     print('# ratio = time(alternative) / time(MiTA) measured in this run; '
-          'MAC ratio = multiply-adds of softmax attention / of MiTA')
+          'MAC ratio = multiply-adds of softmax attention / of MiTA; memory = peak rise '
+          f"({'CUDA allocated' if dev.type == 'cuda' else 'RSS'})")
     header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | {'SDPA ms':>9} {'mmcv ms':>9} "
               f"{'MiTA ms':>9} {'blocked':>9} | {'vs SDPA':>7} {'vs mmcv':>7} "
-              f"{'MACs':>6} | {'SDPA MiB':>8} {'mmcv MiB':>8} {'MiTA MiB':>8}")
+              f"{'vs blk':>7} {'MACs':>6} | {'SDPA MiB':>8} {'mmcv MiB':>8} "
+              f"{'MiTA MiB':>8} {'blk MiB':>8}")
     print(header)
     print('-' * len(header))
     for N in args.tokens:
@@ -117,9 +143,9 @@ def op_level(args):
             dt = getattr(torch, dtype)
             for pass_ in args.passes:
                 g = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dt).requires_grad_(
+                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dev, dt).requires_grad_(
                     pass_ == 'fwd+bwd') for _ in range(3))
-                grad = torch.randn(1, H, N, d, generator=g).to(dt)
+                grad = torch.randn(1, H, N, d, generator=g).to(dev, dt)
                 fns = {
                     'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
                     'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
@@ -142,17 +168,18 @@ def op_level(args):
                             with torch.no_grad():
                                 return f()
                     run()  # warm-up
-                    _, mems[name] = peak_rss_rise(run)
+                    _, mems[name] = peak_memory_rise(run, dev)
                     times[name] = median_time(run, args.min_run_time)
-                fmt = lambda t: f'{t * 1e3:9.1f}' if t else f"{'n/a':>9}"  # noqa
+                fmt = lambda t: f'{t * 1e3:9.2f}' if t else f"{'n/a':>9}"  # noqa
                 ratio = lambda a: f"{times[a] / times['MiTA']:6.2f}x" if times[a] else \
                     f"{'n/a':>7}"  # noqa
                 mem = lambda a: f'{mems[a]:8.0f}' if mems.get(a) is not None else \
                     f"{'n/a':>8}"  # noqa
                 print(f"{N:>6} {dtype:>8} {pass_:>7} | {fmt(times['SDPA'])} "
                       f"{fmt(times['mmcv'])} {fmt(times['MiTA'])} {fmt(times['blocked'])} | "
-                      f"{ratio('SDPA')} {ratio('mmcv')} {macs:5.1f}x | {mem('SDPA')} "
-                      f"{mem('mmcv')} {mem('MiTA')}", flush=True)
+                      f"{ratio('SDPA')} {ratio('mmcv')} {ratio('blocked')} {macs:5.1f}x | "
+                      f"{mem('SDPA')} {mem('mmcv')} {mem('MiTA')} {mem('blocked')}",
+                      flush=True)
                 del q, k, v, grad
 
 
@@ -166,8 +193,10 @@ def model_level(args):
     from mita_seg import swap_attention
 
     init_default_scope('mmseg')
-    print(f'# model level: random weights, batch 1, eval, no_grad; {torch.get_num_threads()} '
-          'threads; baseline = mmseg as released (mmcv MultiheadAttention)')
+    dev = torch.device(args.device)
+    where = describe(dev)
+    print(f'# model level: random weights, batch 1, eval, no_grad; {dev.type} ({where}); '
+          'baseline = mmseg as released (mmcv MultiheadAttention)')
     header = (f"{'model':>22} {'image':>10} {'mode':>6} | {'base img/s':>10} "
               f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
     print(header)
@@ -182,8 +211,8 @@ def model_level(args):
             cfg.model.test_cfg = dict(mode='whole')
         h, w = size or (512, 683)  # an ADE20K-like image: slide over 512 crops
         torch.manual_seed(0)
-        model = SEG_MODELS.build(cfg.model).eval()
-        img = torch.randn(1, 3, h, w)
+        model = SEG_MODELS.build(cfg.model).eval().to(dev)
+        img = torch.randn(1, 3, h, w, device=dev)
         meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
                                             pad_shape=(h, w)))]
         run = lambda: model.predict(img, meta)  # noqa
@@ -193,7 +222,7 @@ def model_level(args):
                 swap_attention(model, pool_size=args.pool_size, topk=args.topk, verbose=False)
             with torch.no_grad():
                 run()
-                _, mem = peak_rss_rise(run)
+                _, mem = peak_memory_rise(run, dev)
                 t = median_time(run, args.min_run_time)
             res[variant] = (1 / t, mem)
         mode = cfg.model.test_cfg.get('mode', 'whole')
@@ -205,10 +234,14 @@ def model_level(args):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'all'], default='op')
-    p.add_argument('--tokens', type=int, nargs='+', default=[1025, 4097, 16385],
-                   help='token counts N = 1 + s*s (65537 where memory allows)')
-    p.add_argument('--dtypes', nargs='+', default=['float32', 'bfloat16'],
-                   choices=['float32', 'bfloat16', 'float16'])
+    p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
+                   help='where the tensors and models live')
+    p.add_argument('--tokens', type=int, nargs='+', default=None,
+                   help='token counts N = 1 + s*s (default: 1025 4097 16385 on CPU, '
+                   'and 65537 on CUDA)')
+    p.add_argument('--dtypes', nargs='+', default=None,
+                   choices=['float32', 'bfloat16', 'float16'],
+                   help='default: float32 bfloat16 on CPU, float16 bfloat16 float32 on CUDA')
     p.add_argument('--passes', nargs='+', default=['fwd', 'fwd+bwd'],
                    choices=['fwd', 'fwd+bwd'])
     p.add_argument('--heads', type=int, default=12)
@@ -228,6 +261,14 @@ def parse_args():
 
 def main():
     args = parse_args()
+    cuda = args.device == 'cuda'
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit('--device cuda: torch sees no CUDA device '
+                         f'(torch {torch.__version__}, built for CUDA {torch.version.cuda})')
+    if args.tokens is None:
+        args.tokens = [1025, 4097, 16385] + ([65537] if cuda else [])
+    if args.dtypes is None:
+        args.dtypes = ['float16', 'bfloat16', 'float32'] if cuda else ['float32', 'bfloat16']
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()

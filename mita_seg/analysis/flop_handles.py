@@ -124,15 +124,19 @@ def _constant(value: torch._C.Value, name: str):
 def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...)``:
     :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read from the trace."""
-    from mita_seg.ops import mita_flops, select_backend
+    from mita_seg.ops import Inputs, mita_flops, select_backend
     args = dict(zip(_mita_arg_names(), inputs))
     B, H, N, d = _shape(args['q'], 'the MiTA query')
-    c = {n: _constant(args[n], n) for n in ('ph', 'pw', 'topk', 'router_topk',
-                                             'with_shared_expert', 'block_size', 'backend')}
+    c = {n: _constant(args[n], n) for n in ('h', 'w', 'ph', 'pw', 'topk', 'router_topk',
+                                             'num_prefix_tokens', 'with_shared_expert',
+                                             'shared_scale', 'block_size', 'backend')}
     device = args['q'].type().device()
     if device is not None and device.type == 'meta':
         # A meta trace stands for a CPU run: count the backend a CPU run would pick.
-        c['backend'] = select_backend(torch.empty(1, 1, 1, 1))
+        q = torch.empty(1, 1, 1, d).expand(B, H, N, d)
+        c['backend'] = select_backend(Inputs(
+            q, q, q, (c['h'], c['w']), (c['ph'], c['pw']), c['topk'], c['router_topk'],
+            c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale']))
     return Counter({
         'mita_attention':
         mita_flops(B, H, N, d, num_experts=c['ph'] * c['pw'], topk=c['topk'],

@@ -1,14 +1,16 @@
 """MiTA operator: pure tensor functions (no mmseg imports)."""
 from .blocked import mita_attention_blocked
-from .flops import attention_flops, mita_flops
+from .dispatch import AUTO_ORDER, BACKENDS, Backend, Inputs, select_backend
+from .flops import attention_flops, mita_flops_per_head
 from .fused_cpu import mita_attention_fused_cpu
-from .mita import BACKENDS, Backend, check_mita_args, mita_attention, select_backend
+from .mita import check_mita_args, mita_attention, mita_flops
 from .reference import mita_attention_reference
 from .routing import MiTARouting, mita_routing
+from .varlen import mita_attention_varlen
 
 __all__ = [
-    'mita_attention', 'mita_attention_reference', 'mita_attention_blocked', 'mita_attention_fused_cpu',
-    'mita_routing',
-    'MiTARouting', 'mita_flops', 'attention_flops', 'Backend', 'BACKENDS', 'select_backend',
-    'check_mita_args'
+    'mita_attention', 'mita_attention_reference', 'mita_attention_blocked',
+    'mita_attention_fused_cpu', 'mita_attention_varlen', 'mita_routing', 'MiTARouting',
+    'mita_flops', 'mita_flops_per_head', 'attention_flops', 'Backend', 'BACKENDS', 'Inputs',
+    'AUTO_ORDER', 'select_backend', 'check_mita_args'
 ]

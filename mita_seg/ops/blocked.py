@@ -1,4 +1,5 @@
-"""Blocked MiTA in plain PyTorch: the default path on CPU (and on GPU without Triton).
+"""Blocked MiTA in plain PyTorch: runs anywhere (the fallback for what the other backends
+cannot run, e.g. router top-r on CUDA).
 
 Each routed query is one *item* (``r`` items per query under router top-r). Items are
 sorted by expert and laid out in tiles of ``T`` slots, every tile holding items of a single
@@ -12,8 +13,11 @@ FlashAttention.
 """
 import math
 
+from typing import List
+
 import torch
 
+from .flops import mita_flops_per_head
 from .routing import mita_routing, routing_dtype
 
 
@@ -28,6 +32,23 @@ def default_block_size(num_items: int, num_experts: int) -> int:
 def num_tiles(num_items: int, num_experts: int, block_size: int) -> int:
     """Static upper bound on the tiles the blocked layout needs."""
     return -(-(num_items + num_experts * (block_size - 1)) // block_size)
+
+
+def unsupported(inp) -> List[str]:
+    """The blocked backend runs any inputs."""
+    return []
+
+
+def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_topk: int = 1,
+          with_shared_expert: bool = True, block_size=None) -> int:
+    """MACs per batch item and head: MiTA's, with the routed part over every slot of the
+    tiled layout, padding included: ``L = T * ceil((N r + M (T - 1)) / T)`` slots instead of
+    ``N r`` (``T = block_size``, :func:`default_block_size` if None)."""
+    NR = num_tokens * router_topk
+    T = block_size or default_block_size(NR, num_experts)
+    padding = num_tiles(NR, num_experts, T) * T - NR
+    return (mita_flops_per_head(num_tokens, head_dim, num_experts, topk, router_topk,
+                                with_shared_expert) + 2 * padding * topk * head_dim)
 
 
 def _tile_layout(choice: torch.Tensor, num_experts: int, block_size: int):

@@ -13,6 +13,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
+from .flops import mita_flops_per_head
 from .routing import mita_routing, routing_dtype
 
 try:
@@ -23,15 +24,20 @@ except ImportError as e:  # not compiled: the blocked backend runs instead
     _IMPORT_ERROR = str(e)
 
 
-def fused_cpu_unsupported(q: torch.Tensor) -> List[str]:
-    """Why :func:`mita_attention_fused_cpu` cannot run on ``q`` (empty if it can)."""
+def unsupported(inp) -> List[str]:
+    """Why :func:`mita_attention_fused_cpu` cannot run ``inp`` (a
+    :class:`mita_seg.ops.dispatch.Inputs`; empty if it can)."""
     why = []
     if _C is None:
         why.append(f'the C++ extension mita_seg._C is not built ({_IMPORT_ERROR}); '
                    'run scripts/setup_env.sh')
-    if q.device.type != 'cpu':
-        why.append(f'it runs on CPU tensors, got {q.device.type}')
+    if inp.device.type != 'cpu':
+        why.append(f'it runs on CPU tensors, got {inp.device.type}')
     return why
+
+
+# What the kernel executes: exactly MiTA's multiply-adds.
+flops = mita_flops_per_head
 
 
 @torch.library.custom_op('mita_seg::readout_fwd', mutates_args=())

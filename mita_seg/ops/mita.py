@@ -1,75 +1,25 @@
 """The public MiTA operator: argument checks, backend choice, autograd.
 
-Three layers, as in FlashAttention: the backends are plain functions
-(:mod:`.blocked`, :mod:`.reference`); ``torch.ops.mita_seg.mita_attention`` is a
-``torch.library.custom_op`` around them with a fake implementation (so ``torch.compile``
-and tracers see one opaque node, which the FLOP tools count analytically) whose backward
-recomputes the forward (memory like the inputs, not like the N x k intermediates);
-:func:`mita_attention` checks arguments and calls it.
+Three layers, as in FlashAttention: the backends are plain functions, each in its own
+module and differentiable by its own autograd (:mod:`.dispatch` chooses one);
+``torch.ops.mita_seg.mita_attention`` is a ``torch.library.custom_op`` around them with a
+fake implementation, which runs wherever no gradient is needed and in jit traces (inference,
+FLOP counting: ``torch.compile`` and tracers see one opaque node, which the FLOP tools count
+analytically); :func:`mita_attention` checks arguments and calls one or the other. Where a
+gradient is needed the backend runs directly, so its backward uses what its forward saved
+(no recomputation of the forward).
 """
-import os
 import warnings
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from .blocked import default_block_size, mita_attention_blocked
-from .fused_cpu import fused_cpu_unsupported, mita_attention_fused_cpu
-from .reference import mita_attention_reference
+from .blocked import default_block_size
+from .dispatch import BACKENDS, Inputs, select_backend
+from .flops import mita_flops_per_head
 from .routing import IntPair, pair
 
-__all__ = ['mita_attention', 'Backend', 'BACKENDS', 'select_backend', 'check_mita_args']
-
-
-class Backend(NamedTuple):
-    """An implementation of MiTA.
-
-    Attributes:
-        fn (Callable): ``fn(q, k, v, hw_shape, pool_size, topk, router_topk,
-            num_prefix_tokens, with_shared_expert, shared_scale, block_size)``.
-        unsupported (Callable): ``unsupported(q) -> list[str]``, why it cannot run on ``q``.
-        grad_backend (str): the differentiable backend whose recomputation gives this
-            backend's gradients (itself if it is differentiable).
-    """
-    fn: Callable
-    unsupported: Callable[[torch.Tensor], List[str]]
-    grad_backend: str
-
-
-def _always(q: torch.Tensor) -> List[str]:
-    return []
-
-
-# Selected by ``backend=``, else by the environment variable MITA_BACKEND, else the first
-# of _AUTO_ORDER that can run.
-BACKENDS: Dict[str, Backend] = {
-    'fused_cpu': Backend(mita_attention_fused_cpu, fused_cpu_unsupported, 'fused_cpu'),
-    'blocked': Backend(mita_attention_blocked, _always, 'blocked'),
-    'reference': Backend(mita_attention_reference, _always, 'reference'),
-}
-_AUTO_ORDER = ('fused_cpu', 'blocked')
-
-
-def select_backend(q: torch.Tensor, backend: Optional[str] = None) -> str:
-    """Name of the backend to run ``q`` on; ``backend`` (or ``$MITA_BACKEND``) forces one.
-
-    Raises:
-        ValueError: the forced backend is unknown or cannot run, with the reasons.
-    """
-    backend = backend or os.environ.get('MITA_BACKEND') or None
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f'unknown MiTA backend {backend!r}; choose one of {sorted(BACKENDS)}')
-        reasons = BACKENDS[backend].unsupported(q)
-        if reasons:
-            raise ValueError(f'MiTA backend {backend!r} cannot run here: ' + '; '.join(reasons))
-        return backend
-    why = {}
-    for name in _AUTO_ORDER:
-        why[name] = BACKENDS[name].unsupported(q)
-        if not why[name]:
-            return name
-    raise ValueError('no MiTA backend can run these inputs: ' + str(why))
+__all__ = ['mita_attention', 'mita_flops', 'check_mita_args']
 
 
 def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
@@ -132,6 +82,7 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              pw: int, topk: int, router_topk: int, num_prefix_tokens: int,
              with_shared_expert: bool, shared_scale: float, block_size: int,
              backend: str) -> torch.Tensor:
+    """The operator as one opaque node, for calls that need no gradient."""
     return _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
                 with_shared_expert, shared_scale, block_size, backend)
 
@@ -141,25 +92,16 @@ def _(q, k, v, *args):
     return torch.empty_like(q)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.args = inputs[3:]
-
-
-def _backward(ctx, grad):
-    # Recompute the forward with autograd on (the routing decisions come out identical:
-    # same inputs, same ops) and differentiate it. Saves memory like the inputs only.
-    q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-    args = list(ctx.args)
-    args[-1] = BACKENDS[args[-1]].grad_backend
-    with torch.enable_grad():
-        out = _run(q, k, v, *args)
-    grads = torch.autograd.grad(out, (q, k, v), grad, allow_unused=True)
-    grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
-    return grads + (None, ) * len(ctx.args)
-
-
-_mita_op.register_autograd(_backward, setup_context=_setup_context)
+def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
+               topk: int, router_topk: int = 1, with_shared_expert: bool = True,
+               block_size: Optional[int] = None, backend: Optional[str] = None) -> int:
+    """Multiply-adds of one MiTA call (one MAC = one FLOP): the paper's ``(4M + 2k) N C``
+    for router top-1 (:func:`mita_seg.ops.flops.mita_flops_per_head`), or with ``backend``
+    what that backend executes (``BACKENDS[backend].flops``: the blocked backend's padding
+    slots, the varlen backend's recomputed scores, the reference's dense logits)."""
+    per_head = BACKENDS[backend].flops if backend else mita_flops_per_head
+    return batch * num_heads * per_head(num_tokens, head_dim, num_experts, topk, router_topk,
+                                        with_shared_expert, block_size)
 
 
 def mita_attention(q: torch.Tensor,
@@ -207,22 +149,28 @@ def mita_attention(q: torch.Tensor,
             published ``1 / d``. Default: None.
         block_size (int, optional): tile size of the blocked backend; None picks one from
             N and M (:func:`mita_seg.ops.blocked.default_block_size`). Default: None.
-        backend (str, optional): force an implementation (``'fused_cpu'``, ``'blocked'``,
-            ``'reference'``); None takes ``$MITA_BACKEND`` or the first of ``fused_cpu``,
-            ``blocked`` that can run. Default: None.
+        backend (str, optional): force an implementation (``'fused_cpu'``, ``'varlen'``,
+            ``'blocked'``, ``'reference'``); None takes ``$MITA_BACKEND`` or the first that
+            can run of ``fused_cpu, varlen, blocked`` on CPU, ``varlen, blocked`` on CUDA
+            (:data:`mita_seg.ops.dispatch.AUTO_ORDER`). Default: None.
 
     Returns:
         Tensor: ``[B, H, N, d]``, the dtype of ``q``.
     """
     hw_shape, pool_size, topk = check_mita_args(q, k, v, hw_shape, pool_size, topk,
                                                 router_topk, num_prefix_tokens, shared_scale)
-    name = select_backend(q, backend)
+    d = q.shape[-1]
+    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
+                 with_shared_expert, shared_scale)
+    name = select_backend(inp, backend)
     if block_size is None:
         block_size = default_block_size(q.shape[2] * router_topk, pool_size[0] * pool_size[1])
     elif block_size < 1:
         raise ValueError(f'block_size must be >= 1, got {block_size}')
-    d = q.shape[-1]
-    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
-    return _mita_op(q, k, v, hw_shape[0], hw_shape[1], pool_size[0], pool_size[1], topk,
+    # One opaque node wherever no gradient is needed, and in jit traces (FLOP counting);
+    # the backend's own autograd otherwise.
+    call = _mita_op if torch.jit.is_tracing() or not inp.requires_grad else _run
+    return call(q, k, v, hw_shape[0], hw_shape[1], pool_size[0], pool_size[1], topk,
                     router_topk, num_prefix_tokens, with_shared_expert, shared_scale,
                     block_size, name)

@@ -2,9 +2,27 @@
 
 Slow and obviously correct; every fast path is tested against it.
 """
+from typing import List
+
 import torch
 
 from .routing import mita_routing
+
+
+def unsupported(inp) -> List[str]:
+    """The reference runs any inputs (in O(N^2) time and memory)."""
+    return []
+
+
+def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_topk: int = 1,
+          with_shared_expert: bool = True, block_size=None) -> int:
+    """MACs per batch item and head of the dense reference: ``S``, ``G``, the dense logits
+    and one dense read-out per router choice, plus the shared expert's ``V_R`` and output."""
+    N, M = num_tokens, num_experts
+    per_head = 2 * M * N + N * N * (1 + router_topk)
+    if with_shared_expert:
+        per_head += 2 * M * N
+    return head_dim * per_head
 
 
 def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
