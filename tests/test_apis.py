@@ -144,7 +144,7 @@ def test_image_demo(segmenter_ckpt, tiny_data, tools, tmp_path):
     model = init_model(config, ckpt, mita_cfg=dict(pool_size=4, topk=32))
     pred = inference_model(model, img).pred_sem_seg.data[0]
     ids, counts = pred.unique(return_counts=True)
-    top = model.dataset_meta['classes'][int(ids[counts.argmax()])]
+    top = model.dataset_meta['classes'][int(ids[counts.argmax()])].strip()
     share = 100 * counts.max().item() / pred.numel()
     assert f'wrote {out_file}: 128x128, {len(ids)} classes: {top} {share:.1f}%' in out
     assert 'swap_attention: 6 attention modules on MiTA' in out

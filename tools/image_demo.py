@@ -54,9 +54,9 @@ def main(argv=None):
     ids, counts = pred.flatten().unique(return_counts=True)
     classes = model.dataset_meta['classes']
     found = sorted(zip(counts.tolist(), ids.tolist()), reverse=True)
+    shares = [f'{classes[i].strip()} {100 * n / pred.numel():.1f}%' for n, i in found]
     print(f'wrote {args.out_file}: {pred.shape[0]}x{pred.shape[1]}, {len(found)} classes: '
-          + ', '.join(f'{classes[i]} {100 * n / pred.numel():.1f}%' for n, i in found[:8])
-          + (' ...' if len(found) > 8 else ''))
+          + ', '.join(shares[:8]) + (' ...' if len(found) > 8 else ''))
     return result
 
 

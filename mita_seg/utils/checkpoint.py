@@ -117,11 +117,14 @@ def load_local_checkpoint(filename: str,
         unsafe = _unsafe_globals(filename, e)
         if unsafe is None:
             size = osp.getsize(filename)
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            with open(filename, 'rb') as f:
+                head = f.read(2)
+            what = ('an empty file' if size == 0 else 'a damaged or truncated zip archive'
+                    if head == b'PK' else 'neither a torch zip archive nor a pickle')
             raise UnreadableCheckpointError(
-                f'{filename} is not a readable checkpoint ({size} bytes; torch.load said: '
-                f'{reason[:200]}). Give a .pth file saved by torch.save (an mmseg/mmengine '
-                'checkpoint); a download may be incomplete.') from e
+                f'{filename} is not a readable checkpoint ({what}, {size} bytes). Give a .pth '
+                'file saved by torch.save (an mmseg/mmengine checkpoint); a download may be '
+                'incomplete.') from e
         raise UnsafeCheckpointError(
             f'refusing to load checkpoint {filename}: it holds Python objects outside the '
             f'weights-only allow-list: {", ".join(unsafe)}. Checkpoints of mmengine runs only '
