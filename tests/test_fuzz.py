@@ -121,15 +121,8 @@ def test_backbone_fuzz(vit_factory, H, W, B, pool, topk, router_topk, shared):
     model = vit_factory(pool, topk, router_topk, shared)
     x = torch.randn(B, 3, H, W, generator=torch.Generator().manual_seed(H * 100 + W))
     h, w = -(-H // 8), -(-W // 8)  # mmseg's PatchEmbed pads to a whole number of patches
-    if pool[0] > h or pool[1] > w or router_topk > pool[0] * pool[1]:
-        # a landmark grid larger than the patch grid cannot be pooled: clear error
-        with pytest.raises(ValueError, match='pool_size|router_topk'), warnings.catch_warnings():
-            warnings.simplefilter('ignore')
-            model(x)
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # topk > N is clamped with a warning
-        with torch.no_grad():
-            (out, ) = model(x)
+    # any grid runs: the module uses min(P, h) x min(P, w) landmarks, k <= N, r <= M
+    with torch.no_grad():
+        (out, ) = model(x)
     assert out.shape == (B, 32, h, w)
     assert torch.isfinite(out).all()

@@ -57,6 +57,15 @@ def test_train_test_resume(tiny_data, tools, tmp_path):
                    preds, '--show-dir', shows, *test_opts)
     base = tools.miou(out)
     assert sorted(os.listdir(preds)) == [f'ADE_val_{i:08d}.png' for i in (1, 2, 3, 4)]
+    # each is the model's prediction (ADE20K ids, 1..150) of that image
+    import cv2
+    from mita_seg.apis import inference_model, init_model
+    model = init_model(CONFIG, ckpt, cfg_options=dict(
+        test_dataloader=dict(dataset=dict(data_root=tiny_data))))
+    img = osp.join(tiny_data, 'images', 'validation', 'ADE_val_00000002.jpg')
+    expected = inference_model(model, img).pred_sem_seg.data[0].numpy() + 1
+    saved = cv2.imread(str(preds / 'ADE_val_00000002.png'), cv2.IMREAD_UNCHANGED)
+    assert (saved == expected).all()
     assert f'painted 4 images (every 1) under {shows}' in out
     # swapping the (already MiTA) model's attention with the same settings after the runner
     # is built, before it loads the checkpoint in test(): same weights, same mIoU
