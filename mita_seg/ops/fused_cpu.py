@@ -1,20 +1,32 @@
-"""Fused MiTA on CPU: routing with ATen ops, then the read-out in C++
-(``mita_seg/ops/csrc/mita_cpu.cpp``): each expert's keys and values are read once from K and
-V for all queries routed to it, and each query's shared and routed logits share one softmax.
+"""Fused MiTA on CPU: routing and read-out in one C++ forward
+(``mita_seg/ops/csrc/mita_cpu.cpp``), and a backward that reuses what it saved.
 
-Differentiable end to end: the routing ops (landmarks, ``S``, ``G``, ``V_R``) are plain
-torch, the indices carry no gradient, and the read-out is :class:`MiTAReadout`, an
-``autograd.Function`` whose backward is a C++ kernel too. The two kernels are registered as
-``torch.library`` custom ops with fake implementations, so that tracers (``torch.compile``)
-see opaque nodes.
+The forward computes the landmarks, the scores ``S``, each expert's top-k keys (a selection,
+not a sort), the shared logits ``G`` and each query's expert, groups the queries by expert
+(counting sort), reads each expert's keys and values once for all its queries, and merges
+shared and routed logits in one softmax per query. It saves the routing (keys, choices,
+expert offsets and order), the per-query log-sum-exp, the landmarks, ``softmax(S)``, ``G``
+and ``V_R``: the backward recomputes nothing of the forward (FlashAttention's pattern). Its
+read-out part is C++; the routing part (through ``R``, ``S``, ``G``, ``V_R`` to q, k, v) is a
+few batched ATen products, :func:`_routing_backward`.
+
+Precision: bfloat16/float16 inputs are computed in float32 (routing decisions identical to
+the float32 reference's on the same values, softmax statistics in float32). On CPUs without
+bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an AMD EPYC
+with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
+docs/benchmark.md).
+
+The forward and the read-out backward are ``torch.library`` custom ops with fake
+implementations, so tracers (``torch.compile``) see opaque nodes.
 """
-from typing import List, Tuple
+import time
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
 from .flops import mita_flops_per_head
-from .routing import mita_routing, routing_dtype
+from .routing import routing_dtype
 
 try:
     from mita_seg import _C
@@ -40,80 +52,119 @@ def unsupported(inp) -> List[str]:
 flops = mita_flops_per_head
 
 
-@torch.library.custom_op('mita_seg::readout_fwd', mutates_args=())
-def _readout_fwd(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, choice: Tensor,
-                 shared_logits: Tensor, shared_values: Tensor, shared: bool,
-                 scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _C.mita_readout_forward(q, k, v, keys, choice, shared_logits, shared_values,
-                                       shared, scale)
-    return out, lse
+@torch.library.custom_op('mita_seg::fused_fwd', mutates_args=())
+def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
+               topk: int, router_topk: int, shared: bool, shared_scale: float,
+               save_probs: bool) -> List[Tensor]:
+    return _C.mita_forward(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared,
+                           shared_scale, save_probs)
 
 
-@_readout_fwd.register_fake
-def _(q, k, v, keys, choice, shared_logits, shared_values, shared, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:2])
+@_fused_fwd.register_fake
+def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs):
+    BH, N, d = q.shape
+    M, r = ph * pw, router_topk
+    long = dict(dtype=torch.long)
+    return [torch.empty_like(q), q.new_empty(BH, N), q.new_empty(BH, M, topk, **long),
+            q.new_empty(BH, N, r, **long), q.new_empty(BH, M + 1, **long),
+            q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d),
+            q.new_empty(BH if shared and save_probs else 0, M, N), q.new_empty(BH, N, M),
+            q.new_empty(BH if shared else 0, M, d)]
 
 
 @torch.library.custom_op('mita_seg::readout_bwd', mutates_args=())
 def _readout_bwd(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, choice: Tensor,
-                 shared_logits: Tensor, shared_values: Tensor, shared: bool, scale: float,
-                 out: Tensor, lse: Tensor,
-                 grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = _C.mita_readout_backward(q, k, v, keys, choice, shared_logits, shared_values,
-                                     shared, scale, out, lse, grad_out)
-    return tuple(grads)
+                 offsets: Tensor, order: Tensor, shared_logits: Tensor, shared_values: Tensor,
+                 shared: bool, scale: float, out: Tensor, lse: Tensor,
+                 grad_out: Tensor) -> List[Tensor]:
+    return _C.mita_readout_backward(q, k, v, keys, choice, offsets, order, shared_logits,
+                                    shared_values, shared, scale, out, lse, grad_out)
 
 
 @_readout_bwd.register_fake
-def _(q, k, v, keys, choice, shared_logits, shared_values, shared, scale, out, lse, grad_out):
+def _(q, k, v, keys, choice, offsets, order, shared_logits, shared_values, shared, scale, out,
+      lse, grad_out):
     BH, N, d = q.shape
-    M = keys.shape[1]
-    shape_ls, shape_vr = ((BH, N, M), (BH, M, d)) if shared else ((0, ), (0, ))
-    return (torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
-            q.new_empty(shape_ls), q.new_empty(shape_vr))
+    M, n = keys.shape[1], BH if shared else 0
+    return [torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
+            q.new_empty(n, N, M), q.new_empty(n, M, d)]
 
 
-class MiTAReadout(torch.autograd.Function):
-    """The read-out of MiTA given its routing: for every query ``n`` one softmax over its
-    shared logits ``Ls[n]`` (values ``V_R``) and its routed logits ``q_n . k_j * scale`` for
-    the keys ``j`` of its experts (values ``v_j``).
+# Seconds spent in _routing_backward while the kernel profile is on (see profile()).
+_ROUTING_BWD = {'on': False, 'seconds': 0.0}
 
-    ``apply(q, k, v, keys, choice, shared_logits, shared_values, shared, scale)``:
 
-    Args:
-        q, k, v (Tensor): ``[BH, N, d]``, float32 or float64, CPU.
-        keys (Tensor): ``[BH, M, K]`` int64, the keys of each expert.
-        choice (Tensor): ``[BH, N, R]`` int64, the experts of each query.
-        shared_logits (Tensor): ``Ls``, ``[BH, N, M]``, already scaled (ignored, and may be
-            empty, unless ``shared``).
-        shared_values (Tensor): ``V_R``, ``[BH, M, d]`` (same).
-        shared (bool): whether the shared expert takes part.
-        scale (float): scale of the routed logits, ``1 / sqrt(d)`` in MiTA.
+def profile(enable: bool) -> Dict[str, float]:
+    """Wall time of each phase of the kernels, summed over calls: ``profile(True)`` resets
+    the counters and starts counting, ``profile(False)`` stops; both return
+    ``{phase: seconds}`` accumulated since the last reset (``bwd.routing`` is the ATen part
+    of the backward)."""
+    res = dict(_C.profile(enable))
+    res['bwd.routing'] = _ROUTING_BWD['seconds']
+    if enable:
+        _ROUTING_BWD['seconds'] = 0.0
+    _ROUTING_BWD['on'] = enable
+    return res
 
-    Returns:
-        Tensor: ``[BH, N, d]``. Gradients flow to q, k, v and (if ``shared``) to
-        ``shared_logits`` and ``shared_values``.
+
+def _routing_backward(dq, dk, dv, dls, dvr, q, k, v, R, probs, hw, pool, prefix,
+                      shared_scale):
+    """Adds the gradients that flow through the routing to ``dq, dk, dv`` (in place), given
+    those of the shared logits ``Ls = q (R * shared_scale)^T`` (``dls``, ``[BH, N, M]``) and
+    of the shared values ``V_R = P V`` (``dvr``, ``[BH, M, d]``), ``P = softmax(S)``,
+    ``S = (R / sqrt(d)) K^T`` (``probs``: ``P``, ``[BH, M, N]``). ``R`` pools the ``hw`` grid
+    of q (after ``prefix`` tokens) down to ``pool``."""
+    t0 = time.perf_counter()
+    c = q.shape[-1] ** -0.5
+    dq.baddbmm_(dls, R, alpha=shared_scale)                          # dLs R s
+    dR = torch.bmm(dls.transpose(1, 2), q).mul_(shared_scale)        # dLs^T q s   [BH, M, d]
+    dv.baddbmm_(probs.transpose(1, 2), dvr)                          # P^T dV_R
+    dP = torch.bmm(dvr, v.transpose(1, 2))                           # [BH, M, N]
+    dS = dP.sub_((dP * probs).sum(-1, keepdim=True)).mul_(probs)     # softmax backward
+    dR.baddbmm_(dS, k, alpha=c)                                      # dS K c
+    dk.baddbmm_(dS.transpose(1, 2), R, alpha=c)                      # dS^T R c
+    h, w = hw
+    BH, M, d = R.shape
+    grid = q[:, prefix:prefix + h * w].transpose(1, 2).reshape(BH, d, h, w)
+    dgrid = torch.ops.aten._adaptive_avg_pool2d_backward(
+        dR.transpose(1, 2).reshape(BH, d, *pool), grid)             # [BH, d, h, w]
+    dq[:, prefix:prefix + h * w] += dgrid.reshape(BH, d, h * w).transpose(1, 2)
+    if _ROUTING_BWD['on']:
+        _ROUTING_BWD['seconds'] += time.perf_counter() - t0
+
+
+class MiTAFused(torch.autograd.Function):
+    """MiTA on ``[BH, N, d]`` float32/float64 CPU tensors, routing included.
+
+    ``apply(q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared, shared_scale)``
+    returns ``[BH, N, d]``; gradients flow to q, k, v (not through the indices).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keys, choice, shared_logits, shared_values, shared, scale):
-        if shared:
-            shared_logits = shared_logits.to(q.dtype).contiguous()
-            shared_values = shared_values.to(q.dtype).contiguous()
-        out, lse = _readout_fwd(q.contiguous(), k.contiguous(), v.contiguous(), keys, choice,
-                                shared_logits, shared_values, shared, scale)
-        ctx.save_for_backward(q, k, v, keys, choice, shared_logits, shared_values, out, lse)
-        ctx.shared, ctx.scale = shared, scale
+    def forward(ctx, q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared,
+                shared_scale):
+        save = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        (out, lse, keys, choice, offsets, order, R, probs, ls, vr) = _fused_fwd(
+            q, k, v, *hw_shape, *pool_size, prefix, topk, router_topk, shared, shared_scale,
+            save)
+        if save:
+            ctx.save_for_backward(q, k, v, keys, choice, offsets, order, R, probs, ls, vr,
+                                  out, lse)
+            ctx.args = (hw_shape, pool_size, prefix, shared, shared_scale)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        dq, dk, dv, dls, dvr = _readout_bwd(*ctx.saved_tensors[:7], ctx.shared, ctx.scale,
-                                            *ctx.saved_tensors[7:], grad_out.contiguous())
-        if not ctx.shared:
-            dls = dvr = None
-        return dq, dk, dv, None, None, dls, dvr, None, None
+        q, k, v, keys, choice, offsets, order, R, probs, ls, vr, out, lse = ctx.saved_tensors
+        hw_shape, pool_size, prefix, shared, shared_scale = ctx.args
+        scale = q.shape[-1] ** -0.5
+        dq, dk, dv, dls, dvr = _readout_bwd(q, k, v, keys, choice, offsets, order, ls, vr,
+                                            shared, scale, out, lse, grad_out.contiguous())
+        if shared:
+            _routing_backward(dq, dk, dv, dls, dvr, q, k, v, R, probs, hw_shape, pool_size,
+                              prefix, shared_scale)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
@@ -126,19 +177,9 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
     """
     B, H, N, d = q.shape
-    BH = B * H
-    scale = d ** -0.5
-    rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale)
-    M = rt.landmarks.shape[2]
+    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
     acc = routing_dtype(q.dtype)
-    qb, kb, vb = (t.to(acc).reshape(BH, N, d) for t in (q, k, v))
-    if with_shared_expert:
-        v_r = (torch.softmax(rt.scores, dim=-1) @ v.to(acc)).reshape(BH, M, d)
-        logits_s = rt.router.reshape(BH, N, M)
-    else:
-        v_r = logits_s = qb.new_empty(0)
-    out = MiTAReadout.apply(qb, kb, vb, rt.expert_keys.reshape(BH, M, topk),
-                            rt.choice.reshape(BH, N, router_topk), logits_s, v_r,
-                            with_shared_expert, scale)
+    qb, kb, vb = (t.to(acc).reshape(B * H, N, d) for t in (q, k, v))
+    out = MiTAFused.apply(qb, kb, vb, tuple(hw_shape), tuple(pool_size), num_prefix_tokens,
+                          topk, router_topk, with_shared_expert, shared_scale)
     return out.view(B, H, N, d).to(q.dtype)
