@@ -6,7 +6,8 @@
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
 //   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T [LB, N] (a local
 //                  buffer; the saved probabilities when training), the K best keys of each
-//                  row by a size-K min-heap scan (selection, no sort), and with the shared
+//                  row by selection (a bound from run maxima, nth_element of the few
+//                  candidates above it; no sort), and with the shared
 //                  expert P = softmax(S), V_R = P V.
 //   3. router      per (bh, chunk of queries): Ls = q (R * shared_scale)^T [CH, M] (the
 //                  shared logits, kept: phase 6 and the backward read them) and each query's
@@ -32,6 +33,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -107,11 +109,34 @@ inline T dot(const T* __restrict__ x, const T* __restrict__ y, int64_t d) {
   return s;
 }
 
+// Largest entry of x[0..n) (-inf if empty). NaN entries are skipped here, but reach the
+// softmax's result through exp below.
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + j), acc);  // NaN: acc
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float m = lanes[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+const bool g_has_avx2 = cpu_has_avx2();
+
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (g_has_avx2) return row_max_avx2(x, n);
+  }
   T m = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);  // NaN entries are skipped here
-  return m;                                                // but propagate through exp below
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return m;
 }
 
 // exp(x) on 8 floats, Cephes' polynomial (relative error ~2e-7), for x <= 0 as softmax
@@ -159,8 +184,6 @@ __attribute__((target("avx2,fma"))) float exp_shift_avx2(float* row, int64_t n, 
   }
   return sum;
 }
-
-const bool g_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 
 template <typename T>
 inline T exp_shift(T* row, int64_t n, T shift, T mul = 1) {
@@ -253,26 +276,34 @@ void landmarks_phase(const T* q, T* R, const Geometry& g) {
   });
 }
 
-// The K largest entries of s[0..n) (indices, in no particular order) by one scan with a
-// min-heap of size K: O(n + K log K log(n / K)) for continuous scores.
+// The K largest entries of s[0..n) (indices, in no particular order), by selection: the
+// maxima of 2K disjoint runs of s have K of their number >= their K-th largest t, so the K
+// largest entries of s are all >= t; the candidates >= t (typically ~2K of n) go through
+// nth_element. NaN scores are never selected while K others are available.
 template <typename T>
 void topk_indices(const T* s, int64_t n, int64_t K, int64_t* out,
-                  std::vector<std::pair<T, int64_t>>& heap) {
+                  std::vector<std::pair<T, int64_t>>& cand, std::vector<T>& maxima) {
   auto greater = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
     return a.first > b.first;
   };
-  heap.resize(K);
-  for (int64_t j = 0; j < K; ++j) heap[j] = {s[j], j};
-  std::make_heap(heap.begin(), heap.end(), greater);  // heap.front(): the smallest kept
-  T threshold = heap.front().first;
-  for (int64_t j = K; j < n; ++j) {
-    if (!(s[j] > threshold)) continue;
-    std::pop_heap(heap.begin(), heap.end(), greater);
-    heap.back() = {s[j], j};
-    std::push_heap(heap.begin(), heap.end(), greater);
-    threshold = heap.front().first;
+  cand.clear();
+  const int64_t runs = 2 * K;
+  if (runs * 4 <= n) {
+    maxima.resize(runs);
+    for (int64_t r = 0; r < runs; ++r) maxima[r] = row_max(s + r * n / runs,
+                                                           (r + 1) * n / runs - r * n / runs);
+    std::nth_element(maxima.begin(), maxima.begin() + (K - 1), maxima.end(), std::greater<T>());
+    const T t = maxima[K - 1];
+    for (int64_t j = 0; j < n; ++j)
+      if (s[j] >= t) cand.emplace_back(s[j], j);
   }
-  for (int64_t j = 0; j < K; ++j) out[j] = heap[j].second;
+  if (static_cast<int64_t>(cand.size()) < K) {  // small n, or NaNs / -inf everywhere
+    cand.clear();
+    for (int64_t j = 0; j < n; ++j)
+      cand.emplace_back(std::isnan(s[j]) ? -std::numeric_limits<T>::infinity() : s[j], j);
+  }
+  std::nth_element(cand.begin(), cand.begin() + (K - 1), cand.end(), greater);
+  for (int64_t j = 0; j < K; ++j) out[j] = cand[j].second;
 }
 
 // ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values.
@@ -287,7 +318,8 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     std::vector<T> rc(LB * g.d), local(probs ? 0 : LB * g.N);
-    std::vector<std::pair<T, int64_t>> heap;
+    std::vector<std::pair<T, int64_t>> cand;
+    std::vector<T> maxima;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
       const T* r = R + (bh * g.M + m0) * g.d;
@@ -295,7 +327,7 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
       T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();
       gemm(false, true, L, g.N, g.d, rc.data(), g.d, k + bh * g.N * g.d, g.d, s, g.N);
       for (int64_t l = 0; l < L; ++l) {
-        topk_indices(s + l * g.N, g.N, g.K, keys + (bh * g.M + m0 + l) * g.K, heap);
+        topk_indices(s + l * g.N, g.N, g.K, keys + (bh * g.M + m0 + l) * g.K, cand, maxima);
         if (shared) softmax_row(s + l * g.N, g.N);
       }
       if (shared)
@@ -413,6 +445,7 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
 
 // ---- Forward phase 6: each query's softmax over its M shared logits and its r routed
 // partials (weights exp(lse_c - max)); out [BH, N, d], lse [BH, N] over all M + r K logits.
+// With R = 1, o_items may be out itself (each task reads a row before it writes it).
 template <typename T>
 void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr, T* out,
                  T* lse_out, bool shared, const Geometry& g) {
@@ -421,7 +454,7 @@ void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr,
   const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, R = g.R, d = g.d;
   at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH);
+    std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH), shv(CH * d);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
       for (int64_t n = 0; n < G; ++n) {
@@ -438,25 +471,26 @@ void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr,
         mx[n] = m;
         sum[n] = s;
       }
-      T* o = out + (bh * g.N + n0) * d;
+      T* sh = shv.data();  // shared expert's unnormalised output [G, d]
       if (shared) {
-        gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, o, d);
+        gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, sh, d);
       } else {
-        std::fill(o, o + G * d, T(0));
+        std::fill(sh, sh + G * d, T(0));
       }
       for (int64_t n = 0; n < G; ++n) {  // each routed partial has weight exp(lse - m)
         const int64_t i = bh * g.N + n0 + n;
         T s = sum[n];
-        T* oi = o + n * d;
+        T* sn = sh + n * d;
         for (int64_t c = 0; c < R; ++c) {
           const T w = std::exp(lse_items[i * R + c] - mx[n]);
           s += w;
-          axpy(oi, w, o_items + (i * R + c) * d, d);
+          axpy(sn, w, o_items + (i * R + c) * d, d);
         }
         lse_out[i] = mx[n] + std::log(s);
         const T inv = T(1) / s;
+        T* oi = out + i * d;  // (with R = 1, o_items is out: row i was read above)
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) oi[c] *= inv;
+        for (int64_t c = 0; c < d; ++c) oi[c] = sn[c] * inv;
       }
     }
   });
@@ -665,7 +699,7 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   auto probs = torch::empty({shared && save_probs ? g.BH : 0, g.M, g.N}, opts);
   auto ls = torch::empty({g.BH, g.N, g.M}, opts);
   auto vr = torch::empty({shared ? g.BH : 0, g.M, g.d}, opts);
-  auto o_items = torch::empty({g.BH, g.N * g.R, g.d}, opts);
+  auto o_items = g.R == 1 ? out : torch::empty({g.BH, g.N * g.R, g.d}, opts);
   auto lse_items = torch::empty({g.BH, g.N * g.R}, opts);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_forward", [&] {
     using T = scalar_t;
