@@ -71,18 +71,20 @@ def test_kernel_saves_probabilities_only_when_asked():
 
 
 def _backward_args(case='vit-7x11-cls'):
+    """The arguments of _C.mita_backward, by name, from a real forward."""
     B, H, h, w, p, s, d, pool, topk, r = CASES[case]
     q, k, v = _qkv(B, H, p + h * w + s, d)
     out, lse, keys, choice, offsets, order, R, probs, ls, vr = _forward(q, k, v, h, w, p, pool,
                                                                         topk, r)
     flat = [t.reshape(out.shape) for t in (q, k, v)]
-    return dict(q=flat[0], k=flat[1], v=flat[2], keys=keys, choice=choice, offsets=offsets,
-                order=order, ls=ls, vr=vr, shared=True, scale=d ** -0.5, out=out, lse=lse,
+    return dict(q=flat[0], k=flat[1], v=flat[2], h=h, w=w, ph=pool[0], pw=pool[1], prefix=p,
+                shared=True, shared_scale=1.0 / d, keys=keys, choice=choice, offsets=offsets,
+                order=order, R=R, probs=probs, ls=ls, vr=vr, out=out, lse=lse,
                 dout=torch.ones_like(out))
 
 
 def _bwd(a):
-    return _C.mita_readout_backward(*a.values())
+    return _C.mita_backward(*a.values())
 
 
 def test_kernel_backward_rejects_bad_indices():
@@ -124,6 +126,13 @@ def test_kernel_backward_rejects_bad_indices():
         _bwd({**a, 'keys': a['keys'].int()})
     with pytest.raises(RuntimeError, match='lse must have shape'):
         _bwd({**a, 'lse': a['lse'][:, :-1]})
+    with pytest.raises(RuntimeError, match='probs must have shape'):
+        _bwd({**a, 'probs': a['probs'][:, :, 1:]})
+    # a geometry that does not match the saved routing
+    with pytest.raises(RuntimeError, match='keys must have shape'):
+        _bwd({**a, 'ph': a['ph'] - 1})
+    with pytest.raises(RuntimeError, match='does not fit N'):
+        _bwd({**a, 'prefix': 5})
 
 
 def test_kernel_forward_rejects_bad_arguments():
@@ -201,5 +210,23 @@ def test_profile_counts_every_phase():
         out.sum().backward()
     finally:
         phases = profile(False)
-    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.routing'}
+    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores'}
     assert all(t > 0 for t in phases.values()), phases
+
+
+def test_torch_mm_fallback_gives_the_same_results():
+    """Where PyTorch links no Fortran BLAS, the kernels' GEMMs go through torch::mm: the same
+    outputs and gradients (to rounding)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 1 + 9 * 10 + 4, 16, seed=6))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
+    kw = dict(hw_shape=(9, 10), pool_size=(3, 4), topk=12, router_topk=2, backend='fused_cpu')
+    res = []
+    try:
+        for fallback in (False, True):
+            _C._set_torch_mm_only(fallback)
+            out = mita_attention(q, k, v, **kw)
+            res.append([out] + list(torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        _C._set_torch_mm_only(False)
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

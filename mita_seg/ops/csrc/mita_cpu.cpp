@@ -23,8 +23,7 @@
 //   B. per (bh, expert), as phase 5: dQ of its items and dK, dV of its keys into per-expert
 //      buffers (no two tasks write the same memory).
 //   C. per bh: scatter-add the per-expert dK, dV into key rows; sum dQ over choices.
-// The routing part of the backward (dLs, dV_R -> dq, dk, dv through R, S) is ATen, in
-// mita_seg/ops/fused_cpu.py.
+//   D-F. the routing part, through R, S, P, V_R (see scores_backward_phase).
 //
 // Built for the baseline ISA (no -march=native, no -ffast-math): the GEMMs are MKL's (which
 // dispatch on the CPU themselves) and the exponentials take an AVX2 path chosen at run time.
@@ -76,10 +75,11 @@ struct SerialBlas {
 
 // ---- Phase profile: wall time of each phase, summed over calls (off unless enabled). ----
 enum Phase { kLandmarks, kExperts, kRouter, kGrouping, kRouted, kMerge,
-             kBwdShared, kBwdRouted, kBwdReduce, kNumPhases };
+             kBwdShared, kBwdRouted, kBwdReduce, kBwdScores, kBwdRows, kBwdLandmarks,
+             kNumPhases };
 const char* const kPhaseNames[kNumPhases] = {
     "fwd.landmarks", "fwd.experts", "fwd.router", "fwd.grouping", "fwd.routed", "fwd.merge",
-    "bwd.shared", "bwd.routed", "bwd.reduce"};
+    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks"};
 std::atomic<bool> g_profile{false};
 double g_phase_seconds[kNumPhases] = {};
 
@@ -210,31 +210,32 @@ inline T softmax_row(T* row, int64_t n) {
   return mx + std::log(sum);
 }
 
+// Set by the tests to run the torch::mm fallback of gemm (used where BLAS is not linked).
+bool g_torch_mm_only = false;
+
 template <typename T>
 torch::TensorOptions options_of() {
   return torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
 }
 
-// Row-major C[m, n] = op(A) op(B) (+ C if accumulate) with op(A) [m, k], op(B) [k, n];
+// Row-major C[m, n] = alpha op(A) op(B) (+ C if accumulate) with op(A) [m, k], op(B) [k, n];
 // a_t: A is stored [k, m] (lda its row stride), b_t: B is stored [n, k]. (Column-major BLAS
 // computes C^T.)
 template <typename T>
 void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64_t lda,
-          const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false) {
+          const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false, T alpha = 1) {
   constexpr bool is_float = std::is_same<T, float>::value;
-#ifndef MITA_TORCH_MM_ONLY  // defined by the test of the fallback
-  if ((is_float && sgemm_) || (!is_float && dgemm_)) {
+  if (!g_torch_mm_only && ((is_float && sgemm_) || (!is_float && dgemm_))) {
     const int mi = m, ni = n, ki = k, la = lda, lb = ldb, lc = ldc;
     const char ta = a_t ? 'T' : 'N', tb = b_t ? 'T' : 'N';
-    const T one = 1, beta = accumulate ? 1 : 0;
+    const T beta = accumulate ? 1 : 0;
     if constexpr (is_float) {
-      sgemm_(&tb, &ta, &ni, &mi, &ki, &one, B, &lb, A, &la, &beta, C, &lc);
+      sgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, B, &lb, A, &la, &beta, C, &lc);
     } else {
-      dgemm_(&tb, &ta, &ni, &mi, &ki, &one, B, &lb, A, &la, &beta, C, &lc);
+      dgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, B, &lb, A, &la, &beta, C, &lc);
     }
     return;
   }
-#endif
   const auto opts = options_of<T>();
   auto blob = [&](const T* x, int64_t rows, int64_t cols, int64_t ld, bool t) {
     auto x2 = torch::from_blob(const_cast<T*>(x), {t ? cols : rows, t ? rows : cols},
@@ -242,11 +243,7 @@ void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64
     return t ? x2.t() : x2;
   };
   auto c = torch::from_blob(C, {m, n}, {ldc, 1}, opts);
-  if (accumulate) {
-    c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t));
-  } else {
-    torch::mm_out(c, blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t));
-  }
+  c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t), accumulate ? 1 : 0, alpha);
 }
 
 // Where MiTA's tokens are: N = prefix + h * w + suffix; the pool is Ph x Pw.
@@ -622,6 +619,85 @@ void reduce_phase(const int64_t* keys, const int64_t* offsets, const T* dk_exp,
   });
 }
 
+// ---- Backward, routing part (shared expert only): Ls = s q R^T (s = shared_scale),
+// S = c R K^T (c = 1 / sqrt(d)), P = softmax(S), V_R = P V. Given dLs and dV_R:
+//   D. per (bh, block of landmarks): dS = c P (dP - rowsum(P dP)) with dP = dV_R V^T
+//      ([LB, N], c folded in) and dR = dS K [LB, d]; per bh: dR += s dLs^T q.
+//   E. per (bh, chunk of rows): dq += s dLs R, dv += P^T dV_R, dk += dS^T R.
+//   F. per (bh, grid row): the grid rows of dq += the adjoint of the pooling of dR.
+template <typename T>
+void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, const T* dvr,
+                           const T* dls, T* ds, T* dR, T shared_scale, const Geometry& g) {
+  PhaseTimer timer(kBwdScores);
+  constexpr int64_t LB = 8;
+  const int64_t blocks = (g.M + LB - 1) / LB, N = g.N, M = g.M, d = g.d;
+  const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(M, m0 + LB) - m0;
+      T* dsb = ds + (bh * M + m0) * N;
+      gemm(false, true, L, N, d, dvr + (bh * M + m0) * d, d, v + bh * N * d, d, dsb, N);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* p = probs + (bh * M + m0 + l) * N;
+        T* r = dsb + l * N;
+        const T D = dot(p, r, N);
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) r[j] = c * p[j] * (r[j] - D);
+      }
+      gemm(false, false, L, d, N, dsb, N, k + bh * N * d, d, dR + (bh * M + m0) * d, d);
+    }
+  });
+  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+    SerialBlas serial_blas;
+    for (int64_t bh = b0; bh < b1; ++bh)                               // dR += s dLs^T q
+      gemm(true, false, M, d, N, dls + bh * N * M, M, q + bh * N * d, d, dR + bh * M * d, d,
+           true, shared_scale);
+  });
+}
+
+template <typename T>
+void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls, const T* ds,
+                         T* dq, T* dk, T* dv, T shared_scale, const Geometry& g) {
+  PhaseTimer timer(kBwdRows);
+  constexpr int64_t CH = 128;
+  const int64_t chunks = (g.N + CH - 1) / CH, N = g.N, M = g.M, d = g.d;
+  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(N, n0 + CH) - n0;
+      const int64_t rows = (bh * N + n0) * d;
+      const T* r = R + bh * M * d;
+      gemm(false, false, G, d, M, dls + (bh * N + n0) * M, M, r, d, dq + rows, d, true,
+           shared_scale);                                              // dq += s dLs R
+      gemm(true, false, G, d, M, probs + bh * M * N + n0, N, dvr + bh * M * d, d, dv + rows,
+           d, true);                                                   // dv += P^T dV_R
+      gemm(true, false, G, d, M, ds + bh * M * N + n0, N, r, d, dk + rows, d, true);
+    }
+  });
+}
+
+template <typename T>
+void landmarks_backward_phase(const T* dR, T* dq, const Geometry& g) {
+  PhaseTimer timer(kBwdLandmarks);
+  at::parallel_for(0, g.BH * g.h, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / g.h, r = t % g.h;
+      for (int64_t i = 0; i < g.ph; ++i) {
+        const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
+        if (r < r0 || r >= r1) continue;
+        for (int64_t j = 0; j < g.pw; ++j) {
+          const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
+          const T inv = T(1) / static_cast<T>((r1 - r0) * (c1 - c0));
+          const T* src = dR + (bh * g.M + i * g.pw + j) * g.d;
+          for (int64_t c = c0; c < c1; ++c)
+            axpy(dq + (bh * g.N + g.prefix + r * g.w + c) * g.d, inv, src, g.d);
+        }
+      }
+    }
+  });
+}
+
 // ---- Entry points: checks (every index read from a tensor is range-checked before it
 // addresses memory), allocation, dispatch on float32 / float64.
 void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
@@ -665,6 +741,20 @@ torch::Tensor float_tensor(const char* name, const char* what, torch::Tensor t,
   return t.to(like.scalar_type()).contiguous();
 }
 
+Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w, int64_t ph,
+                  int64_t pw, int64_t prefix, int64_t topk, int64_t router_topk) {
+  const Geometry g{q.size(0), q.size(1), q.size(2), h, w, ph, pw, prefix, ph * pw, topk,
+                   router_topk};
+  TORCH_CHECK(h >= 1 && w >= 1 && prefix >= 0 && prefix + h * w <= g.N, name,
+              ": grid ", h, "x", w, " after ", prefix, " prefix tokens does not fit N = ", g.N);
+  TORCH_CHECK(ph >= 1 && pw >= 1 && ph <= h && pw <= w, name, ": pool ", ph, "x", pw,
+              " must be within the grid ", h, "x", w);
+  TORCH_CHECK(topk >= 1 && topk <= g.N, name, ": topk must be in [1, N], got ", topk);
+  TORCH_CHECK(router_topk >= 1 && router_topk <= g.M, name,
+              ": router_topk must be in [1, M], got ", router_topk);
+  return g;
+}
+
 // q, k, v: [BH, N, d]; the grid is tokens prefix .. prefix + h w, pooled to ph x pw;
 // topk keys per expert, router_topk experts per query. Returns
 //   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
@@ -678,15 +768,7 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   const char* name = "mita_forward";
   check_qkv(name, q, k, v);
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
-  const Geometry g{q.size(0), q.size(1), q.size(2), h, w, ph, pw, prefix, ph * pw, topk,
-                   router_topk};
-  TORCH_CHECK(h >= 1 && w >= 1 && prefix >= 0 && prefix + h * w <= g.N, name,
-              ": grid ", h, "x", w, " after ", prefix, " prefix tokens does not fit N = ", g.N);
-  TORCH_CHECK(ph >= 1 && pw >= 1 && ph <= h && pw <= w, name, ": pool ", ph, "x", pw,
-              " must be within the grid ", h, "x", w);
-  TORCH_CHECK(topk >= 1 && topk <= g.N, name, ": topk must be in [1, N], got ", topk);
-  TORCH_CHECK(router_topk >= 1 && router_topk <= g.M, name,
-              ": router_topk must be in [1, M], got ", router_topk);
+  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
   const auto opts = q.options();
   const auto lopts = opts.dtype(at::kLong);
   auto out = torch::empty_like(q);
@@ -723,36 +805,36 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   return {out, lse, keys, choice, offsets, order, R, probs, ls, vr};
 }
 
-// Gradients of the read-out of mita_forward given its routing: q, k, v, keys, choice,
-// offsets, order, Ls, V_R as mita_forward takes / returns them (Ls, V_R ignored unless
-// shared), its out and lse, and dout. Returns dq, dk, dv through the routed logits and
-// values, and with the shared expert dLs [BH, N, M] and dV_R [BH, M, d] (empty without).
-std::vector<torch::Tensor> mita_readout_backward(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keys, torch::Tensor choice,
-    torch::Tensor offsets, torch::Tensor order, torch::Tensor ls, torch::Tensor vr, bool shared,
-    double scale, torch::Tensor out, torch::Tensor lse, torch::Tensor dout) {
-  const char* name = "mita_readout_backward";
+// Gradients of mita_forward: q, k, v and the geometry as it takes them; what it returned
+// (keys, choice, offsets, order: the routing; R, probs, Ls, V_R: ignored unless shared;
+// out, lse); dout. Returns dq, dk, dv.
+std::vector<torch::Tensor> mita_backward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t h, int64_t w, int64_t ph,
+    int64_t pw, int64_t prefix, bool shared, double shared_scale, torch::Tensor keys,
+    torch::Tensor choice, torch::Tensor offsets, torch::Tensor order, torch::Tensor R,
+    torch::Tensor probs, torch::Tensor ls, torch::Tensor vr, torch::Tensor out,
+    torch::Tensor lse, torch::Tensor dout) {
+  const char* name = "mita_backward";
   check_qkv(name, q, k, v);
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   TORCH_CHECK(keys.dim() == 3 && choice.dim() == 3, name,
               ": keys must be [BH, M, K] and choice [BH, N, r], got ", keys.sizes(), ", ",
               choice.sizes());
-  const int64_t BH = q.size(0), N = q.size(1), d = q.size(2);
-  const int64_t M = keys.size(1), K = keys.size(2), R = choice.size(2);
-  const Geometry g{BH, N, d, 0, 0, 0, 0, 0, M, K, R};
+  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, keys.size(2), choice.size(2));
+  const int64_t BH = g.BH, N = g.N, d = g.d, M = g.M, K = g.K, NR = g.N * g.R;
   keys = index_tensor(name, "keys", keys, {BH, M, K});
-  choice = index_tensor(name, "choice", choice, {BH, N, R});
+  choice = index_tensor(name, "choice", choice, {BH, N, g.R});
   offsets = index_tensor(name, "offsets", offsets, {BH, M + 1});
-  order = index_tensor(name, "order", order, {BH, N * R});
+  order = index_tensor(name, "order", order, {BH, NR});
   check_index_range(name, "keys", keys, N);
   check_index_range(name, "choice", choice, M);
-  check_index_range(name, "order", order, N * R);
+  check_index_range(name, "order", order, NR);
   {  // offsets: 0 = offsets[bh, 0] <= ... <= offsets[bh, M] = N r
     const int64_t* off = offsets.data_ptr<int64_t>();
     for (int64_t bh = 0; bh < BH; ++bh) {
       const int64_t* o = off + bh * (M + 1);
-      TORCH_CHECK(o[0] == 0 && o[M] == N * R, name, ": offsets[", bh,
-                  "] must run from 0 to N r = ", N * R);
+      TORCH_CHECK(o[0] == 0 && o[M] == NR, name, ": offsets[", bh,
+                  "] must run from 0 to N r = ", NR);
       for (int64_t m = 0; m < M; ++m)
         TORCH_CHECK(o[m] <= o[m + 1], name, ": offsets[", bh, "] must be non-decreasing");
     }
@@ -761,34 +843,46 @@ std::vector<torch::Tensor> mita_readout_backward(
   dout = float_tensor(name, "dout", dout, {BH, N, d}, q);
   lse = float_tensor(name, "lse", lse, {BH, N}, q);
   if (shared) {
+    R = float_tensor(name, "landmarks", R, {BH, M, d}, q);
+    probs = float_tensor(name, "probs", probs, {BH, M, N}, q);
     ls = float_tensor(name, "shared logits", ls, {BH, N, M}, q);
     vr = float_tensor(name, "shared values", vr, {BH, M, d}, q);
   }
   const auto opts = q.options();
   auto dq = torch::empty_like(q), dk = torch::empty_like(q), dv = torch::empty_like(q);
-  auto dq_items = R == 1 ? dq : torch::empty({BH, N * R, d}, opts);
+  auto dq_items = g.R == 1 ? dq : torch::empty({BH, NR, d}, opts);
   auto dk_exp = torch::empty({BH, M, K, d}, opts);
   auto dv_exp = torch::empty({BH, M, K, d}, opts);
   auto delta = torch::empty({BH, N}, opts);
-  auto dls = torch::empty({shared ? BH : 0, N, M}, opts);
-  auto dvr = torch::empty({shared ? BH : 0, M, d}, opts);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_readout_backward", [&] {
+  const int64_t S = shared ? BH : 0;  // the shared expert's buffers
+  auto dls = torch::empty({S, N, M}, opts), dvr = torch::empty({S, M, d}, opts);
+  auto ds = torch::empty({S, M, N}, opts), dR = torch::empty({S, M, d}, opts);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_backward", [&] {
     using T = scalar_t;
+    auto ptr = [&](torch::Tensor& t) { return shared ? t.data_ptr<T>() : nullptr; };
     shared_backward_phase<T>(dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
-                             shared ? ls.data_ptr<T>() : nullptr,
-                             shared ? vr.data_ptr<T>() : nullptr, delta.data_ptr<T>(),
-                             shared ? dls.data_ptr<T>() : nullptr,
-                             shared ? dvr.data_ptr<T>() : nullptr, shared, g);
+                             ptr(ls), ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared,
+                             g);
     routed_backward_phase<T>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                              keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                              order.data_ptr<int64_t>(), dout.data_ptr<T>(), lse.data_ptr<T>(),
                              delta.data_ptr<T>(), dq_items.data_ptr<T>(), dk_exp.data_ptr<T>(),
-                             dv_exp.data_ptr<T>(), static_cast<T>(scale), g);
+                             dv_exp.data_ptr<T>(),
+                             static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), g);
     reduce_phase<T>(keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                     dk_exp.data_ptr<T>(), dv_exp.data_ptr<T>(), dq_items.data_ptr<T>(),
                     dk.data_ptr<T>(), dv.data_ptr<T>(), dq.data_ptr<T>(), g);
+    if (!shared) return;
+    scores_backward_phase<T>(q.data_ptr<T>(), v.data_ptr<T>(), k.data_ptr<T>(),
+                             probs.data_ptr<T>(), dvr.data_ptr<T>(), dls.data_ptr<T>(),
+                             ds.data_ptr<T>(), dR.data_ptr<T>(), static_cast<T>(shared_scale),
+                             g);
+    rows_backward_phase<T>(R.data_ptr<T>(), probs.data_ptr<T>(), dvr.data_ptr<T>(),
+                           dls.data_ptr<T>(), ds.data_ptr<T>(), dq.data_ptr<T>(),
+                           dk.data_ptr<T>(), dv.data_ptr<T>(), static_cast<T>(shared_scale), g);
+    landmarks_backward_phase<T>(dR.data_ptr<T>(), dq.data_ptr<T>(), g);
   });
-  return {dq, dk, dv, dls, dvr};
+  return {dq, dk, dv};
 }
 
 // Phase profile: profile(true) zeroes the counters and starts counting, profile(false)
@@ -807,8 +901,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mita_forward", &mita_forward,
         "Fused MiTA forward on CPU, routing included: (out, lse, keys, choice, offsets, "
         "order, landmarks, probs, shared_logits, shared_values)");
-  m.def("mita_readout_backward", &mita_readout_backward,
-        "Gradients of the fused read-out (CPU): (dq, dk, dv, dshared_logits, dshared_values)");
+  m.def("mita_backward", &mita_backward,
+        "Gradients of mita_forward from what it saved (CPU): (dq, dk, dv)");
   m.def("profile", &profile, "Per-phase wall time of the kernels: profile(enable)");
+  m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
+        "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
   m.def("has_avx2", [] { return g_has_avx2; }, "Whether the AVX2 exponential is used");
 }
