@@ -27,7 +27,7 @@ def _qkv(B, H, N, d, seed=0, dtype=torch.float32):
 
 def _forward(q, k, v, h, w, p, pool, topk, r, shared=True, save=True):
     B, H, N, d = q.shape
-    flat = (t.float().reshape(B * H, N, d) for t in (q, k, v))
+    flat = (t.reshape(B * H, N, d) for t in (q, k, v))
     return _C.mita_forward(*flat, h, w, *pool, p, topk, r, shared, 1.0 / d, save)
 
 
@@ -40,8 +40,13 @@ def test_kernel_routing_is_the_reference_routing(case, dtype):
     B, H, h, w, p, s, d, pool, topk, r = case
     N = p + h * w + s
     q, k, v = _qkv(B, H, N, d, dtype=dtype)
-    out, lse, keys, choice, offsets, order, R, probs, ls, vr = _forward(q, k, v, h, w, p, pool,
-                                                                        topk, r)
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, out32 = _forward(
+        q, k, v, h, w, p, pool, topk, r)
+    assert out.dtype == dtype and lse.dtype == R.dtype == torch.float32
+    if dtype == torch.float32:
+        assert out32.numel() == 0  # out itself (custom ops return no aliases)
+        out32 = out
+    torch.testing.assert_close(out, out32.to(dtype), atol=0, rtol=0)
     rt = mita_routing(q, k, (h, w), pool, topk, r, p)
     BH, M = B * H, pool[0] * pool[1]
     torch.testing.assert_close(R, rt.landmarks.reshape(BH, M, d), atol=1e-6, rtol=1e-6)
@@ -59,7 +64,7 @@ def test_kernel_routing_is_the_reference_routing(case, dtype):
             grp = order[bh, offsets[bh, m]:offsets[bh, m + 1]]
             assert torch.equal(grp, (items[bh] == m).nonzero().flatten())
     ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, p)
-    torch.testing.assert_close(out.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_saves_probabilities_only_when_asked():
@@ -74,8 +79,8 @@ def _backward_args(case='vit-7x11-cls'):
     """The arguments of _C.mita_backward, by name, from a real forward."""
     B, H, h, w, p, s, d, pool, topk, r = CASES[case]
     q, k, v = _qkv(B, H, p + h * w + s, d)
-    out, lse, keys, choice, offsets, order, R, probs, ls, vr = _forward(q, k, v, h, w, p, pool,
-                                                                        topk, r)
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, _ = _forward(q, k, v, h, w, p,
+                                                                           pool, topk, r)
     flat = [t.reshape(out.shape) for t in (q, k, v)]
     return dict(q=flat[0], k=flat[1], v=flat[2], h=h, w=w, ph=pool[0], pw=pool[1], prefix=p,
                 shared=True, shared_scale=1.0 / d, keys=keys, choice=choice, offsets=offsets,
@@ -137,10 +142,11 @@ def test_kernel_backward_rejects_bad_indices():
 
 def test_kernel_forward_rejects_bad_arguments():
     q, k, v = (t.reshape(2, 37, 8) for t in _qkv(1, 2, 37, 8))
-    # low precision is converted by the caller (fused_cpu.py), not silently here
-    with pytest.raises(RuntimeError, match='float32 or float64'):
-        _C.mita_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), 6, 6, 2, 2, 1, 4, 1, True,
-                        0.1, False)
+    # floating point only, all three of one dtype
+    with pytest.raises(RuntimeError, match='float32, float64, bfloat16 or float16'):
+        _C.mita_forward(q.long(), k.long(), v.long(), 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='the same dtype'):
+        _C.mita_forward(q, k.bfloat16(), v, 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
     with pytest.raises(RuntimeError, match=r'q, k, v must be \[BH, N, d\]'):
         _C.mita_forward(q, k[:, 1:], v, 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
     with pytest.raises(RuntimeError, match='does not fit N'):
@@ -183,21 +189,28 @@ def test_large_logits_and_nans_as_the_reference(shared):
     torch.testing.assert_close(out[0, 0], ref[0, 0], atol=1e-5, rtol=1e-5)  # the other head
 
 
+def _per_setting(settings, apply, restore):
+    """Output and gradients of q, k, v of one router top-2 case under each setting
+    (``apply(setting)`` before each, ``restore()`` after all)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 3, 1 + 20 * 21 + 5, 16, seed=4))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    res = []
+    try:
+        for s in settings:
+            apply(s)
+            out = mita_attention(q, k, v, (20, 21), (4, 5), 30, router_topk=2,
+                                 backend='fused_cpu')
+            res.append([out] + list(torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        restore()
+    return res
+
+
 def test_same_bits_with_one_and_two_threads():
     """No task writes memory another reads or writes: the result does not depend on how the
     tasks fall on threads."""
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 3, 1 + 20 * 21 + 5, 16, seed=4))
-    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
-    kw = dict(hw_shape=(20, 21), pool_size=(4, 5), topk=30, router_topk=2, backend='fused_cpu')
     threads = torch.get_num_threads()
-    res = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = mita_attention(q, k, v, **kw)
-            res.append([out] + list(torch.autograd.grad(out, (q, k, v), g)))
-    finally:
-        torch.set_num_threads(threads)
+    res = _per_setting((1, 2), torch.set_num_threads, lambda: torch.set_num_threads(threads))
     for a, b in zip(*res):
         assert torch.equal(a, b)
 
@@ -217,16 +230,7 @@ def test_profile_counts_every_phase():
 def test_torch_mm_fallback_gives_the_same_results():
     """Where PyTorch links no Fortran BLAS, the kernels' GEMMs go through torch::mm: the same
     outputs and gradients (to rounding)."""
-    q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 1 + 9 * 10 + 4, 16, seed=6))
-    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
-    kw = dict(hw_shape=(9, 10), pool_size=(3, 4), topk=12, router_topk=2, backend='fused_cpu')
-    res = []
-    try:
-        for fallback in (False, True):
-            _C._set_torch_mm_only(fallback)
-            out = mita_attention(q, k, v, **kw)
-            res.append([out] + list(torch.autograd.grad(out, (q, k, v), g)))
-    finally:
-        _C._set_torch_mm_only(False)
+    res = _per_setting((False, True), _C._set_torch_mm_only,
+                       lambda: _C._set_torch_mm_only(False))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

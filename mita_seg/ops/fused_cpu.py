@@ -9,8 +9,9 @@ expert offsets and order), the per-query log-sum-exp, the landmarks, ``softmax(S
 and ``V_R``: the backward (C++ too, read-out and routing parts) recomputes nothing of the
 forward (FlashAttention's pattern).
 
-Precision: bfloat16/float16 inputs are computed in float32 (routing decisions identical to
-the float32 reference's on the same values, softmax statistics in float32). On CPUs without
+Precision: bfloat16/float16 inputs are converted to float32 inside the kernel and computed
+in float32 (routing decisions identical to the float32 reference's on the same values,
+softmax statistics in float32); outputs and gradients come back in the inputs' dtype. On CPUs without
 bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an AMD EPYC
 with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
 docs/benchmark.md).
@@ -62,12 +63,13 @@ def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int
 def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs):
     BH, N, d = q.shape
     M, r = ph * pw, router_topk
-    long = dict(dtype=torch.long)
-    return [torch.empty_like(q), q.new_empty(BH, N), q.new_empty(BH, M, topk, **long),
+    long, acc = dict(dtype=torch.long), dict(dtype=routing_dtype(q.dtype))
+    return [torch.empty_like(q), q.new_empty(BH, N, **acc), q.new_empty(BH, M, topk, **long),
             q.new_empty(BH, N, r, **long), q.new_empty(BH, M + 1, **long),
-            q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d),
-            q.new_empty(BH if shared and save_probs else 0, M, N), q.new_empty(BH, N, M),
-            q.new_empty(BH if shared else 0, M, d)]
+            q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d, **acc),
+            q.new_empty(BH if shared and save_probs else 0, M, N, **acc),
+            q.new_empty(BH, N, M, **acc), q.new_empty(BH if shared else 0, M, d, **acc),
+            q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)]
 
 
 @torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
@@ -91,7 +93,8 @@ def profile(enable: bool) -> Dict[str, float]:
 
 
 class MiTAFused(torch.autograd.Function):
-    """MiTA on ``[BH, N, d]`` float32/float64 CPU tensors, routing included.
+    """MiTA on ``[BH, N, d]`` CPU tensors (float32/float64, or bf16/fp16 computed in
+    float32 inside the kernel), routing included.
 
     ``apply(q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared, shared_scale)``
     returns ``[BH, N, d]``; gradients flow to q, k, v (not through the indices).
@@ -101,20 +104,22 @@ class MiTAFused(torch.autograd.Function):
     def forward(ctx, q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared,
                 shared_scale):
         save = any(ctx.needs_input_grad[:3])
-        # out, lse, keys, choice, offsets, order, R, probs, Ls, V_R
-        res = _fused_fwd(q, k, v, *hw_shape, *pool_size, prefix, topk, router_topk, shared,
-                         shared_scale, save)
+        # out (q.dtype), lse, keys, choice, offsets, order, R, probs, Ls, V_R, and for bf16 /
+        # fp16 inputs out in float32 (empty otherwise)
+        out, lse, *routing, out_float = _fused_fwd(q, k, v, *hw_shape, *pool_size, prefix,
+                                                   topk, router_topk, shared, shared_scale,
+                                                   save)
         if save:
-            ctx.save_for_backward(q, k, v, *res)
+            ctx.save_for_backward(q, k, v, *routing, out_float if out_float.numel() else out,
+                                  lse)
             ctx.args = (*hw_shape, *pool_size, prefix, shared, shared_scale)
-        return res[0]
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, *routing = ctx.saved_tensors
-        dq, dk, dv = _fused_bwd(q, k, v, *ctx.args, routing + [out, lse],
-                                grad_out.contiguous())
+        q, k, v, *saved = ctx.saved_tensors
+        dq, dk, dv = _fused_bwd(q, k, v, *ctx.args, saved, grad_out.contiguous())
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -129,8 +134,7 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     """
     B, H, N, d = q.shape
     shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
-    acc = routing_dtype(q.dtype)
-    qb, kb, vb = (t.to(acc).reshape(B * H, N, d) for t in (q, k, v))
+    qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
     out = MiTAFused.apply(qb, kb, vb, tuple(hw_shape), tuple(pool_size), num_prefix_tokens,
                           topk, router_topk, with_shared_expert, shared_scale)
-    return out.view(B, H, N, d).to(q.dtype)
+    return out.view(B, H, N, d)

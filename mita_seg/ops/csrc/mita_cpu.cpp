@@ -706,11 +706,43 @@ void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
               ": CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), name,
               ": q, k, v must be [BH, N, d], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, name,
-              ": q must be float32 or float64 (convert bf16/fp16 first), got ",
-              q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), name,
+  const auto t = q.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
+              name, ": q must be float32, float64, bfloat16 or float16, got ", t);
+  TORCH_CHECK(k.scalar_type() == t && v.scalar_type() == t, name,
               ": q, k, v must have the same dtype");
+}
+
+// bf16/fp16 tensors converted to `to` (float32), or float32 to bf16/fp16, in one parallel
+// pass over all of them (ATen's copy_ is one parallel region per tensor); tensors already
+// of dtype `to` are returned as they are (contiguous).
+std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType to) {
+  constexpr int64_t CHUNK = 1 << 15;
+  std::vector<torch::Tensor> out;
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (tensor, first element)
+  for (size_t i = 0; i < ts.size(); ++i) {
+    ts[i] = ts[i].contiguous();
+    out.push_back(ts[i].scalar_type() == to ? ts[i] : torch::empty_like(ts[i], ts[i].options().dtype(to)));
+    if (ts[i].scalar_type() == to) continue;
+    for (int64_t e = 0; e < ts[i].numel(); e += CHUNK) tasks.emplace_back(i, e);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto& src = ts[tasks[t].first];
+      auto& dst = out[tasks[t].first];
+      const int64_t e0 = tasks[t].second, e1 = std::min(src.numel(), e0 + CHUNK);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "convert",
+                                      [&] {
+        using S = scalar_t;
+        const S* a = src.data_ptr<S>();
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, to, "convert", [&] {
+          scalar_t* b = dst.data_ptr<scalar_t>();
+          for (int64_t e = e0; e < e1; ++e) b[e] = static_cast<scalar_t>(static_cast<float>(a[e]));
+        });
+      });
+    }
+  });
+  return out;
 }
 
 // Checks that every value of the int64 tensor t lies in [0, hi).
@@ -738,7 +770,7 @@ torch::Tensor float_tensor(const char* name, const char* what, torch::Tensor t,
                            std::vector<int64_t> shape, const torch::Tensor& like) {
   TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), name, ": ", what, " must have shape ",
               c10::IntArrayRef(shape), ", got ", t.sizes());
-  return t.to(like.scalar_type()).contiguous();
+  return convert({t}, like.scalar_type())[0];
 }
 
 Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w, int64_t ph,
@@ -760,14 +792,22 @@ Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w
 //   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
 //   keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
 //   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
-//   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared).
+//   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared),
+//   and, for bf16/fp16 inputs, out in float32 (what the backward reads; empty otherwise).
+// bf16/fp16 inputs are computed in float32 (routing identical to float32 on the same values);
+// the first out has the inputs' dtype, every other tensor float32/float64.
 std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                         int64_t h, int64_t w, int64_t ph, int64_t pw,
                                         int64_t prefix, int64_t topk, int64_t router_topk,
                                         bool shared, double shared_scale, bool save_probs) {
   const char* name = "mita_forward";
   check_qkv(name, q, k, v);
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  const auto in_dtype = q.scalar_type();
+  const auto acc = in_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  {
+    auto wide = convert({q, k, v}, acc);
+    q = wide[0]; k = wide[1]; v = wide[2];
+  }
   const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
   const auto opts = q.options();
   const auto lopts = opts.dtype(at::kLong);
@@ -802,12 +842,15 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
                    shared ? vr.data_ptr<T>() : nullptr, out.data_ptr<T>(), lse.data_ptr<T>(),
                    shared, g);
   });
-  return {out, lse, keys, choice, offsets, order, R, probs, ls, vr};
+  if (in_dtype == acc) return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
+                               torch::empty({0}, opts)};  // no aliased returns
+  return {convert({out}, in_dtype)[0], lse, keys, choice, offsets, order, R, probs, ls, vr,
+          out};
 }
 
 // Gradients of mita_forward: q, k, v and the geometry as it takes them; what it returned
 // (keys, choice, offsets, order: the routing; R, probs, Ls, V_R: ignored unless shared;
-// out, lse); dout. Returns dq, dk, dv.
+// the float out, lse); dout. Returns dq, dk, dv in the dtype of q.
 std::vector<torch::Tensor> mita_backward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t h, int64_t w, int64_t ph,
     int64_t pw, int64_t prefix, bool shared, double shared_scale, torch::Tensor keys,
@@ -816,7 +859,11 @@ std::vector<torch::Tensor> mita_backward(
     torch::Tensor lse, torch::Tensor dout) {
   const char* name = "mita_backward";
   check_qkv(name, q, k, v);
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  const auto in_dtype = q.scalar_type();
+  {
+    auto wide = convert({q, k, v}, in_dtype == at::kDouble ? at::kDouble : at::kFloat);
+    q = wide[0]; k = wide[1]; v = wide[2];
+  }
   TORCH_CHECK(keys.dim() == 3 && choice.dim() == 3, name,
               ": keys must be [BH, M, K] and choice [BH, N, r], got ", keys.sizes(), ", ",
               choice.sizes());
@@ -882,7 +929,7 @@ std::vector<torch::Tensor> mita_backward(
                            dk.data_ptr<T>(), dv.data_ptr<T>(), static_cast<T>(shared_scale), g);
     landmarks_backward_phase<T>(dR.data_ptr<T>(), dq.data_ptr<T>(), g);
   });
-  return {dq, dk, dv};
+  return convert({dq, dk, dv}, in_dtype);
 }
 
 // Phase profile: profile(true) zeroes the counters and starts counting, profile(false)
