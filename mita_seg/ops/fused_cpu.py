@@ -11,15 +11,15 @@ forward (FlashAttention's pattern).
 
 Precision: bfloat16/float16 inputs are converted to float32 inside the kernel and computed
 in float32 (routing decisions identical to the float32 reference's on the same values,
-softmax statistics in float32); outputs and gradients come back in the inputs' dtype. On CPUs without
-bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an AMD EPYC
-with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
+softmax statistics in float32); outputs and gradients come back in the inputs' dtype. On CPUs
+without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an
+AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
 docs/benchmark.md).
 
-The forward and the backward are ``torch.library`` custom ops with fake
-implementations, so tracers (``torch.compile``) see opaque nodes.
+The forward and the backward are ``torch.library`` custom ops with fake implementations, so
+tracers (``torch.compile``) see opaque nodes.
 """
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 from torch import Tensor

@@ -1,14 +1,15 @@
 // Fused MiTA on CPU: routing and read-out in one forward, and a backward that reuses what the
 // forward saved (FlashAttention's pattern). Shapes: q, k, v [BH, N, d] (float32 or float64;
-// the caller converts bf16/fp16), M = Ph * Pw experts of K keys, R router choices per query.
+// bf16/fp16 are converted to float32 on entry and the results back on exit), M = Ph * Pw
+// experts of K keys, R router choices per query.
 //
 // Forward, parallel phases (at::parallel_for; each task holds one BLAS thread, SerialBlas):
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
 //   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T [LB, N] (a local
 //                  buffer; the saved probabilities when training), the K best keys of each
 //                  row by selection (a bound from run maxima, nth_element of the few
-//                  candidates above it; no sort), and with the shared
-//                  expert P = softmax(S), V_R = P V.
+//                  candidates above it; no sort), and with the shared expert
+//                  P = softmax(S), V_R = P V.
 //   3. router      per (bh, chunk of queries): Ls = q (R * shared_scale)^T [CH, M] (the
 //                  shared logits, kept: phase 6 and the backward read them) and each query's
 //                  argmax (top-r for R > 1).
@@ -32,14 +33,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <functional>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -722,8 +722,11 @@ std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType
   std::vector<std::pair<size_t, int64_t>> tasks;  // (tensor, first element)
   for (size_t i = 0; i < ts.size(); ++i) {
     ts[i] = ts[i].contiguous();
-    out.push_back(ts[i].scalar_type() == to ? ts[i] : torch::empty_like(ts[i], ts[i].options().dtype(to)));
-    if (ts[i].scalar_type() == to) continue;
+    if (ts[i].scalar_type() == to) {
+      out.push_back(ts[i]);
+      continue;
+    }
+    out.push_back(torch::empty_like(ts[i], ts[i].options().dtype(to)));
     for (int64_t e = 0; e < ts[i].numel(); e += CHUNK) tasks.emplace_back(i, e);
   }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
@@ -737,7 +740,8 @@ std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType
         const S* a = src.data_ptr<S>();
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, to, "convert", [&] {
           scalar_t* b = dst.data_ptr<scalar_t>();
-          for (int64_t e = e0; e < e1; ++e) b[e] = static_cast<scalar_t>(static_cast<float>(a[e]));
+          for (int64_t e = e0; e < e1; ++e)
+            b[e] = static_cast<scalar_t>(static_cast<float>(a[e]));
         });
       });
     }
