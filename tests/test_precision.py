@@ -61,10 +61,11 @@ def _check(what, mita, mita_ref, sdpa, sdpa_ref, same_function):
         assert err <= 2 * base, f'{what}: MiTA error {err:.3g} > 2 x SDPA error {base:.3g}'
 
 
+@pytest.mark.parametrize('backend', [None, 'varlen'], ids=['auto', 'varlen'])
 @pytest.mark.parametrize('device', ['cpu', 'cuda'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
 @pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))
-def test_low_precision_within_flash_tolerance(case, dtype, device):
+def test_low_precision_within_flash_tolerance(case, dtype, device, backend):
     why = _lowp_supported(dtype, device)
     if why:
         pytest.skip(f'{dtype} attention not supported on {device} here: {why}')
@@ -80,7 +81,7 @@ def test_low_precision_within_flash_tolerance(case, dtype, device):
 
     ref = mita_attention_reference(*fp32, **{**kw, 'pool_size': (pool, pool) if
                                              isinstance(pool, int) else pool})
-    out = mita_attention(*lowp, **kw)
+    out = mita_attention(*lowp, **kw, backend=backend)
     assert out.dtype == dtype and torch.isfinite(out).all()
     sdpa_ref = F.scaled_dot_product_attention(*fp32)
     sdpa = F.scaled_dot_product_attention(*lowp)

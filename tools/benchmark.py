@@ -89,6 +89,13 @@ def peak_memory_rise(fn, device):
     return out, status('VmHWM:') - before
 
 
+def describe(device):
+    """The device, in words: the GPU's name, or the CPU's thread count."""
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    return f'{torch.get_num_threads()} threads'
+
+
 def median_time(fn, min_run_time):
     # Timer runs single-threaded unless told otherwise: use the threads torch would use.
     # It synchronizes the accelerator around each measurement (CUDA time is real time).
@@ -144,8 +151,7 @@ def op_level(args):
     dev = torch.device(args.device)
     x = torch.empty(1, 1, 1, d, device=dev)
     auto = select_backend(Inputs(x, x, x, (1, 1), (1, 1), args.topk))
-    where = (torch.cuda.get_device_name(dev) if dev.type == 'cuda' else
-             f'{torch.get_num_threads()} threads')
+    where = describe(dev)
     print(f'# operator: B=1, H={H}, d={d}, MiTA pool {args.pool_size}x{args.pool_size} '
           f'(M={M}), k={args.topk}; torch {torch.__version__}, {dev.type} ({where}); '
           f'MiTA = the automatic backend ({auto}), blocked = the plain PyTorch one')
@@ -215,8 +221,10 @@ def model_level(args):
     from mita_seg import swap_attention
 
     init_default_scope('mmseg')
-    print(f'# model level: random weights, batch 1, eval, no_grad; {torch.get_num_threads()} '
-          'threads; baseline = mmseg as released (mmcv MultiheadAttention)')
+    dev = torch.device(args.device)
+    where = describe(dev)
+    print(f'# model level: random weights, batch 1, eval, no_grad; {dev.type} ({where}); '
+          'baseline = mmseg as released (mmcv MultiheadAttention)')
     header = (f"{'model':>22} {'image':>10} {'mode':>6} | {'base img/s':>10} "
               f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
     print(header)
@@ -231,8 +239,8 @@ def model_level(args):
             cfg.model.test_cfg = dict(mode='whole')
         h, w = size or (512, 683)  # an ADE20K-like image: slide over 512 crops
         torch.manual_seed(0)
-        model = SEG_MODELS.build(cfg.model).eval()
-        img = torch.randn(1, 3, h, w)
+        model = SEG_MODELS.build(cfg.model).eval().to(dev)
+        img = torch.randn(1, 3, h, w, device=dev)
         meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
                                             pad_shape=(h, w)))]
         run = lambda: model.predict(img, meta)  # noqa
@@ -242,7 +250,7 @@ def model_level(args):
                 swap_attention(model, pool_size=args.pool_size, topk=args.topk, verbose=False)
             with torch.no_grad():
                 run()
-                _, mem = peak_memory_rise(run, torch.device('cpu'))
+                _, mem = peak_memory_rise(run, dev)
                 t = median_time(run, args.min_run_time)
             res[variant] = (1 / t, mem)
         mode = cfg.model.test_cfg.get('mode', 'whole')
@@ -255,7 +263,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'all'], default='op')
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
-                   help='operator level: where the tensors live (model level: CPU)')
+                   help='where the tensors and models live')
     p.add_argument('--tokens', type=int, nargs='+', default=None,
                    help='token counts N = 1 + s*s (default: 1025 4097 16385 on CPU, '
                    'and 65537 on CUDA)')

@@ -86,7 +86,7 @@ BACKENDS: Dict[str, Backend] = {
 
 # The automatic choice, per device type: the first backend that can run the inputs.
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
-    'cpu': ('fused_cpu', 'blocked'),
+    'cpu': ('fused_cpu', 'varlen', 'blocked'),
     'cuda': ('varlen', 'blocked'),
 }
 _DEFAULT_ORDER = ('blocked', )

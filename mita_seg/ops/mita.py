@@ -151,7 +151,7 @@ def mita_attention(q: torch.Tensor,
             N and M (:func:`mita_seg.ops.blocked.default_block_size`). Default: None.
         backend (str, optional): force an implementation (``'fused_cpu'``, ``'varlen'``,
             ``'blocked'``, ``'reference'``); None takes ``$MITA_BACKEND`` or the first that
-            can run of ``fused_cpu, blocked`` on CPU, ``varlen, blocked`` on CUDA
+            can run of ``fused_cpu, varlen, blocked`` on CPU, ``varlen, blocked`` on CUDA
             (:data:`mita_seg.ops.dispatch.AUTO_ORDER`). Default: None.
 
     Returns:

@@ -34,6 +34,11 @@ from torch import Tensor
 from .flops import mita_flops_per_head
 from .routing import landmarks, mita_routing
 
+try:  # FlashAttention-2 varlen through PyTorch (torch >= 2.9)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # older torch: nested-jagged SDPA on CUDA
+    varlen_attn = None
+
 __all__ = ['mita_attention_varlen', 'pack', 'VarlenPack', 'unsupported', 'flops', 'kernel']
 
 
@@ -131,21 +136,21 @@ def kernel(p: VarlenPack) -> str:
     """Which kernel :func:`attend` runs on ``p``: ``'varlen_attn'``, ``'nested'`` or
     ``'padded'``."""
     if p.q.is_cuda:
-        fa2 = (p.q.dtype in (torch.float16, torch.bfloat16)
+        fa2 = (varlen_attn is not None and p.q.dtype in (torch.float16, torch.bfloat16)
                and torch.cuda.get_device_capability(p.q.device) >= (8, 0))
         return 'varlen_attn' if fa2 else 'nested'
     return 'padded'
 
 
-def attend(p: VarlenPack, scale: float, kernel_name: str = None) -> Tensor:
-    """Softmax attention of each group's queries over its keys: ``[Tq, d]`` in packed order.
-    ``kernel_name`` forces one of :func:`kernel`'s answers (the CPU tests run ``'nested'``)."""
+def attend(p: VarlenPack, kernel_name: str = None) -> Tensor:
+    """Softmax attention (scale ``1 / sqrt(d)``, every kernel's default) of each group's
+    queries over its keys: ``[Tq, d]`` in packed order. ``kernel_name`` forces one of
+    :func:`kernel`'s answers (the CPU tests run ``'nested'`` too)."""
     name = kernel_name or kernel(p)
     d, L, G = p.q.shape[-1], p.kv_len, p.cu_seq_q.numel() - 1
     if name == 'varlen_attn':
-        from torch.nn.attention.varlen import varlen_attn
         out = varlen_attn(p.q.unsqueeze(1), p.k.unsqueeze(1), p.v.unsqueeze(1), p.cu_seq_q,
-                          p.cu_seq_k, p.max_q, L, scale=scale)              # [Tq, 1, d]
+                          p.cu_seq_k, p.max_q, L)                           # [Tq, 1, d]
         return out.squeeze(1)
     if name == 'nested':
         offsets = p.cu_seq_q.long()
@@ -153,20 +158,36 @@ def attend(p: VarlenPack, scale: float, kernel_name: str = None) -> Tensor:
         k, v = (torch.nested.nested_tensor_from_jagged(t.unsqueeze(1), p.cu_seq_k.long())
                 for t in (p.k, p.v))                                       # [G, L, 1, d]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), scale=scale)
+                                             v.transpose(1, 2))
         return out.transpose(1, 2).values().squeeze(1)                     # [Tq, d]
     if name == 'padded':
-        # Slot (group, position) of each packed query; padding queries attend too and are
-        # dropped (all groups have L keys: no key mask).
-        Tq = p.q.shape[0]
-        sizes = (p.cu_seq_q[1:] - p.cu_seq_q[:-1]).long()
-        grp = torch.repeat_interleave(torch.arange(G, device=p.q.device), sizes, output_size=Tq)
-        pos = torch.arange(Tq, device=p.q.device) - p.cu_seq_q.long()[grp]
-        q = p.q.new_zeros(G, p.max_q, d).index_put((grp, pos), p.q)        # [G, max_q, d]
-        out = F.scaled_dot_product_attention(q, p.k.view(G, L, d), p.v.view(G, L, d),
-                                             scale=scale)
-        return out[grp, pos]
+        return _padded_sdpa(p)
     raise ValueError(f'unknown varlen kernel {name!r}')
+
+
+def _padded_sdpa(p: VarlenPack, num_buckets: int = 4) -> Tensor:
+    """The CPU kernel: batched SDPA over the groups, each group's queries padded to the
+    largest group of its bucket (groups sorted by size and cut into ``num_buckets`` runs of
+    equal count, so padding stays near the real queries where group sizes vary). Padding
+    queries attend too and are dropped; every group has ``L`` keys, so no mask is needed."""
+    Tq, d = p.q.shape
+    G, L, dev = p.cu_seq_q.numel() - 1, p.kv_len, p.q.device
+    sizes = (p.cu_seq_q[1:] - p.cu_seq_q[:-1]).long()                       # [G]
+    grp = torch.repeat_interleave(torch.arange(G, device=dev), sizes, output_size=Tq)
+    pos = torch.arange(Tq, device=dev) - p.cu_seq_q.long()[grp]             # [Tq]
+    by_size = sizes.argsort()
+    rank = torch.empty_like(by_size)
+    rank[by_size] = torch.arange(G, device=dev)                               # [G]
+    k, v = p.k.view(G, L, d), p.v.view(G, L, d)
+    outs, rows = [], []
+    for groups in by_size.tensor_split(min(num_buckets, G)):                # [Gb] each
+        first = groups.numel() and int(rank[groups[0]])
+        r = ((rank[grp] >= first) & (rank[grp] < first + groups.numel())).nonzero().squeeze(1)
+        slot = (rank[grp[r]] - first, pos[r])
+        q = p.q.new_zeros(groups.numel(), int(sizes[groups[-1]]), d).index_put(slot, p.q[r])
+        outs.append(F.scaled_dot_product_attention(q, k[groups], v[groups])[slot])
+        rows.append(r)
+    return torch.cat(outs)[torch.cat(rows).argsort()]
 
 
 def mita_attention_varlen(q, k, v, hw_shape, pool_size, topk, router_topk=1,
@@ -188,5 +209,5 @@ def mita_attention_varlen(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         R = landmarks(q, hw_shape, pool_size, num_prefix_tokens).to(q.dtype)  # [B, H, M, d]
         v_r = F.scaled_dot_product_attention(R, k, v)                         # [B, H, M, d]
     p = pack(q, k, v, R, v_r, rt.expert_keys, rt.choice, shared_scale * d ** 0.5)
-    out = attend(p, d ** -0.5, kernel_name)                                   # [Tq, d]
+    out = attend(p, kernel_name)                                              # [Tq, d]
     return out[p.inverse].view(B, H, N, d)
