@@ -9,8 +9,10 @@ ext_modules, cmdclass = [], {}
 if not os.environ.get('MITA_NO_EXT'):
     from torch.utils.cpp_extension import BuildExtension, CppExtension
     ext_modules.append(
+        # Built for the baseline ISA, with IEEE maths (no -march=native, no -ffast-math):
+        # the kernel picks its AVX2 exponential at run time; MKL dispatches its own GEMMs.
         CppExtension('mita_seg._C', ['mita_seg/ops/csrc/mita_cpu.cpp'],
-                     extra_compile_args=['-O3', '-march=native', '-fopenmp-simd', '-ffast-math']))
+                     extra_compile_args=['-O3', '-fopenmp-simd']))
     cmdclass['build_ext'] = BuildExtension
 
 # Name, version, dependencies and packages are in pyproject.toml.

@@ -24,6 +24,7 @@ Examples::
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level op --threads 1
+    python tools/benchmark.py --level op --profile            # + where MiTA's time goes
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
 import argparse
@@ -115,6 +116,35 @@ def mmcv_attention_core(q, k, v):
     return out, w.view(B, H, N, N).mean(dim=1)
 
 
+def timed_call(f, pass_, inputs, grad):
+    """What one measurement runs: ``f()`` under no_grad, or ``f()`` and the gradients of
+    ``inputs``."""
+    if pass_ == 'fwd+bwd':
+        return lambda: torch.autograd.grad(f(), inputs, grad)
+
+    def run():
+        with torch.no_grad():
+            return f()
+    return run
+
+
+def kernel_profile(run, reps=5):
+    """One line: the fused CPU kernel's phases (ms per call, summed over threads' wall
+    time of each phase; ``other`` is the rest: Python, dtype conversions, allocation)."""
+    from mita_seg.ops.fused_cpu import profile
+    profile(True)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        total = (time.perf_counter() - t0) / reps
+    finally:
+        phases = profile(False)
+    parts = [f'{k} {v / reps * 1e3:.2f}' for k, v in phases.items() if v > 0]
+    other = total - sum(phases.values()) / reps
+    return f"#   MiTA {total * 1e3:.2f} ms: {', '.join(parts)}, other {other * 1e3:.2f}"
+
+
 def op_level(args):
     H, d = args.heads, args.head_dim
     M = args.pool_size ** 2
@@ -161,12 +191,7 @@ def op_level(args):
                     if name == 'mmcv' and mmcv_bytes > args.max_mmcv_gib * 2**30:
                         times[name] = mems[name] = None
                         continue
-                    if pass_ == 'fwd+bwd':
-                        run = lambda f=f: torch.autograd.grad(f(), (q, k, v), grad)  # noqa
-                    else:
-                        def run(f=f):
-                            with torch.no_grad():
-                                return f()
+                    run = timed_call(f, pass_, (q, k, v), grad)
                     run()  # warm-up
                     _, mems[name] = peak_memory_rise(run, dev)
                     times[name] = median_time(run, args.min_run_time)
@@ -180,6 +205,9 @@ def op_level(args):
                       f"{ratio('SDPA')} {ratio('mmcv')} {ratio('blocked')} {macs:5.1f}x | "
                       f"{mem('SDPA')} {mem('mmcv')} {mem('MiTA')} {mem('blocked')}",
                       flush=True)
+                if args.profile and auto == 'fused_cpu':
+                    print(kernel_profile(timed_call(fns['MiTA'], pass_, (q, k, v), grad)),
+                          flush=True)
                 del q, k, v, grad
 
 
@@ -252,6 +280,9 @@ def parse_args():
                                                    'upernet-vit-b'], choices=list(MODELS))
     p.add_argument('--threads', type=int, default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
+    p.add_argument('--profile', action='store_true',
+                   help='operator level, fused CPU backend: print the time of each phase of '
+                   'the kernel under each row')
     p.add_argument('--min-run-time', type=float, default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-mmcv-gib', type=float, default=8.0,

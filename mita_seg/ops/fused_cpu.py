@@ -1,20 +1,31 @@
-"""Fused MiTA on CPU: routing with ATen ops, then the read-out in C++
-(``mita_seg/ops/csrc/mita_cpu.cpp``): each expert's keys and values are read once from K and
-V for all queries routed to it, and each query's shared and routed logits share one softmax.
+"""Fused MiTA on CPU: routing and read-out in one C++ forward
+(``mita_seg/ops/csrc/mita_cpu.cpp``), and a backward that reuses what it saved.
 
-Differentiable end to end: the routing ops (landmarks, ``S``, ``G``, ``V_R``) are plain
-torch, the indices carry no gradient, and the read-out is :class:`MiTAReadout`, an
-``autograd.Function`` whose backward is a C++ kernel too. The two kernels are registered as
-``torch.library`` custom ops with fake implementations, so that tracers (``torch.compile``)
-see opaque nodes.
+The forward computes the landmarks, the scores ``S``, each expert's top-k keys (a selection,
+not a sort), the shared logits ``G`` and each query's expert, groups the queries by expert
+(counting sort), reads each expert's keys and values once for all its queries, and merges
+shared and routed logits in one softmax per query. It saves the routing (keys, choices,
+expert offsets and order), the per-query log-sum-exp, the landmarks, ``softmax(S)``, ``G``
+and ``V_R``: the backward (C++ too, read-out and routing parts) recomputes nothing of the
+forward (FlashAttention's pattern).
+
+Precision: bfloat16/float16 inputs are converted to float32 inside the kernel and computed
+in float32 (routing decisions identical to the float32 reference's on the same values,
+softmax statistics in float32); outputs and gradients come back in the inputs' dtype. On CPUs
+without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an
+AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
+docs/benchmark.md).
+
+The forward and the backward are ``torch.library`` custom ops with fake implementations, so
+tracers (``torch.compile``) see opaque nodes.
 """
-from typing import List, Tuple
+from typing import Dict, List
 
 import torch
 from torch import Tensor
 
 from .flops import mita_flops_per_head
-from .routing import mita_routing, routing_dtype
+from .routing import routing_dtype
 
 try:
     from mita_seg import _C
@@ -40,80 +51,76 @@ def unsupported(inp) -> List[str]:
 flops = mita_flops_per_head
 
 
-@torch.library.custom_op('mita_seg::readout_fwd', mutates_args=())
-def _readout_fwd(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, choice: Tensor,
-                 shared_logits: Tensor, shared_values: Tensor, shared: bool,
-                 scale: float) -> Tuple[Tensor, Tensor]:
-    out, lse = _C.mita_readout_forward(q, k, v, keys, choice, shared_logits, shared_values,
-                                       shared, scale)
-    return out, lse
+@torch.library.custom_op('mita_seg::fused_fwd', mutates_args=())
+def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
+               topk: int, router_topk: int, shared: bool, shared_scale: float,
+               save_probs: bool) -> List[Tensor]:
+    return _C.mita_forward(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared,
+                           shared_scale, save_probs)
 
 
-@_readout_fwd.register_fake
-def _(q, k, v, keys, choice, shared_logits, shared_values, shared, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:2])
-
-
-@torch.library.custom_op('mita_seg::readout_bwd', mutates_args=())
-def _readout_bwd(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, choice: Tensor,
-                 shared_logits: Tensor, shared_values: Tensor, shared: bool, scale: float,
-                 out: Tensor, lse: Tensor,
-                 grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = _C.mita_readout_backward(q, k, v, keys, choice, shared_logits, shared_values,
-                                     shared, scale, out, lse, grad_out)
-    return tuple(grads)
-
-
-@_readout_bwd.register_fake
-def _(q, k, v, keys, choice, shared_logits, shared_values, shared, scale, out, lse, grad_out):
+@_fused_fwd.register_fake
+def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs):
     BH, N, d = q.shape
-    M = keys.shape[1]
-    shape_ls, shape_vr = ((BH, N, M), (BH, M, d)) if shared else ((0, ), (0, ))
-    return (torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
-            q.new_empty(shape_ls), q.new_empty(shape_vr))
+    M, r = ph * pw, router_topk
+    long, acc = dict(dtype=torch.long), dict(dtype=routing_dtype(q.dtype))
+    return [torch.empty_like(q), q.new_empty(BH, N, **acc), q.new_empty(BH, M, topk, **long),
+            q.new_empty(BH, N, r, **long), q.new_empty(BH, M + 1, **long),
+            q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d, **acc),
+            q.new_empty(BH if shared and save_probs else 0, M, N, **acc),
+            q.new_empty(BH, N, M, **acc), q.new_empty(BH if shared else 0, M, d, **acc),
+            q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)]
 
 
-class MiTAReadout(torch.autograd.Function):
-    """The read-out of MiTA given its routing: for every query ``n`` one softmax over its
-    shared logits ``Ls[n]`` (values ``V_R``) and its routed logits ``q_n . k_j * scale`` for
-    the keys ``j`` of its experts (values ``v_j``).
+@torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
+def _fused_bwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
+               shared: bool, shared_scale: float, saved: List[Tensor],
+               grad_out: Tensor) -> List[Tensor]:
+    return _C.mita_backward(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, *saved,
+                            grad_out)
 
-    ``apply(q, k, v, keys, choice, shared_logits, shared_values, shared, scale)``:
 
-    Args:
-        q, k, v (Tensor): ``[BH, N, d]``, float32 or float64, CPU.
-        keys (Tensor): ``[BH, M, K]`` int64, the keys of each expert.
-        choice (Tensor): ``[BH, N, R]`` int64, the experts of each query.
-        shared_logits (Tensor): ``Ls``, ``[BH, N, M]``, already scaled (ignored, and may be
-            empty, unless ``shared``).
-        shared_values (Tensor): ``V_R``, ``[BH, M, d]`` (same).
-        shared (bool): whether the shared expert takes part.
-        scale (float): scale of the routed logits, ``1 / sqrt(d)`` in MiTA.
+@_fused_bwd.register_fake
+def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out):
+    return [torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)]
 
-    Returns:
-        Tensor: ``[BH, N, d]``. Gradients flow to q, k, v and (if ``shared``) to
-        ``shared_logits`` and ``shared_values``.
+
+def profile(enable: bool) -> Dict[str, float]:
+    """Wall time of each phase of the C++ kernels, summed over calls: ``profile(True)``
+    resets the counters and starts counting, ``profile(False)`` stops; both return
+    ``{phase: seconds}`` accumulated since the last reset."""
+    return dict(_C.profile(enable))
+
+
+class MiTAFused(torch.autograd.Function):
+    """MiTA on ``[BH, N, d]`` CPU tensors (float32/float64, or bf16/fp16 computed in
+    float32 inside the kernel), routing included.
+
+    ``apply(q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared, shared_scale)``
+    returns ``[BH, N, d]``; gradients flow to q, k, v (not through the indices).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, keys, choice, shared_logits, shared_values, shared, scale):
-        if shared:
-            shared_logits = shared_logits.to(q.dtype).contiguous()
-            shared_values = shared_values.to(q.dtype).contiguous()
-        out, lse = _readout_fwd(q.contiguous(), k.contiguous(), v.contiguous(), keys, choice,
-                                shared_logits, shared_values, shared, scale)
-        ctx.save_for_backward(q, k, v, keys, choice, shared_logits, shared_values, out, lse)
-        ctx.shared, ctx.scale = shared, scale
+    def forward(ctx, q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared,
+                shared_scale):
+        save = any(ctx.needs_input_grad[:3])
+        # out (q.dtype), lse, keys, choice, offsets, order, R, probs, Ls, V_R, and for bf16 /
+        # fp16 inputs out in float32 (empty otherwise)
+        out, lse, *routing, out_float = _fused_fwd(q, k, v, *hw_shape, *pool_size, prefix,
+                                                   topk, router_topk, shared, shared_scale,
+                                                   save)
+        if save:
+            ctx.save_for_backward(q, k, v, *routing, out_float if out_float.numel() else out,
+                                  lse)
+            ctx.args = (*hw_shape, *pool_size, prefix, shared, shared_scale)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        dq, dk, dv, dls, dvr = _readout_bwd(*ctx.saved_tensors[:7], ctx.shared, ctx.scale,
-                                            *ctx.saved_tensors[7:], grad_out.contiguous())
-        if not ctx.shared:
-            dls = dvr = None
-        return dq, dk, dv, None, None, dls, dvr, None, None
+        q, k, v, *saved = ctx.saved_tensors
+        dq, dk, dv = _fused_bwd(q, k, v, *ctx.args, saved, grad_out.contiguous())
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
@@ -126,19 +133,8 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
     """
     B, H, N, d = q.shape
-    BH = B * H
-    scale = d ** -0.5
-    rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale)
-    M = rt.landmarks.shape[2]
-    acc = routing_dtype(q.dtype)
-    qb, kb, vb = (t.to(acc).reshape(BH, N, d) for t in (q, k, v))
-    if with_shared_expert:
-        v_r = (torch.softmax(rt.scores, dim=-1) @ v.to(acc)).reshape(BH, M, d)
-        logits_s = rt.router.reshape(BH, N, M)
-    else:
-        v_r = logits_s = qb.new_empty(0)
-    out = MiTAReadout.apply(qb, kb, vb, rt.expert_keys.reshape(BH, M, topk),
-                            rt.choice.reshape(BH, N, router_topk), logits_s, v_r,
-                            with_shared_expert, scale)
-    return out.view(B, H, N, d).to(q.dtype)
+    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
+    out = MiTAFused.apply(qb, kb, vb, tuple(hw_shape), tuple(pool_size), num_prefix_tokens,
+                          topk, router_topk, with_shared_expert, shared_scale)
+    return out.view(B, H, N, d)

@@ -1,32 +1,47 @@
-// Fused MiTA read-out on CPU, forward and backward. Routing (landmarks, scores, top-k) is
-// done by the caller with ATen ops; see mita_seg/ops/fused_cpu.py.
+// Fused MiTA on CPU: routing and read-out in one forward, and a backward that reuses what the
+// forward saved (FlashAttention's pattern). Shapes: q, k, v [BH, N, d] (float32 or float64;
+// bf16/fp16 are converted to float32 on entry and the results back on exit), M = Ph * Pw
+// experts of K keys, R router choices per query.
 //
-// Forward, two parallel phases:
-//   A. expert-major: for each (batch*head, expert), gather the expert's k keys and values
-//      once, and the queries routed to it (items grouped by a counting sort), then two
-//      small GEMMs ([G, d] x [d, k], [G, k] x [k, d]) with the softmax in between. Writes
-//      each item's normalised output and log-sum-exp. Random K/V row reads happen once per
-//      expert, not once per query.
-//   B. query-major, in chunks of queries: the shared expert (softmax over the M landmark
-//      logits, one GEMM with V_R) merged with the r routed partials by log-sum-exp. Also
-//      writes each query's log-sum-exp over all M + r k logits, for the backward.
+// Forward, parallel phases (at::parallel_for; each task holds one BLAS thread, SerialBlas):
+//   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
+//   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T [LB, N] (a local
+//                  buffer; the saved probabilities when training), the K best keys of each
+//                  row by selection (a bound from run maxima, nth_element of the few
+//                  candidates above it; no sort), and with the shared expert
+//                  P = softmax(S), V_R = P V.
+//   3. router      per (bh, chunk of queries): Ls = q (R * shared_scale)^T [CH, M] (the
+//                  shared logits, kept: phase 6 and the backward read them) and each query's
+//                  argmax (top-r for R > 1).
+//   4. grouping    per bh: counting sort of the items (query n, choice c) by expert.
+//   5. routed      per (bh, expert): gather the expert's K keys and values once, its queries'
+//                  logits [G, K] and partial outputs [G, d]: two small GEMMs, a softmax.
+//   6. merge       per (bh, chunk of queries): shared softmax over Ls, one GEMM with V_R,
+//                  merged with the r routed partials by log-sum-exp; writes out and lse.
+// Backward (P = exp(logit - lse); Dl = rowsum(dout * out); dlogit = P (dP - Dl)):
+//   A. per bh, chunks of queries: Dl, and the shared expert: dLs = P_s (dout V_R^T - Dl),
+//      dV_R = P_s^T dout.
+//   B. per (bh, expert), as phase 5: dQ of its items and dK, dV of its keys into per-expert
+//      buffers (no two tasks write the same memory).
+//   C. per bh: scatter-add the per-expert dK, dV into key rows; sum dQ over choices.
+//   D-F. the routing part, through R, S, P, V_R (see scores_backward_phase).
 //
-// Backward (P = softmax of all logits of a query, recomputed from that log-sum-exp;
-// D = rowsum(dOut * out); dlogit = P (dP - D)), three parallel phases:
-//   A. per batch*head, in chunks of queries: D, and the shared expert:
-//      dLs = P_s (dOut V_R^T - D), dV_R += P_s^T dOut.
-//   B. expert-major, as forward phase A: five small GEMMs per expert give dQ of its items and
-//      dK, dV of its k keys, written to per-expert buffers (keys are shared by experts and
-//      queries by experts under router top-r: no two tasks write the same memory).
-//   C. per batch*head: scatter-add the per-expert dK, dV into key rows, sum dQ over choices.
+// Built for the baseline ISA (no -march=native, no -ffast-math): the GEMMs are MKL's (which
+// dispatch on the CPU themselves) and the exponentials take an AVX2 path chosen at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
-#include <tuple>
+#include <numeric>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // The small GEMMs call the BLAS that PyTorch links (Fortran sgemm_/dgemm_, 32-bit ints as
@@ -58,6 +73,28 @@ struct SerialBlas {
   SerialBlas& operator=(const SerialBlas&) = delete;
 };
 
+// ---- Phase profile: wall time of each phase, summed over calls (off unless enabled). ----
+enum Phase { kLandmarks, kExperts, kRouter, kGrouping, kRouted, kMerge,
+             kBwdShared, kBwdRouted, kBwdReduce, kBwdScores, kBwdRows, kBwdLandmarks,
+             kNumPhases };
+const char* const kPhaseNames[kNumPhases] = {
+    "fwd.landmarks", "fwd.experts", "fwd.router", "fwd.grouping", "fwd.routed", "fwd.merge",
+    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks"};
+std::atomic<bool> g_profile{false};
+double g_phase_seconds[kNumPhases] = {};
+
+struct PhaseTimer {
+  Phase phase;
+  std::chrono::steady_clock::time_point t0;
+  explicit PhaseTimer(Phase p) : phase(p), t0(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() {
+    if (g_profile.load(std::memory_order_relaxed))
+      g_phase_seconds[phase] +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// ---- Vector helpers. ----
 template <typename T>
 inline void axpy(T* __restrict__ y, T a, const T* __restrict__ x, int64_t d) {
 #pragma omp simd
@@ -72,31 +109,133 @@ inline T dot(const T* __restrict__ x, const T* __restrict__ y, int64_t d) {
   return s;
 }
 
+// Largest entry of x[0..n) (-inf if empty). NaN entries are skipped here, but reach the
+// softmax's result through exp below.
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + j), acc);  // NaN: acc
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float m = lanes[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+const bool g_has_avx2 = cpu_has_avx2();
+
+template <typename T>
+inline T row_max(const T* x, int64_t n) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (g_has_avx2) return row_max_avx2(x, n);
+  }
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// exp(x) on 8 floats, Cephes' polynomial (relative error ~2e-7), for x <= 0 as softmax
+// feeds it: x below the float range gives exactly 0, NaN stays NaN, -inf gives 0.
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365448f), hi = _mm256_set1_ps(88.3762626f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);   // false for NaN
+  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));                 // NaN passes through
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, y);
+}
+
+// row[j] = exp(row[j] - shift) * mul (AVX2), returning the sum of exp(row[j] - shift).
+__attribute__((target("avx2,fma"))) float exp_shift_avx2(float* row, int64_t n, float shift,
+                                                         float mul) {
+  const __m256 s = _mm256_set1_ps(shift), f = _mm256_set1_ps(mul);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + j), s));
+    acc = _mm256_add_ps(acc, e);
+    _mm256_storeu_ps(row + j, _mm256_mul_ps(e, f));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+              ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; j < n; ++j) {
+    const float e = std::exp(row[j] - shift);
+    sum += e;
+    row[j] = e * mul;
+  }
+  return sum;
+}
+
+template <typename T>
+inline T exp_shift(T* row, int64_t n, T shift, T mul = 1) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (g_has_avx2) return exp_shift_avx2(row, n, shift, mul);
+  }
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = std::exp(row[j] - shift);
+    sum += e;
+    row[j] = e * mul;
+  }
+  return sum;
+}
+
+// In-place softmax of a row; returns its log-sum-exp.
+template <typename T>
+inline T softmax_row(T* row, int64_t n) {
+  const T mx = row_max(row, n);
+  T sum = exp_shift(row, n, mx);
+  const T inv = T(1) / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+  return mx + std::log(sum);
+}
+
+// Set by the tests to run the torch::mm fallback of gemm (used where BLAS is not linked).
+bool g_torch_mm_only = false;
+
 template <typename T>
 torch::TensorOptions options_of() {
   return torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
 }
 
-// Row-major C[m, n] = op(A) op(B) (+ C if accumulate) with op(A) [m, k], op(B) [k, n];
+// Row-major C[m, n] = alpha op(A) op(B) (+ C if accumulate) with op(A) [m, k], op(B) [k, n];
 // a_t: A is stored [k, m] (lda its row stride), b_t: B is stored [n, k]. (Column-major BLAS
 // computes C^T.)
 template <typename T>
 void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64_t lda,
-          const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false) {
+          const T* B, int64_t ldb, T* C, int64_t ldc, bool accumulate = false, T alpha = 1) {
   constexpr bool is_float = std::is_same<T, float>::value;
-#ifndef MITA_TORCH_MM_ONLY  // defined by the test of the fallback
-  if ((is_float && sgemm_) || (!is_float && dgemm_)) {
+  if (!g_torch_mm_only && ((is_float && sgemm_) || (!is_float && dgemm_))) {
     const int mi = m, ni = n, ki = k, la = lda, lb = ldb, lc = ldc;
     const char ta = a_t ? 'T' : 'N', tb = b_t ? 'T' : 'N';
-    const T one = 1, beta = accumulate ? 1 : 0;
+    const T beta = accumulate ? 1 : 0;
     if constexpr (is_float) {
-      sgemm_(&tb, &ta, &ni, &mi, &ki, &one, B, &lb, A, &la, &beta, C, &lc);
+      sgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, B, &lb, A, &la, &beta, C, &lc);
     } else {
-      dgemm_(&tb, &ta, &ni, &mi, &ki, &one, B, &lb, A, &la, &beta, C, &lc);
+      dgemm_(&tb, &ta, &ni, &mi, &ki, &alpha, B, &lb, A, &la, &beta, C, &lc);
     }
     return;
   }
-#endif
   const auto opts = options_of<T>();
   auto blob = [&](const T* x, int64_t rows, int64_t cols, int64_t ld, bool t) {
     auto x2 = torch::from_blob(const_cast<T*>(x), {t ? cols : rows, t ? rows : cols},
@@ -104,156 +243,267 @@ void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64
     return t ? x2.t() : x2;
   };
   auto c = torch::from_blob(C, {m, n}, {ldc, 1}, opts);
-  if (accumulate) {
-    c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t));
-  } else {
-    torch::mm_out(c, blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t));
-  }
+  c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t), accumulate ? 1 : 0, alpha);
 }
 
-// Items (query n, choice c) -> item n * R + c, grouped by expert with a counting sort:
-// the items of expert m of batch*head bh are order[bh * NR + offsets[bh * (M + 1) + m] ...
-// offsets[bh * (M + 1) + m + 1]), in increasing item order.
-void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M,
-                 std::vector<int64_t>& offsets, std::vector<int64_t>& order) {
-  offsets.assign(BH * (M + 1), 0);
-  order.resize(BH * NR);
+// Where MiTA's tokens are: N = prefix + h * w + suffix; the pool is Ph x Pw.
+struct Geometry {
+  int64_t BH, N, d, h, w, ph, pw, prefix, M, K, R;
+};
+
+// ---- Forward phase 1: R[bh, m] = mean of q over the grid bin of landmark m. The bins of
+// adaptive_avg_pool2d: rows [floor(i h / Ph), ceil((i + 1) h / Ph)), columns likewise.
+// Summed in row-major order and divided by the count, as ATen does.
+template <typename T>
+void landmarks_phase(const T* q, T* R, const Geometry& g) {
+  PhaseTimer timer(kLandmarks);
+  at::parallel_for(0, g.BH * g.M, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / g.M, m = t % g.M, i = m / g.pw, j = m % g.pw;
+      const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
+      const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
+      T* out = R + t * g.d;
+      std::fill(out, out + g.d, T(0));
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c)
+          axpy(out, T(1), q + (bh * g.N + g.prefix + r * g.w + c) * g.d, g.d);
+      const T count = static_cast<T>((r1 - r0) * (c1 - c0));
+      for (int64_t c = 0; c < g.d; ++c) out[c] /= count;
+    }
+  });
+}
+
+// The K largest entries of s[0..n) (indices, in no particular order), by selection: the
+// maxima of 2K disjoint runs of s have K of their number >= their K-th largest t, so the K
+// largest entries of s are all >= t; the candidates >= t (typically ~2K of n) go through
+// nth_element. NaN scores are never selected while K others are available.
+template <typename T>
+void topk_indices(const T* s, int64_t n, int64_t K, int64_t* out,
+                  std::vector<std::pair<T, int64_t>>& cand, std::vector<T>& maxima) {
+  auto greater = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+    return a.first > b.first;
+  };
+  cand.clear();
+  const int64_t runs = 2 * K;
+  if (runs * 4 <= n) {
+    maxima.resize(runs);
+    for (int64_t r = 0; r < runs; ++r) maxima[r] = row_max(s + r * n / runs,
+                                                           (r + 1) * n / runs - r * n / runs);
+    std::nth_element(maxima.begin(), maxima.begin() + (K - 1), maxima.end(), std::greater<T>());
+    const T t = maxima[K - 1];
+    for (int64_t j = 0; j < n; ++j)
+      if (s[j] >= t) cand.emplace_back(s[j], j);
+  }
+  if (static_cast<int64_t>(cand.size()) < K) {  // small n, or NaNs / -inf everywhere
+    cand.clear();
+    for (int64_t j = 0; j < n; ++j)
+      cand.emplace_back(std::isnan(s[j]) ? -std::numeric_limits<T>::infinity() : s[j], j);
+  }
+  std::nth_element(cand.begin(), cand.begin() + (K - 1), cand.end(), greater);
+  for (int64_t j = 0; j < K; ++j) out[j] = cand[j].second;
+}
+
+// ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values.
+// probs: [BH, M, N] softmax(S) saved for the backward, or null (a local buffer is used).
+template <typename T>
+void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, T* vr,
+                   bool shared, const Geometry& g) {
+  PhaseTimer timer(kExperts);
+  constexpr int64_t LB = 8;
+  const int64_t blocks = (g.M + LB - 1) / LB;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d)));
+  at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    std::vector<T> rc(LB * g.d), local(probs ? 0 : LB * g.N);
+    std::vector<std::pair<T, int64_t>> cand;
+    std::vector<T> maxima;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
+      const T* r = R + (bh * g.M + m0) * g.d;
+      for (int64_t c = 0; c < L * g.d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
+      T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();
+      gemm(false, true, L, g.N, g.d, rc.data(), g.d, k + bh * g.N * g.d, g.d, s, g.N);
+      for (int64_t l = 0; l < L; ++l) {
+        topk_indices(s + l * g.N, g.N, g.K, keys + (bh * g.M + m0 + l) * g.K, cand, maxima);
+        if (shared) softmax_row(s + l * g.N, g.N);
+      }
+      if (shared)
+        gemm(false, false, L, g.d, g.N, s, g.N, v + bh * g.N * g.d, g.d,
+             vr + (bh * g.M + m0) * g.d, g.d);
+    }
+  });
+}
+
+// ---- Forward phase 3: shared logits Ls = q (R * shared_scale)^T and each query's choices.
+template <typename T>
+void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale,
+                  const Geometry& g) {
+  PhaseTimer timer(kRouter);
+  constexpr int64_t CH = 128;
+  const int64_t chunks = (g.N + CH - 1) / CH;
+  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    std::vector<T> rs(g.M * g.d);
+    std::vector<int64_t> ids(g.M);
+    int64_t rs_of = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
+      if (rs_of != bh) {  // R * shared_scale, as ATen computes it
+        const T* r = R + bh * g.M * g.d;
+        for (int64_t c = 0; c < g.M * g.d; ++c) rs[c] = r[c] * shared_scale;
+        rs_of = bh;
+      }
+      T* out = ls + (bh * g.N + n0) * g.M;
+      gemm(false, true, G, g.M, g.d, q + (bh * g.N + n0) * g.d, g.d, rs.data(), g.d, out, g.M);
+      for (int64_t n = 0; n < G; ++n) {
+        const T* row = out + n * g.M;
+        int64_t* ch = choice + (bh * g.N + n0 + n) * g.R;
+        if (g.R == 1) {  // first maximum, as torch.argmax
+          int64_t best = 0;
+          for (int64_t m = 1; m < g.M; ++m)
+            if (row[m] > row[best]) best = m;
+          ch[0] = best;
+        } else {
+          std::iota(ids.begin(), ids.end(), 0);
+          std::partial_sort(ids.begin(), ids.begin() + g.R, ids.end(),
+                            [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+          std::copy(ids.begin(), ids.begin() + g.R, ch);
+        }
+      }
+    }
+  });
+}
+
+// ---- Forward phase 4: items (query n, choice c) -> item n * R + c, grouped by expert with
+// a counting sort: the items of expert m of batch*head bh are order[bh, offsets[bh, m] ...
+// offsets[bh, m + 1]), in increasing item order. offsets: [BH, M + 1], order: [BH, N R].
+void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M, int64_t* offsets,
+                 int64_t* order) {
+  PhaseTimer timer(kGrouping);
   at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> pos(M);
     for (int64_t bh = b0; bh < b1; ++bh) {
-      int64_t* off = offsets.data() + bh * (M + 1);
+      int64_t* off = offsets + bh * (M + 1);
       const int64_t* ch = choice + bh * NR;
+      std::fill(off, off + M + 1, 0);
       for (int64_t i = 0; i < NR; ++i) ++off[ch[i] + 1];
       for (int64_t m = 0; m < M; ++m) off[m + 1] += off[m];
-      std::vector<int64_t> pos(off, off + M);
-      int64_t* ord = order.data() + bh * NR;
+      std::copy(off, off + M, pos.begin());
+      int64_t* ord = order + bh * NR;
       for (int64_t i = 0; i < NR; ++i) ord[pos[ch[i]]++] = i;
     }
   });
 }
 
-// Copies the k rows idx[0..K) of x ([N, d]) to dst ([K, d]).
+// Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]).
 template <typename T>
 inline void gather_rows(T* dst, const T* x, const int64_t* idx, int64_t K, int64_t d) {
   for (int64_t j = 0; j < K; ++j) std::copy(x + idx[j] * d, x + idx[j] * d + d, dst + j * d);
 }
 
+// ---- Forward phase 5: per expert, the softmax over its K keys of each of its items:
+// normalised partial output o_items [BH, N R, d] and log-sum-exp lse_items [BH, N R].
 template <typename T>
 void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
-                  const std::vector<int64_t>& offsets, const std::vector<int64_t>& order,
-                  T* o_items, T* lse_items, int64_t BH, int64_t N, int64_t d, int64_t M,
-                  int64_t K, int64_t R, T scale) {
-  const int64_t NR = N * R;
-  at::parallel_for(0, BH * M, 1, [&](int64_t t0, int64_t t1) {
+                  const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
+                  T scale, const Geometry& g) {
+  PhaseTimer timer(kRouted);
+  const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
+  at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> kloc(K * d), vloc(K * d), lse, qbuf, lbuf, obuf;
-    T* kl = kloc.data();
-    T* vl = vloc.data();
+    std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / M, m = t % M;
-      const int64_t* off = offsets.data() + bh * (M + 1);
+      const int64_t bh = t / g.M, m = t % g.M;
+      const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
       if (G == 0) continue;
-      const int64_t* idx = keys + (bh * M + m) * K;
-      gather_rows(kl, k + bh * N * d, idx, K, d);
-      gather_rows(vl, v + bh * N * d, idx, K, d);
-      const int64_t* ord = order.data() + bh * NR + off[m];
-      qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d); lse.resize(G);
+      const int64_t* idx = keys + t * K;
+      gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
+      gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+      const int64_t* ord = order + bh * NR + off[m];
+      qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d);
       T* qp = qbuf.data();
       T* lg = lbuf.data();
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = q + (bh * N + ord[g] / R) * d;
+      for (int64_t i = 0; i < G; ++i) {
+        const T* src = q + (bh * g.N + ord[i] / R) * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) qp[g * d + c] = src[c] * scale;
+        for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
       }
-      gemm(false, true, G, K, d, qp, d, kl, d, lg, K);                // logits [G, K]
-      for (int64_t g = 0; g < G; ++g) {
-        T* row = lg + g * K;
-        T mx = std::numeric_limits<T>::lowest();
-        for (int64_t j = 0; j < K; ++j) mx = std::max(mx, row[j]);
-        T sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < K; ++j) {  // vectorised exp (libmvec)
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        lse[g] = mx + std::log(sum);
-        const T inv = T(1) / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < K; ++j) row[j] *= inv;
-      }
+      gemm(false, true, G, K, d, qp, d, kloc.data(), d, lg, K);           // logits [G, K]
+      for (int64_t i = 0; i < G; ++i)
+        lse_items[bh * NR + ord[i]] = softmax_row(lg + i * K, K);
       T* op = obuf.data();
-      gemm(false, false, G, d, K, lg, K, vl, d, op, d);               // [G, d]
-      for (int64_t g = 0; g < G; ++g) {
-        std::copy(op + g * d, op + g * d + d, o_items + (bh * NR + ord[g]) * d);
-        lse_items[bh * NR + ord[g]] = lse[g];
-      }
+      gemm(false, false, G, d, K, lg, K, vloc.data(), d, op, d);          // [G, d]
+      for (int64_t i = 0; i < G; ++i)
+        std::copy(op + i * d, op + i * d + d, o_items + (bh * NR + ord[i]) * d);
     }
   });
 }
 
+// ---- Forward phase 6: each query's softmax over its M shared logits and its r routed
+// partials (weights exp(lse_c - max)); out [BH, N, d], lse [BH, N] over all M + r K logits.
+// With R = 1, o_items may be out itself (each task reads a row before it writes it).
 template <typename T>
-void merge_phase(const T* o_items, const T* lse_items, const T* shared_logits,
-                 const T* shared_values, T* out, T* lse_out, int64_t BH, int64_t N, int64_t d,
-                 int64_t M, int64_t R, bool shared) {
-  constexpr int64_t CH = 128;  // queries per task
-  const int64_t chunks = (N + CH - 1) / CH;
-  at::parallel_for(0, BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr, T* out,
+                 T* lse_out, bool shared, const Geometry& g) {
+  PhaseTimer timer(kMerge);
+  constexpr int64_t CH = 128;
+  const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, R = g.R, d = g.d;
+  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH);
+    std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH), shv(CH * d);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, n1 = std::min(N, n0 + CH);
-      const int64_t G = n1 - n0;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = bh * N + n0 + g;
-        T m = std::numeric_limits<T>::lowest();
+      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
+      for (int64_t n = 0; n < G; ++n) {
+        const int64_t i = bh * g.N + n0 + n;
+        T m = -std::numeric_limits<T>::infinity();
         for (int64_t c = 0; c < R; ++c) m = std::max(m, lse_items[i * R + c]);
         T s = 0;
         if (shared) {  // shared logits enter the softmax directly, relative to m
-          const T* ls = shared_logits + i * M;
-          for (int64_t j = 0; j < M; ++j) m = std::max(m, ls[j]);
-          T* pr = p.data() + g * M;
-#pragma omp simd reduction(+ : s)
-          for (int64_t j = 0; j < M; ++j) {
-            pr[j] = std::exp(ls[j] - m);
-            s += pr[j];
-          }
+          T* pr = p.data() + n * M;
+          std::copy(ls + i * M, ls + (i + 1) * M, pr);
+          m = std::max(m, row_max(pr, M));
+          s = exp_shift(pr, M, m);
         }
-        mx[g] = m;
-        sum[g] = s;
+        mx[n] = m;
+        sum[n] = s;
       }
-      T* o = out + (bh * N + n0) * d;
+      T* sh = shv.data();  // shared expert's unnormalised output [G, d]
       if (shared) {
-        gemm(false, false, G, d, M, p.data(), M, shared_values + bh * M * d, d, o, d);
+        gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, sh, d);
       } else {
-        std::fill(o, o + G * d, T(0));
+        std::fill(sh, sh + G * d, T(0));
       }
-      for (int64_t g = 0; g < G; ++g) {  // each routed partial has weight exp(lse - m)
-        const int64_t i = bh * N + n0 + g;
-        T s = sum[g];
-        T* oi = o + g * d;
+      for (int64_t n = 0; n < G; ++n) {  // each routed partial has weight exp(lse - m)
+        const int64_t i = bh * g.N + n0 + n;
+        T s = sum[n];
+        T* sn = sh + n * d;
         for (int64_t c = 0; c < R; ++c) {
-          const T w = std::exp(lse_items[i * R + c] - mx[g]);
+          const T w = std::exp(lse_items[i * R + c] - mx[n]);
           s += w;
-          axpy(oi, w, o_items + (i * R + c) * d, d);
+          axpy(sn, w, o_items + (i * R + c) * d, d);
         }
-        lse_out[i] = mx[g] + std::log(s);
+        lse_out[i] = mx[n] + std::log(s);
         const T inv = T(1) / s;
+        T* oi = out + i * d;  // (with R = 1, o_items is out: row i was read above)
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) oi[c] *= inv;
+        for (int64_t c = 0; c < d; ++c) oi[c] = sn[c] * inv;
       }
     }
   });
 }
 
-// Backward phase A, per batch*head (it owns dV_R[bh]), in chunks of queries:
+// ---- Backward phase A, per bh (it owns dV_R[bh]), in chunks of queries:
 // delta = rowsum(dout * out); with the shared expert, P_s = exp(Ls - lse),
-// dLs = P_s (dout V_R^T - delta) and dV_R += P_s^T dout.
+// dLs = P_s (dout V_R^T - delta) and dV_R = P_s^T dout.
 template <typename T>
-void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* shared_logits,
-                           const T* shared_values, T* delta, T* dls, T* dvr, int64_t BH,
-                           int64_t N, int64_t d, int64_t M, bool shared) {
+void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* ls,
+                           const T* vr, T* delta, T* dls, T* dvr, bool shared,
+                           const Geometry& g) {
+  PhaseTimer timer(kBwdShared);
   constexpr int64_t CH = 128;  // queries per chunk
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t N = g.N, M = g.M, d = g.d;
+  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
     SerialBlas serial_blas;
     std::vector<T> p(shared ? CH * M : 1), dp(shared ? CH * M : 1);
     for (int64_t bh = b0; bh < b1; ++bh) {
@@ -261,100 +511,91 @@ void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* s
         const int64_t G = std::min(N, n0 + CH) - n0, i0 = bh * N + n0;
         for (int64_t i = i0; i < i0 + G; ++i) delta[i] = dot(dout + i * d, out + i * d, d);
         if (!shared) continue;
-        const T* vr = shared_values + bh * M * d;
-        gemm(false, true, G, M, d, dout + i0 * d, d, vr, d, dp.data(), M);  // dout V_R^T
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t i = i0 + g;
-          const T* ls = shared_logits + i * M;
-          const T* dpr = dp.data() + g * M;
-          T* pr = p.data() + g * M;
+        gemm(false, true, G, M, d, dout + i0 * d, d, vr + bh * M * d, d, dp.data(), M);
+        for (int64_t n = 0; n < G; ++n) {
+          const int64_t i = i0 + n;
+          T* pr = p.data() + n * M;
+          const T* dpr = dp.data() + n * M;
           T* dl = dls + i * M;
-          const T l = lse[i], D = delta[i];
+          std::copy(ls + i * M, ls + (i + 1) * M, pr);
+          exp_shift(pr, M, lse[i]);
+          const T D = delta[i];
 #pragma omp simd
-          for (int64_t j = 0; j < M; ++j) {
-            pr[j] = std::exp(ls[j] - l);
-            dl[j] = pr[j] * (dpr[j] - D);
-          }
+          for (int64_t j = 0; j < M; ++j) dl[j] = pr[j] * (dpr[j] - D);
         }
         gemm(true, false, M, d, G, p.data(), M, dout + i0 * d, d, dvr + bh * M * d, d,
-             n0 > 0);                                                 // dV_R += P_s^T dout
+             n0 > 0);                                                  // dV_R += P_s^T dout
       }
     }
   });
 }
 
-// Backward phase B: per expert, dQ of its items (to dq_items, row = item) and dK, dV of its
-// k keys (to dk_exp, dv_exp: [BH, M, K, d]).
+// ---- Backward phase B: per expert, dQ of its items (dq_items, row = item) and dK, dV of
+// its K keys (dk_exp, dv_exp: [BH, M, K, d]).
 template <typename T>
 void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* keys,
-                           const std::vector<int64_t>& offsets,
-                           const std::vector<int64_t>& order, const T* dout, const T* lse,
-                           const T* delta, T* dq_items, T* dk_exp, T* dv_exp, int64_t BH,
-                           int64_t N, int64_t d, int64_t M, int64_t K, int64_t R, T scale) {
-  const int64_t NR = N * R;
-  at::parallel_for(0, BH * M, 1, [&](int64_t t0, int64_t t1) {
+                           const int64_t* offsets, const int64_t* order, const T* dout,
+                           const T* lse, const T* delta, T* dq_items, T* dk_exp, T* dv_exp,
+                           T scale, const Geometry& g) {
+  PhaseTimer timer(kBwdRouted);
+  const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
+  at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     std::vector<T> kloc(K * d), vloc(K * d), qbuf, dobuf, pbuf, dsbuf, dqbuf;
-    T* kl = kloc.data();
-    T* vl = vloc.data();
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / M, m = t % M;
-      const int64_t* off = offsets.data() + bh * (M + 1);
+      const int64_t bh = t / g.M, m = t % g.M;
+      const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
       if (G == 0) continue;  // phase C skips this expert
-      const int64_t* idx = keys + (bh * M + m) * K;
-      gather_rows(kl, k + bh * N * d, idx, K, d);
-      gather_rows(vl, v + bh * N * d, idx, K, d);
-      const int64_t* ord = order.data() + bh * NR + off[m];
+      const int64_t* idx = keys + t * K;
+      gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
+      gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+      const int64_t* ord = order + bh * NR + off[m];
       qbuf.resize(G * d); dobuf.resize(G * d); pbuf.resize(G * K); dsbuf.resize(G * K);
       dqbuf.resize(G * d);
-      T* qp = qbuf.data();
-      T* dop = dobuf.data();
-      T* pp = pbuf.data();
-      T* dsp = dsbuf.data();
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = bh * N + ord[g] / R;
-        const T* src = q + i * d;
+      T *qp = qbuf.data(), *dop = dobuf.data(), *pp = pbuf.data(), *dsp = dsbuf.data();
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t row = bh * g.N + ord[i] / R;
+        const T* src = q + row * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) qp[g * d + c] = src[c] * scale;
-        std::copy(dout + i * d, dout + i * d + d, dop + g * d);
+        for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
+        std::copy(dout + row * d, dout + row * d + d, dop + i * d);
       }
-      gemm(false, true, G, K, d, qp, d, kl, d, pp, K);                // logits [G, K]
-      gemm(false, true, G, K, d, dop, d, vl, d, dsp, K);              // dP [G, K]
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = bh * N + ord[g] / R;
-        const T l = lse[i], D = delta[i];
-        T* pr = pp + g * K;
-        T* dr = dsp + g * K;
+      gemm(false, true, G, K, d, qp, d, kloc.data(), d, pp, K);           // logits [G, K]
+      gemm(false, true, G, K, d, dop, d, vloc.data(), d, dsp, K);         // dP [G, K]
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t row = bh * g.N + ord[i] / R;
+        T* pr = pp + i * K;
+        T* dr = dsp + i * K;
+        exp_shift(pr, K, lse[row]);
+        const T D = delta[row];
 #pragma omp simd
-        for (int64_t j = 0; j < K; ++j) {
-          pr[j] = std::exp(pr[j] - l);
-          dr[j] = pr[j] * (dr[j] - D);
-        }
+        for (int64_t j = 0; j < K; ++j) dr[j] = pr[j] * (dr[j] - D);
       }
       // dK = dS^T (q scale) (q already scaled), dV = P^T dout, dQ = dS K (scaled below).
-      gemm(true, false, K, d, G, dsp, K, qp, d, dk_exp + (bh * M + m) * K * d, d);
-      gemm(true, false, K, d, G, pp, K, dop, d, dv_exp + (bh * M + m) * K * d, d);
+      gemm(true, false, K, d, G, dsp, K, qp, d, dk_exp + t * K * d, d);
+      gemm(true, false, K, d, G, pp, K, dop, d, dv_exp + t * K * d, d);
       T* dqp = dqbuf.data();
-      gemm(false, false, G, d, K, dsp, K, kl, d, dqp, d);
-      for (int64_t g = 0; g < G; ++g) {
-        T* dst = dq_items + (bh * NR + ord[g]) * d;
+      gemm(false, false, G, d, K, dsp, K, kloc.data(), d, dqp, d);
+      for (int64_t i = 0; i < G; ++i) {
+        T* dst = dq_items + (bh * NR + ord[i]) * d;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) dst[c] = dqp[g * d + c] * scale;
+        for (int64_t c = 0; c < d; ++c) dst[c] = dqp[i * d + c] * scale;
       }
     }
   });
 }
 
-// Backward phase C: dk, dv = sum of the per-expert buffers at the experts' key rows;
+// ---- Backward phase C: dk, dv = sum of the per-expert buffers at the experts' key rows;
 // dq = sum over the r choices of dq_items (R > 1 only: with R = 1 they are the same rows).
 template <typename T>
-void reduce_phase(const int64_t* keys, const std::vector<int64_t>& offsets, const T* dk_exp,
-                  const T* dv_exp, const T* dq_items, T* dk, T* dv, T* dq, int64_t BH,
-                  int64_t N, int64_t d, int64_t M, int64_t K, int64_t R) {
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+void reduce_phase(const int64_t* keys, const int64_t* offsets, const T* dk_exp,
+                  const T* dv_exp, const T* dq_items, T* dk, T* dv, T* dq, const Geometry& g) {
+  PhaseTimer timer(kBwdReduce);
+  const int64_t N = g.N, d = g.d, K = g.K, M = g.M, R = g.R;
+  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t bh = b0; bh < b1; ++bh) {
-      const int64_t* off = offsets.data() + bh * (M + 1);
+      const int64_t* off = offsets + bh * (M + 1);
       std::fill(dk + bh * N * d, dk + (bh + 1) * N * d, T(0));
       std::fill(dv + bh * N * d, dv + (bh + 1) * N * d, T(0));
       for (int64_t m = 0; m < M; ++m) {
@@ -378,120 +619,343 @@ void reduce_phase(const int64_t* keys, const std::vector<int64_t>& offsets, cons
   });
 }
 
-struct Shapes {
-  int64_t BH, N, d, M, K, R;
-};
-
-Shapes check_inputs(const char* name, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v,
-                    torch::Tensor& keys, torch::Tensor& choice, torch::Tensor& shared_logits,
-                    torch::Tensor& shared_values, bool shared) {
-  TORCH_CHECK(q.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), name,
-              ": q, k, v must be [BH, N, d]");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), name,
-              ": q, k, v must have the same dtype");
-  TORCH_CHECK(keys.scalar_type() == at::kLong && choice.scalar_type() == at::kLong, name,
-              ": keys and choice must be int64");
-  TORCH_CHECK(keys.dim() == 3 && choice.dim() == 3, name,
-              ": keys must be [BH, M, K] and choice [BH, N, R]");
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
-  keys = keys.contiguous(); choice = choice.contiguous();
-  const Shapes s{q.size(0), q.size(1), q.size(2), keys.size(1), keys.size(2), choice.size(2)};
-  TORCH_CHECK(keys.size(0) == s.BH && choice.size(0) == s.BH && choice.size(1) == s.N, name,
-              ": keys/choice do not match q");
-  if (shared) {
-    shared_logits = shared_logits.to(q.scalar_type()).contiguous();
-    shared_values = shared_values.to(q.scalar_type()).contiguous();
-    TORCH_CHECK(shared_logits.numel() == s.BH * s.N * s.M &&
-                    shared_values.numel() == s.BH * s.M * s.d,
-                name, ": shared expert tensors do not match");
-  }
-  return s;
-}
-
-// q, k, v: [BH, N, d]; keys: [BH, M, K] int64; choice: [BH, N, R] int64 (expert ids);
-// shared_logits: [BH, N, M] (already scaled); shared_values: [BH, M, d]; both ignored
-// unless `shared`. Returns out [BH, N, d] and lse [BH, N], the log-sum-exp of each query's
-// M + R K logits (R K without the shared expert).
-std::tuple<torch::Tensor, torch::Tensor> mita_readout_forward(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keys,
-    torch::Tensor choice, torch::Tensor shared_logits, torch::Tensor shared_values,
-    bool shared, double scale) {
-  const Shapes s = check_inputs("mita_readout_forward", q, k, v, keys, choice, shared_logits,
-                                shared_values, shared);
-  auto out = torch::empty_like(q);
-  auto lse = torch::empty({s.BH, s.N}, q.options());
-  auto o_items = torch::empty({s.BH, s.N * s.R, s.d}, q.options());
-  auto lse_items = torch::empty({s.BH, s.N * s.R}, q.options());
-  std::vector<int64_t> offsets, order;
-  group_items(choice.data_ptr<int64_t>(), s.BH, s.N * s.R, s.M, offsets, order);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_readout_forward", [&] {
-    routed_phase<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                           v.data_ptr<scalar_t>(), keys.data_ptr<int64_t>(), offsets, order,
-                           o_items.data_ptr<scalar_t>(), lse_items.data_ptr<scalar_t>(), s.BH,
-                           s.N, s.d, s.M, s.K, s.R, static_cast<scalar_t>(scale));
-    merge_phase<scalar_t>(o_items.data_ptr<scalar_t>(), lse_items.data_ptr<scalar_t>(),
-                          shared ? shared_logits.data_ptr<scalar_t>() : nullptr,
-                          shared ? shared_values.data_ptr<scalar_t>() : nullptr,
-                          out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), s.BH, s.N, s.d,
-                          s.M, s.R, shared);
+// ---- Backward, routing part (shared expert only): Ls = s q R^T (s = shared_scale),
+// S = c R K^T (c = 1 / sqrt(d)), P = softmax(S), V_R = P V. Given dLs and dV_R:
+//   D. per (bh, block of landmarks): dS = c P (dP - rowsum(P dP)) with dP = dV_R V^T
+//      ([LB, N], c folded in) and dR = dS K [LB, d]; per bh: dR += s dLs^T q.
+//   E. per (bh, chunk of rows): dq += s dLs R, dv += P^T dV_R, dk += dS^T R.
+//   F. per (bh, grid row): the grid rows of dq += the adjoint of the pooling of dR.
+template <typename T>
+void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, const T* dvr,
+                           const T* dls, T* ds, T* dR, T shared_scale, const Geometry& g) {
+  PhaseTimer timer(kBwdScores);
+  constexpr int64_t LB = 8;
+  const int64_t blocks = (g.M + LB - 1) / LB, N = g.N, M = g.M, d = g.d;
+  const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(M, m0 + LB) - m0;
+      T* dsb = ds + (bh * M + m0) * N;
+      gemm(false, true, L, N, d, dvr + (bh * M + m0) * d, d, v + bh * N * d, d, dsb, N);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* p = probs + (bh * M + m0 + l) * N;
+        T* r = dsb + l * N;
+        const T D = dot(p, r, N);
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) r[j] = c * p[j] * (r[j] - D);
+      }
+      gemm(false, false, L, d, N, dsb, N, k + bh * N * d, d, dR + (bh * M + m0) * d, d);
+    }
   });
-  return {out, lse};
+  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+    SerialBlas serial_blas;
+    for (int64_t bh = b0; bh < b1; ++bh)                               // dR += s dLs^T q
+      gemm(true, false, M, d, N, dls + bh * N * M, M, q + bh * N * d, d, dR + bh * M * d, d,
+           true, shared_scale);
+  });
 }
 
-// Gradients of mita_readout_forward: inputs as there, plus its outputs out, lse and the
-// gradient dout of out. Returns dq, dk, dv (routed logits and values only), and, with the
-// shared expert, d shared_logits [BH, N, M] and d shared_values [BH, M, d] (empty without).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
-mita_readout_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keys,
-                      torch::Tensor choice, torch::Tensor shared_logits,
-                      torch::Tensor shared_values, bool shared, double scale,
-                      torch::Tensor out, torch::Tensor lse, torch::Tensor dout) {
-  const Shapes s = check_inputs("mita_readout_backward", q, k, v, keys, choice, shared_logits,
-                                shared_values, shared);
-  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes() && lse.numel() == s.BH * s.N,
-              "mita_readout_backward: out, dout must be [BH, N, d] and lse [BH, N]");
-  out = out.to(q.scalar_type()).contiguous();
-  dout = dout.to(q.scalar_type()).contiguous();
-  lse = lse.to(q.scalar_type()).contiguous();
+template <typename T>
+void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls, const T* ds,
+                         T* dq, T* dk, T* dv, T shared_scale, const Geometry& g) {
+  PhaseTimer timer(kBwdRows);
+  constexpr int64_t CH = 128;
+  const int64_t chunks = (g.N + CH - 1) / CH, N = g.N, M = g.M, d = g.d;
+  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+    SerialBlas serial_blas;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(N, n0 + CH) - n0;
+      const int64_t rows = (bh * N + n0) * d;
+      const T* r = R + bh * M * d;
+      gemm(false, false, G, d, M, dls + (bh * N + n0) * M, M, r, d, dq + rows, d, true,
+           shared_scale);                                              // dq += s dLs R
+      gemm(true, false, G, d, M, probs + bh * M * N + n0, N, dvr + bh * M * d, d, dv + rows,
+           d, true);                                                   // dv += P^T dV_R
+      gemm(true, false, G, d, M, ds + bh * M * N + n0, N, r, d, dk + rows, d, true);
+    }
+  });
+}
+
+template <typename T>
+void landmarks_backward_phase(const T* dR, T* dq, const Geometry& g) {
+  PhaseTimer timer(kBwdLandmarks);
+  at::parallel_for(0, g.BH * g.h, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / g.h, r = t % g.h;
+      for (int64_t i = 0; i < g.ph; ++i) {
+        const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
+        if (r < r0 || r >= r1) continue;
+        for (int64_t j = 0; j < g.pw; ++j) {
+          const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
+          const T inv = T(1) / static_cast<T>((r1 - r0) * (c1 - c0));
+          const T* src = dR + (bh * g.M + i * g.pw + j) * g.d;
+          for (int64_t c = c0; c < c1; ++c)
+            axpy(dq + (bh * g.N + g.prefix + r * g.w + c) * g.d, inv, src, g.d);
+        }
+      }
+    }
+  });
+}
+
+// ---- Entry points: checks (every index read from a tensor is range-checked before it
+// addresses memory), allocation, dispatch on float32 / float64.
+void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
+               const torch::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name,
+              ": CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), name,
+              ": q, k, v must be [BH, N, d], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const auto t = q.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
+              name, ": q must be float32, float64, bfloat16 or float16, got ", t);
+  TORCH_CHECK(k.scalar_type() == t && v.scalar_type() == t, name,
+              ": q, k, v must have the same dtype");
+}
+
+// bf16/fp16 tensors converted to `to` (float32), or float32 to bf16/fp16, in one parallel
+// pass over all of them (ATen's copy_ is one parallel region per tensor); tensors already
+// of dtype `to` are returned as they are (contiguous).
+std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType to) {
+  constexpr int64_t CHUNK = 1 << 15;
+  std::vector<torch::Tensor> out;
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (tensor, first element)
+  for (size_t i = 0; i < ts.size(); ++i) {
+    ts[i] = ts[i].contiguous();
+    if (ts[i].scalar_type() == to) {
+      out.push_back(ts[i]);
+      continue;
+    }
+    out.push_back(torch::empty_like(ts[i], ts[i].options().dtype(to)));
+    for (int64_t e = 0; e < ts[i].numel(); e += CHUNK) tasks.emplace_back(i, e);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto& src = ts[tasks[t].first];
+      auto& dst = out[tasks[t].first];
+      const int64_t e0 = tasks[t].second, e1 = std::min(src.numel(), e0 + CHUNK);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "convert",
+                                      [&] {
+        using S = scalar_t;
+        const S* a = src.data_ptr<S>();
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, to, "convert", [&] {
+          scalar_t* b = dst.data_ptr<scalar_t>();
+          for (int64_t e = e0; e < e1; ++e)
+            b[e] = static_cast<scalar_t>(static_cast<float>(a[e]));
+        });
+      });
+    }
+  });
+  return out;
+}
+
+// Checks that every value of the int64 tensor t lies in [0, hi).
+void check_index_range(const char* name, const char* what, const torch::Tensor& t,
+                       int64_t hi) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  const int64_t n = t.numel();
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n && bad < 0; ++i)
+    if (p[i] < 0 || p[i] >= hi) bad = i;
+  TORCH_CHECK(bad < 0, name, ": ", what, " holds ", bad < 0 ? 0 : p[bad], " at flat index ",
+              bad, ", outside [0, ", hi, ")");
+}
+
+torch::Tensor index_tensor(const char* name, const char* what, torch::Tensor t,
+                           std::vector<int64_t> shape) {
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, ": ", what, " must be int64, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), name, ": ", what, " must have shape ",
+              c10::IntArrayRef(shape), ", got ", t.sizes());
+  return t.contiguous();
+}
+
+torch::Tensor float_tensor(const char* name, const char* what, torch::Tensor t,
+                           std::vector<int64_t> shape, const torch::Tensor& like) {
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), name, ": ", what, " must have shape ",
+              c10::IntArrayRef(shape), ", got ", t.sizes());
+  return convert({t}, like.scalar_type())[0];
+}
+
+Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w, int64_t ph,
+                  int64_t pw, int64_t prefix, int64_t topk, int64_t router_topk) {
+  const Geometry g{q.size(0), q.size(1), q.size(2), h, w, ph, pw, prefix, ph * pw, topk,
+                   router_topk};
+  TORCH_CHECK(h >= 1 && w >= 1 && prefix >= 0 && prefix + h * w <= g.N, name,
+              ": grid ", h, "x", w, " after ", prefix, " prefix tokens does not fit N = ", g.N);
+  TORCH_CHECK(ph >= 1 && pw >= 1 && ph <= h && pw <= w, name, ": pool ", ph, "x", pw,
+              " must be within the grid ", h, "x", w);
+  TORCH_CHECK(topk >= 1 && topk <= g.N, name, ": topk must be in [1, N], got ", topk);
+  TORCH_CHECK(router_topk >= 1 && router_topk <= g.M, name,
+              ": router_topk must be in [1, M], got ", router_topk);
+  return g;
+}
+
+// q, k, v: [BH, N, d]; the grid is tokens prefix .. prefix + h w, pooled to ph x pw;
+// topk keys per expert, router_topk experts per query. Returns
+//   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
+//   keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
+//   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
+//   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared),
+//   and, for bf16/fp16 inputs, out in float32 (what the backward reads; empty otherwise).
+// bf16/fp16 inputs are computed in float32 (routing identical to float32 on the same values);
+// the first out has the inputs' dtype, every other tensor float32/float64.
+std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                        int64_t h, int64_t w, int64_t ph, int64_t pw,
+                                        int64_t prefix, int64_t topk, int64_t router_topk,
+                                        bool shared, double shared_scale, bool save_probs) {
+  const char* name = "mita_forward";
+  check_qkv(name, q, k, v);
+  const auto in_dtype = q.scalar_type();
+  const auto acc = in_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  {
+    auto wide = convert({q, k, v}, acc);
+    q = wide[0]; k = wide[1]; v = wide[2];
+  }
+  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
+  const auto opts = q.options();
+  const auto lopts = opts.dtype(at::kLong);
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({g.BH, g.N}, opts);
+  auto keys = torch::empty({g.BH, g.M, g.K}, lopts);
+  auto choice = torch::empty({g.BH, g.N, g.R}, lopts);
+  auto offsets = torch::empty({g.BH, g.M + 1}, lopts);
+  auto order = torch::empty({g.BH, g.N * g.R}, lopts);
+  auto R = torch::empty({g.BH, g.M, g.d}, opts);
+  auto probs = torch::empty({shared && save_probs ? g.BH : 0, g.M, g.N}, opts);
+  auto ls = torch::empty({g.BH, g.N, g.M}, opts);
+  auto vr = torch::empty({shared ? g.BH : 0, g.M, g.d}, opts);
+  auto o_items = g.R == 1 ? out : torch::empty({g.BH, g.N * g.R, g.d}, opts);
+  auto lse_items = torch::empty({g.BH, g.N * g.R}, opts);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_forward", [&] {
+    using T = scalar_t;
+    const T* qp = q.data_ptr<T>();
+    landmarks_phase<T>(qp, R.data_ptr<T>(), g);
+    experts_phase<T>(k.data_ptr<T>(), v.data_ptr<T>(), R.data_ptr<T>(),
+                     keys.data_ptr<int64_t>(), probs.numel() ? probs.data_ptr<T>() : nullptr,
+                     shared ? vr.data_ptr<T>() : nullptr, shared, g);
+    router_phase<T>(qp, R.data_ptr<T>(), ls.data_ptr<T>(), choice.data_ptr<int64_t>(),
+                    static_cast<T>(shared_scale), g);
+    group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
+                offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
+    routed_phase<T>(qp, k.data_ptr<T>(), v.data_ptr<T>(), keys.data_ptr<int64_t>(),
+                    offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+                    o_items.data_ptr<T>(), lse_items.data_ptr<T>(),
+                    static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), g);
+    merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), ls.data_ptr<T>(),
+                   shared ? vr.data_ptr<T>() : nullptr, out.data_ptr<T>(), lse.data_ptr<T>(),
+                   shared, g);
+  });
+  if (in_dtype == acc) return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
+                               torch::empty({0}, opts)};  // no aliased returns
+  return {convert({out}, in_dtype)[0], lse, keys, choice, offsets, order, R, probs, ls, vr,
+          out};
+}
+
+// Gradients of mita_forward: q, k, v and the geometry as it takes them; what it returned
+// (keys, choice, offsets, order: the routing; R, probs, Ls, V_R: ignored unless shared;
+// the float out, lse); dout. Returns dq, dk, dv in the dtype of q.
+std::vector<torch::Tensor> mita_backward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t h, int64_t w, int64_t ph,
+    int64_t pw, int64_t prefix, bool shared, double shared_scale, torch::Tensor keys,
+    torch::Tensor choice, torch::Tensor offsets, torch::Tensor order, torch::Tensor R,
+    torch::Tensor probs, torch::Tensor ls, torch::Tensor vr, torch::Tensor out,
+    torch::Tensor lse, torch::Tensor dout) {
+  const char* name = "mita_backward";
+  check_qkv(name, q, k, v);
+  const auto in_dtype = q.scalar_type();
+  {
+    auto wide = convert({q, k, v}, in_dtype == at::kDouble ? at::kDouble : at::kFloat);
+    q = wide[0]; k = wide[1]; v = wide[2];
+  }
+  TORCH_CHECK(keys.dim() == 3 && choice.dim() == 3, name,
+              ": keys must be [BH, M, K] and choice [BH, N, r], got ", keys.sizes(), ", ",
+              choice.sizes());
+  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, keys.size(2), choice.size(2));
+  const int64_t BH = g.BH, N = g.N, d = g.d, M = g.M, K = g.K, NR = g.N * g.R;
+  keys = index_tensor(name, "keys", keys, {BH, M, K});
+  choice = index_tensor(name, "choice", choice, {BH, N, g.R});
+  offsets = index_tensor(name, "offsets", offsets, {BH, M + 1});
+  order = index_tensor(name, "order", order, {BH, NR});
+  check_index_range(name, "keys", keys, N);
+  check_index_range(name, "choice", choice, M);
+  check_index_range(name, "order", order, NR);
+  {  // offsets: 0 = offsets[bh, 0] <= ... <= offsets[bh, M] = N r
+    const int64_t* off = offsets.data_ptr<int64_t>();
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      const int64_t* o = off + bh * (M + 1);
+      TORCH_CHECK(o[0] == 0 && o[M] == NR, name, ": offsets[", bh,
+                  "] must run from 0 to N r = ", NR);
+      for (int64_t m = 0; m < M; ++m)
+        TORCH_CHECK(o[m] <= o[m + 1], name, ": offsets[", bh, "] must be non-decreasing");
+    }
+  }
+  out = float_tensor(name, "out", out, {BH, N, d}, q);
+  dout = float_tensor(name, "dout", dout, {BH, N, d}, q);
+  lse = float_tensor(name, "lse", lse, {BH, N}, q);
+  if (shared) {
+    R = float_tensor(name, "landmarks", R, {BH, M, d}, q);
+    probs = float_tensor(name, "probs", probs, {BH, M, N}, q);
+    ls = float_tensor(name, "shared logits", ls, {BH, N, M}, q);
+    vr = float_tensor(name, "shared values", vr, {BH, M, d}, q);
+  }
   const auto opts = q.options();
   auto dq = torch::empty_like(q), dk = torch::empty_like(q), dv = torch::empty_like(q);
-  auto dq_items = s.R == 1 ? dq : torch::empty({s.BH, s.N * s.R, s.d}, opts);
-  auto dk_exp = torch::empty({s.BH, s.M, s.K, s.d}, opts);
-  auto dv_exp = torch::empty({s.BH, s.M, s.K, s.d}, opts);
-  auto delta = torch::empty({s.BH, s.N}, opts);
-  auto dls = shared ? torch::empty({s.BH, s.N, s.M}, opts) : torch::empty({0}, opts);
-  auto dvr = shared ? torch::empty({s.BH, s.M, s.d}, opts) : torch::empty({0}, opts);
-  std::vector<int64_t> offsets, order;
-  group_items(choice.data_ptr<int64_t>(), s.BH, s.N * s.R, s.M, offsets, order);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_readout_backward", [&] {
-    scalar_t* no = nullptr;
-    shared_backward_phase<scalar_t>(
-        dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-        shared ? shared_logits.data_ptr<scalar_t>() : no,
-        shared ? shared_values.data_ptr<scalar_t>() : no, delta.data_ptr<scalar_t>(),
-        shared ? dls.data_ptr<scalar_t>() : no, shared ? dvr.data_ptr<scalar_t>() : no, s.BH,
-        s.N, s.d, s.M, shared);
-    routed_backward_phase<scalar_t>(
-        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-        keys.data_ptr<int64_t>(), offsets, order, dout.data_ptr<scalar_t>(),
-        lse.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), dq_items.data_ptr<scalar_t>(),
-        dk_exp.data_ptr<scalar_t>(), dv_exp.data_ptr<scalar_t>(), s.BH, s.N, s.d, s.M, s.K,
-        s.R, static_cast<scalar_t>(scale));
-    reduce_phase<scalar_t>(keys.data_ptr<int64_t>(), offsets, dk_exp.data_ptr<scalar_t>(),
-                           dv_exp.data_ptr<scalar_t>(), dq_items.data_ptr<scalar_t>(),
-                           dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                           dq.data_ptr<scalar_t>(), s.BH, s.N, s.d, s.M, s.K, s.R);
+  auto dq_items = g.R == 1 ? dq : torch::empty({BH, NR, d}, opts);
+  auto dk_exp = torch::empty({BH, M, K, d}, opts);
+  auto dv_exp = torch::empty({BH, M, K, d}, opts);
+  auto delta = torch::empty({BH, N}, opts);
+  const int64_t S = shared ? BH : 0;  // the shared expert's buffers
+  auto dls = torch::empty({S, N, M}, opts), dvr = torch::empty({S, M, d}, opts);
+  auto ds = torch::empty({S, M, N}, opts), dR = torch::empty({S, M, d}, opts);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_backward", [&] {
+    using T = scalar_t;
+    auto ptr = [&](torch::Tensor& t) { return shared ? t.data_ptr<T>() : nullptr; };
+    shared_backward_phase<T>(dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
+                             ptr(ls), ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared,
+                             g);
+    routed_backward_phase<T>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                             keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                             order.data_ptr<int64_t>(), dout.data_ptr<T>(), lse.data_ptr<T>(),
+                             delta.data_ptr<T>(), dq_items.data_ptr<T>(), dk_exp.data_ptr<T>(),
+                             dv_exp.data_ptr<T>(),
+                             static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), g);
+    reduce_phase<T>(keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                    dk_exp.data_ptr<T>(), dv_exp.data_ptr<T>(), dq_items.data_ptr<T>(),
+                    dk.data_ptr<T>(), dv.data_ptr<T>(), dq.data_ptr<T>(), g);
+    if (!shared) return;
+    scores_backward_phase<T>(q.data_ptr<T>(), v.data_ptr<T>(), k.data_ptr<T>(),
+                             probs.data_ptr<T>(), dvr.data_ptr<T>(), dls.data_ptr<T>(),
+                             ds.data_ptr<T>(), dR.data_ptr<T>(), static_cast<T>(shared_scale),
+                             g);
+    rows_backward_phase<T>(R.data_ptr<T>(), probs.data_ptr<T>(), dvr.data_ptr<T>(),
+                           dls.data_ptr<T>(), ds.data_ptr<T>(), dq.data_ptr<T>(),
+                           dk.data_ptr<T>(), dv.data_ptr<T>(), static_cast<T>(shared_scale), g);
+    landmarks_backward_phase<T>(dR.data_ptr<T>(), dq.data_ptr<T>(), g);
   });
-  return {dq, dk, dv, dls, dvr};
+  return convert({dq, dk, dv}, in_dtype);
+}
+
+// Phase profile: profile(true) zeroes the counters and starts counting, profile(false)
+// stops; both return {phase: seconds summed since the last reset}.
+std::vector<std::pair<std::string, double>> profile(bool enable) {
+  std::vector<std::pair<std::string, double>> res;
+  for (int i = 0; i < kNumPhases; ++i) res.emplace_back(kPhaseNames[i], g_phase_seconds[i]);
+  if (enable) std::fill(g_phase_seconds, g_phase_seconds + kNumPhases, 0.0);
+  g_profile.store(enable);
+  return res;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mita_readout_forward", &mita_readout_forward,
-        "Fused MiTA read-out (CPU): (out, lse)");
-  m.def("mita_readout_backward", &mita_readout_backward,
-        "Gradients of the fused MiTA read-out (CPU): (dq, dk, dv, dshared_logits, "
-        "dshared_values)");
+  m.def("mita_forward", &mita_forward,
+        "Fused MiTA forward on CPU, routing included: (out, lse, keys, choice, offsets, "
+        "order, landmarks, probs, shared_logits, shared_values)");
+  m.def("mita_backward", &mita_backward,
+        "Gradients of mita_forward from what it saved (CPU): (dq, dk, dv)");
+  m.def("profile", &profile, "Per-phase wall time of the kernels: profile(enable)");
+  m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
+        "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
+  m.def("has_avx2", [] { return g_has_avx2; }, "Whether the AVX2 exponential is used");
 }

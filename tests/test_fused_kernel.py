@@ -1,0 +1,236 @@
+"""The C++ kernel of the fused CPU backend on its own: its routing against
+:func:`mita_seg.ops.mita_routing`, the checks of its entry points (bad shapes, dtypes and
+indices give a clear error, never a crash), infinities and NaNs without -ffast-math, and
+results independent of the thread count. A few seconds on 2 cores."""
+import pytest
+import torch
+
+from mita_seg.ops import mita_attention, mita_attention_reference, mita_routing
+from mita_seg.ops.fused_cpu import _C, profile
+
+pytestmark = pytest.mark.skipif(_C is None, reason='the C++ extension mita_seg._C is not built')
+
+# (B, H, h, w, prefix, suffix, d, pool, topk, router_topk)
+CASES = {
+    'vit-7x11-cls': (2, 3, 7, 11, 1, 0, 16, (3, 3), 10, 1),
+    '32x43-cls-suffix-r2': (1, 2, 32, 43, 1, 11, 8, (7, 7), 49, 2),
+    '5x5-odd-d-r3': (3, 1, 5, 5, 2, 3, 5, (2, 3), 4, 3),
+    '1x9-pool1x2': (1, 2, 1, 9, 1, 0, 4, (1, 2), 3, 1),
+    'segmenter-1025': (1, 2, 32, 32, 1, 0, 64, (7, 7), 49, 1),
+}
+
+
+def _qkv(B, H, N, d, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, d, generator=g).to(dtype) for _ in range(3)]
+
+
+def _forward(q, k, v, h, w, p, pool, topk, r, shared=True, save=True):
+    B, H, N, d = q.shape
+    flat = (t.reshape(B * H, N, d) for t in (q, k, v))
+    return _C.mita_forward(*flat, h, w, *pool, p, topk, r, shared, 1.0 / d, save)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16],
+                         ids=['fp32', 'bf16', 'fp16'])
+@pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))
+def test_kernel_routing_is_the_reference_routing(case, dtype):
+    """Same landmarks, scores, shared logits and the very same keys and experts as
+    mita_routing; for bf16/fp16 inputs, routing in float32 on the rounded values."""
+    B, H, h, w, p, s, d, pool, topk, r = case
+    N = p + h * w + s
+    q, k, v = _qkv(B, H, N, d, dtype=dtype)
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, out32 = _forward(
+        q, k, v, h, w, p, pool, topk, r)
+    assert out.dtype == dtype and lse.dtype == R.dtype == torch.float32
+    if dtype == torch.float32:
+        assert out32.numel() == 0  # out itself (custom ops return no aliases)
+        out32 = out
+    torch.testing.assert_close(out, out32.to(dtype), atol=0, rtol=0)
+    rt = mita_routing(q, k, (h, w), pool, topk, r, p)
+    BH, M = B * H, pool[0] * pool[1]
+    torch.testing.assert_close(R, rt.landmarks.reshape(BH, M, d), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ls, rt.router.reshape(BH, N, M), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, torch.softmax(rt.scores, -1).reshape(BH, M, N),
+                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vr, (torch.softmax(rt.scores, -1) @ v.float()).reshape(BH, M, d),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(keys.sort(-1).values, rt.expert_keys.reshape(BH, M, topk).sort(-1).values)
+    assert torch.equal(choice.sort(-1).values, rt.choice.reshape(BH, N, r).sort(-1).values)
+    # the grouping: expert m's items are order[offsets[m]:offsets[m + 1]], increasing
+    items = choice.reshape(BH, N * r)
+    for bh in range(BH):
+        for m in range(M):
+            grp = order[bh, offsets[bh, m]:offsets[bh, m + 1]]
+            assert torch.equal(grp, (items[bh] == m).nonzero().flatten())
+    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, p)
+    torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_saves_probabilities_only_when_asked():
+    q, k, v = _qkv(1, 2, 1 + 36, 8)
+    res = _forward(q, k, v, 6, 6, 1, (2, 2), 5, 1, save=False)
+    assert res[7].numel() == 0  # probs: no M x N tensor without a backward to feed
+    res = _forward(q, k, v, 6, 6, 1, (2, 2), 5, 1, shared=False)
+    assert res[7].numel() == 0 and res[9].numel() == 0  # route-only: no V_R either
+
+
+def _backward_args(case='vit-7x11-cls'):
+    """The arguments of _C.mita_backward, by name, from a real forward."""
+    B, H, h, w, p, s, d, pool, topk, r = CASES[case]
+    q, k, v = _qkv(B, H, p + h * w + s, d)
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, _ = _forward(q, k, v, h, w, p,
+                                                                           pool, topk, r)
+    flat = [t.reshape(out.shape) for t in (q, k, v)]
+    return dict(q=flat[0], k=flat[1], v=flat[2], h=h, w=w, ph=pool[0], pw=pool[1], prefix=p,
+                shared=True, shared_scale=1.0 / d, keys=keys, choice=choice, offsets=offsets,
+                order=order, R=R, probs=probs, ls=ls, vr=vr, out=out, lse=lse,
+                dout=torch.ones_like(out))
+
+
+def _bwd(a):
+    return _C.mita_backward(*a.values())
+
+
+def test_kernel_backward_rejects_bad_indices():
+    """Every index the backward reads from a tensor is range-checked first."""
+    a = _backward_args()
+    N, M = a['q'].shape[1], a['keys'].shape[1]
+    assert all(torch.isfinite(t).all() for t in _bwd(a))  # the good ones pass
+    # a key outside [0, N) would read past the end of k and v
+    keys = a['keys'].clone()
+    keys[1, 2, 3] = N
+    with pytest.raises(RuntimeError, match=rf'keys holds {N} .* outside \[0, {N}\)'):
+        _bwd({**a, 'keys': keys})
+    keys[1, 2, 3] = -1
+    with pytest.raises(RuntimeError, match=r'keys holds -1'):
+        _bwd({**a, 'keys': keys})
+    # an expert id outside [0, M)
+    choice = a['choice'].clone()
+    choice[0, 5, 0] = M
+    with pytest.raises(RuntimeError, match=rf'choice holds {M} .* outside \[0, {M}\)'):
+        _bwd({**a, 'choice': choice})
+    # an item id outside [0, N r) in the grouping
+    order = a['order'].clone()
+    order[0, 0] = 10 ** 9
+    with pytest.raises(RuntimeError, match='order holds 1000000000'):
+        _bwd({**a, 'order': order})
+    # offsets that do not partition the items
+    offsets = a['offsets'].clone()
+    offsets[0, -1] += 1
+    with pytest.raises(RuntimeError, match='offsets.* must run from 0 to N r'):
+        _bwd({**a, 'offsets': offsets})
+    offsets = a['offsets'].clone()
+    offsets[0, 1], offsets[0, 2] = 7, 3
+    with pytest.raises(RuntimeError, match='non-decreasing'):
+        _bwd({**a, 'offsets': offsets})
+    # wrong shapes and dtypes name the tensor
+    with pytest.raises(RuntimeError, match='order must have shape'):
+        _bwd({**a, 'order': a['order'][:, :-1]})
+    with pytest.raises(RuntimeError, match='keys must be int64'):
+        _bwd({**a, 'keys': a['keys'].int()})
+    with pytest.raises(RuntimeError, match='lse must have shape'):
+        _bwd({**a, 'lse': a['lse'][:, :-1]})
+    with pytest.raises(RuntimeError, match='probs must have shape'):
+        _bwd({**a, 'probs': a['probs'][:, :, 1:]})
+    # a geometry that does not match the saved routing
+    with pytest.raises(RuntimeError, match='keys must have shape'):
+        _bwd({**a, 'ph': a['ph'] - 1})
+    with pytest.raises(RuntimeError, match='does not fit N'):
+        _bwd({**a, 'prefix': 5})
+
+
+def test_kernel_forward_rejects_bad_arguments():
+    q, k, v = (t.reshape(2, 37, 8) for t in _qkv(1, 2, 37, 8))
+    # floating point only, all three of one dtype
+    with pytest.raises(RuntimeError, match='float32, float64, bfloat16 or float16'):
+        _C.mita_forward(q.long(), k.long(), v.long(), 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='the same dtype'):
+        _C.mita_forward(q, k.bfloat16(), v, 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match=r'q, k, v must be \[BH, N, d\]'):
+        _C.mita_forward(q, k[:, 1:], v, 6, 6, 2, 2, 1, 4, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='does not fit N'):
+        _C.mita_forward(q, k, v, 6, 7, 2, 2, 1, 4, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='topk must be in'):
+        _C.mita_forward(q, k, v, 6, 6, 2, 2, 1, 38, 1, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='router_topk must be in'):
+        _C.mita_forward(q, k, v, 6, 6, 2, 2, 1, 4, 5, True, 0.1, False)
+    with pytest.raises(RuntimeError, match='pool'):
+        _C.mita_forward(q, k, v, 6, 6, 7, 2, 1, 4, 1, True, 0.1, False)
+
+
+@pytest.mark.parametrize('shared', [True, False], ids=['shared', 'route-only'])
+def test_large_logits_and_nans_as_the_reference(shared):
+    """IEEE maths (no -ffast-math): logits of 1e4 underflow to exact zeros, not NaN; a NaN
+    in v reaches exactly the outputs that read it."""
+    q, k, v = _qkv(1, 2, 1 + 64, 16, seed=3)
+    kw = dict(hw_shape=(8, 8), pool_size=(2, 2), topk=9, with_shared_expert=shared)
+    big = q * 300  # routed logits up to ~1e4
+    out = mita_attention(big, k, v, backend='fused_cpu', **kw)
+    ref = mita_attention_reference(big, k, v, **kw)
+    assert torch.isfinite(out).all()
+    # float32 logits of ~1e4 carry rounding errors of ~1e-3 (in either order of the products)
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+    rt = mita_routing(q, k, (8, 8), (2, 2), 9, 1, 1)
+    j = int(rt.expert_keys[0, 1, 0, 0])  # a key of expert 0 in head 1
+    v = v.clone()
+    v[0, 1, j, 3] = float('nan')
+    out = mita_attention(q, k, v, backend='fused_cpu', **kw)
+    nan = torch.zeros_like(out, dtype=torch.bool)
+    if shared:  # every V_R row averages all values: channel 3 is NaN for the whole head
+        nan[0, 1, :, 3] = True
+    else:  # only the queries whose expert holds key j (the dense reference, which
+        # multiplies masked zeros by NaN, has NaN in all of channel 3 of that head)
+        holds = (rt.expert_keys[0, 1] == j).any(-1)                 # [M]
+        nan[0, 1, :, 3] = holds[rt.choice[0, 1, :, 0]]
+        assert 0 < nan.sum() < out.shape[2]
+    assert torch.equal(torch.isnan(out), nan)
+    ref = mita_attention_reference(q, k, v, **kw)
+    torch.testing.assert_close(out[0, 0], ref[0, 0], atol=1e-5, rtol=1e-5)  # the other head
+
+
+def _per_setting(settings, apply, restore):
+    """Output and gradients of q, k, v of one router top-2 case under each setting
+    (``apply(setting)`` before each, ``restore()`` after all)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 3, 1 + 20 * 21 + 5, 16, seed=4))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    res = []
+    try:
+        for s in settings:
+            apply(s)
+            out = mita_attention(q, k, v, (20, 21), (4, 5), 30, router_topk=2,
+                                 backend='fused_cpu')
+            res.append([out] + list(torch.autograd.grad(out, (q, k, v), g)))
+    finally:
+        restore()
+    return res
+
+
+def test_same_bits_with_one_and_two_threads():
+    """No task writes memory another reads or writes: the result does not depend on how the
+    tasks fall on threads."""
+    threads = torch.get_num_threads()
+    res = _per_setting((1, 2), torch.set_num_threads, lambda: torch.set_num_threads(threads))
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+def test_profile_counts_every_phase():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1 + 64, 16))
+    profile(True)
+    try:
+        out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu')
+        out.sum().backward()
+    finally:
+        phases = profile(False)
+    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores'}
+    assert all(t > 0 for t in phases.values()), phases
+
+
+def test_torch_mm_fallback_gives_the_same_results():
+    """Where PyTorch links no Fortran BLAS, the kernels' GEMMs go through torch::mm: the same
+    outputs and gradients (to rounding)."""
+    res = _per_setting((False, True), _C._set_torch_mm_only,
+                       lambda: _C._set_torch_mm_only(False))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
