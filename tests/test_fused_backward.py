@@ -3,7 +3,7 @@ the forward saved) against the dense reference; about 5 s on 2 cores."""
 import pytest
 import torch
 
-from mita_seg.ops import mita_attention, mita_attention_reference, mita_routing
+from mita_seg.ops import mita_attention, mita_attention_reference
 from mita_seg.ops.fused_cpu import _C
 
 pytestmark = pytest.mark.skipif(_C is None, reason='the C++ extension mita_seg._C is not built')

@@ -147,10 +147,9 @@ def attend(p: VarlenPack, kernel_name: str = None) -> Tensor:
     queries over its keys: ``[Tq, d]`` in packed order. ``kernel_name`` forces one of
     :func:`kernel`'s answers (the CPU tests run ``'nested'`` too)."""
     name = kernel_name or kernel(p)
-    d, L, G = p.q.shape[-1], p.kv_len, p.cu_seq_q.numel() - 1
     if name == 'varlen_attn':
         out = varlen_attn(p.q.unsqueeze(1), p.k.unsqueeze(1), p.v.unsqueeze(1), p.cu_seq_q,
-                          p.cu_seq_k, p.max_q, L)                           # [Tq, 1, d]
+                          p.cu_seq_k, p.max_q, p.kv_len)                    # [Tq, 1, d]
         return out.squeeze(1)
     if name == 'nested':
         offsets = p.cu_seq_q.long()
