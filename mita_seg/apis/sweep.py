@@ -80,7 +80,8 @@ def swap_sweep(runner: Runner,
                topks: Sequence[int],
                mita_cfg: Optional[dict] = None,
                flops_images: int = 1,
-               progress: Optional[Callable[[str], None]] = None) -> List[Dict]:
+               progress: Optional[Callable[[str], None]] = None,
+               measure: Optional[Callable[[nn.Module, dict], Dict]] = None) -> List[Dict]:
     """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, then on
     MiTA with every ``(pool size, top-k)``.
 
@@ -92,10 +93,14 @@ def swap_sweep(runner: Runner,
             ``layers``...); not ``pool_size``/``topk``.
         flops_images (int): test images the attention MACs are averaged over. Default: 1.
         progress (Callable, optional): called with a line per step.
+        measure (Callable, optional): ``measure(model, batch)`` -> further columns of each
+            row, measured on the model as evaluated (e.g. images/s) with the first test
+            batch; its keys come after ``delta_mIoU``. Default: None.
 
     Returns:
         list[dict]: one row per setting, baseline first: ``setting, M, topk, mIoU, mAcc,
-        aAcc, attn_GMACs, model_GFLOPs, attn_reduction_%, model_reduction_%, delta_mIoU``.
+        aAcc, attn_GMACs, model_GFLOPs, attn_reduction_%, model_reduction_%, delta_mIoU``
+        and ``measure``'s columns.
     """
     progress = progress or (lambda line: None)
     settings: List[Optional[Tuple[int, int]]] = [None]
@@ -125,6 +130,8 @@ def swap_sweep(runner: Runner,
         row['attn_reduction_%'] = 100.0 * (1 - row['attn_GMACs'] / base['attn_GMACs'])
         row['model_reduction_%'] = 100.0 * (1 - row['model_GFLOPs'] / base['model_GFLOPs'])
         row['delta_mIoU'] = row['mIoU'] - base['mIoU']
+        if measure is not None:
+            row.update(measure(model, batches[0]))
         rows.append(row)
         progress(f'[{i + 1}/{len(settings)}] {label}: mIoU {row["mIoU"]:.2f}, attention '
                  f'{row["attn_GMACs"]:.3f} GMACs/img, model {row["model_GFLOPs"]:.3f} '
