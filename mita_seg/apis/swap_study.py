@@ -1,0 +1,664 @@
+"""The swap at the paper's token count (issue 11; ``tools/swap_study.py``, ``make swap-study``).
+
+For each ``(name, config)`` of a standard-attention segmentor on the generated ADE20K-format
+data, :func:`run_swap_study`:
+
+1. trains it with MMEngine's Runner (what ``tools/train.py`` runs: :func:`load_config`,
+   :func:`prepare_config`, :func:`build_runner`) for ``train_iters`` iterations;
+2. evaluates it unswapped and swapped to MiTA with no retraining for every (pool size, top-k)
+   of the sweep (:func:`~mita_seg.apis.swap_sweep`: the test loop of ``tools/test.py``), each
+   row with the whole-model GFLOPs, the attention GMACs and the measured images/s; then
+   route-only MiTA with every key in every expert, which is exactly softmax attention, so its
+   mIoU must equal the unswapped one (a check of the whole path);
+3. for each fine-tune setting, writes the MiTA config + checkpoint pair with
+   :func:`~mita_seg.apis.export_swapped` (``tools/export_swapped.py``) and fine-tunes that pair
+   with the Runner for ``finetune_iters``; as a control, trains the unswapped model for the
+   same iterations from the same checkpoint with the same schedule;
+4. records which tokens the routed experts select at one setting (the paper's M = k = 49 by
+   default) on a few validation images (:mod:`mita_seg.analysis.token_selection`).
+
+It writes ``WORK_DIR/swap_study.json`` (every number, the machine, the settings, the times),
+``WORK_DIR/swap_study.md`` (the table) and the figures (mIoU against GFLOPs and against
+images/s, the selection maps). Each model's results are also kept in
+``WORK_DIR/<name>/result.json``; with ``reuse=True`` a model whose results were computed with
+the same settings is not run again (so a model can be added to a finished study).
+"""
+import copy
+import gc
+import json
+import os
+import os.path as osp
+import platform
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from mmengine.config import Config, ConfigDict
+from mmengine.model import is_model_wrapper
+
+from .config import load_config
+from .export import export_swapped
+from .model import init_model, swap_model
+from .runner import build_runner, prepare_config
+from .sweep import FLOP_NOTE, attention_gmacs, model_gflops, swap_sweep
+
+LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
+# route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
+EXACT = dict(with_shared_expert=False, topk=10**6)
+# what the paper reports for the swap without retraining (Wen et al., arXiv 2602.01219)
+PAPER_CLAIMS = ('about 1 mIoU point lost, up to 42% fewer FLOPs, swapping the attention of '
+                'pretrained segmenters without retraining (ADE20K, N of about 1025 to 1601, '
+                'M = k = 49)')
+
+
+@dataclass
+class StudySettings:
+    """What the study runs; every model gets the same.
+
+    Args:
+        data_root (str): the ADE20K-format data (``tools/dataset/make_tiny_ade20k.py``), set
+            as ``data_root`` of the three dataloaders of every config.
+        train_iters (int): iterations of the standard-attention training. Default: 150.
+        finetune_iters (int): iterations of each fine-tune (and of the control). Default: 50.
+        finetune_lr_mult (float): the fine-tune's (and control's) learning rate, as a multiple
+            of the config's. Default: 0.1.
+        pool_sizes (tuple[int]): landmark grid sides P of the sweep (M = P * P).
+            Default: (4, 5, 7).
+        topks (tuple[int]): keys per routed expert of the sweep. Default: (16, 49, 100).
+        finetune (tuple[tuple[int, int]]): the (P, k) settings exported and fine-tuned.
+            Default: ((7, 49), ), the paper's M = k = 49.
+        control (bool): also train the unswapped model for ``finetune_iters`` more
+            iterations (what the fine-tune gains from training alone). Default: True.
+        exact_check (bool): evaluate route-only MiTA with every key (must equal the
+            unswapped mIoU). Default: True.
+        selection (tuple[int, int], optional): (P, k) of the token-selection maps; None for
+            none. Default: (7, 49).
+        selection_images (int): validation images mapped. Default: 2.
+        speed_min_run_time (float): seconds of timing per row (images/s is the median of
+            ``torch.utils.benchmark.Timer`` over one test batch). Default: 1.0.
+        workers (int): dataloader worker processes. Default: 0.
+        cfg_options (dict, optional): ``--cfg-options`` for every config. Default: None.
+        reuse (bool): reuse models' results and trained checkpoints already in the work
+            dir when they were made with the same settings. Default: False.
+        verbose (bool): the Runner's full console (config dump, per-class tables).
+            Default: False.
+    """
+    data_root: str
+    train_iters: int = 150
+    finetune_iters: int = 50
+    finetune_lr_mult: float = 0.1
+    pool_sizes: Tuple[int, ...] = (4, 5, 7)
+    topks: Tuple[int, ...] = (16, 49, 100)
+    finetune: Tuple[Tuple[int, int], ...] = ((7, 49), )
+    control: bool = True
+    exact_check: bool = True
+    selection: Optional[Tuple[int, int]] = (7, 49)
+    selection_images: int = 2
+    speed_min_run_time: float = 1.0
+    workers: int = 0
+    cfg_options: Optional[dict] = None
+    reuse: bool = False
+    verbose: bool = False
+
+    def check(self) -> 'StudySettings':
+        """Raise ``ValueError`` naming a bad setting and what it must be."""
+        if not osp.isdir(osp.join(self.data_root, 'images')):
+            raise FileNotFoundError(
+                f'data_root {self.data_root!r} has no images/ folder: write the data with '
+                f'tools/dataset/make_tiny_ade20k.py --out {self.data_root} --size 256')
+        for name in ('train_iters', 'finetune_iters'):
+            if getattr(self, name) < 2:
+                raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got '
+                                 f'{getattr(self, name)}')
+        values = list(self.pool_sizes) + list(self.topks) + [
+            v for pk in self.finetune for v in pk] + list(self.selection or ())
+        if not self.pool_sizes or not self.topks or min(values) < 1:
+            raise ValueError('pool sizes, top-k values and the (P, k) of fine-tune and '
+                             f'selection must be >= 1, got pool_sizes={self.pool_sizes}, '
+                             f'topks={self.topks}, finetune={self.finetune}, '
+                             f'selection={self.selection}')
+        if self.finetune_lr_mult <= 0 or self.speed_min_run_time <= 0:
+            raise ValueError('finetune_lr_mult and speed_min_run_time must be > 0, got '
+                             f'{self.finetune_lr_mult} and {self.speed_min_run_time}')
+        if self.selection_images < 0 or self.workers < 0:
+            raise ValueError('selection_images and workers must be >= 0, got '
+                             f'{self.selection_images} and {self.workers}')
+        return self
+
+    def key(self) -> dict:
+        """The settings that determine a model's results (not ``reuse``/``verbose``)."""
+        d = asdict(self)
+        for k in ('reuse', 'verbose'):
+            d.pop(k)
+        return json.loads(json.dumps(d))
+
+
+class Progress:
+    """Prints ``[swap_study +MMmSSs] line`` and appends it to ``log_file``."""
+
+    def __init__(self, log_file: Optional[str] = None,
+                 echo: Callable[[str], None] = lambda s: print(s, flush=True)):
+        self.start = time.time()
+        self.log_file = log_file
+        self.echo = echo
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def __call__(self, line: str) -> None:
+        m, s = divmod(int(self.elapsed()), 60)
+        text = f'[swap_study +{m:d}m{s:02d}s] {line}'
+        self.echo(text)
+        if self.log_file:
+            with open(self.log_file, 'a') as f:
+                f.write(f'{time.strftime("%H:%M:%S")} {text}\n')
+
+
+def machine() -> dict:
+    """The CPU (name, cores, SIMD flags), torch's threads and the library versions."""
+    import mmcv
+    import mmengine
+    import mmseg
+    name, flags = platform.processor() or 'unknown CPU', set()
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name') and name in ('unknown CPU', 'x86_64', ''):
+                    name = line.split(':', 1)[1].strip()
+                elif line.startswith('flags'):
+                    flags = set(line.split(':', 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ('avx2', 'fma', 'avx512f', 'amx_tile') if f in flags]
+    return dict(cpu=name, cores=os.cpu_count(), simd=simd, threads=torch.get_num_threads(),
+                torch=torch.__version__, mmseg=mmseg.__version__,
+                mmengine=mmengine.__version__, mmcv=mmcv.__version__,
+                python=platform.python_version())
+
+
+def data_options(data_root: str, workers: int = 0) -> dict:
+    """``--cfg-options`` that point the three dataloaders at ``data_root``."""
+    opts = {}
+    for loader in LOADERS:
+        opts[f'{loader}.dataset.data_root'] = data_root
+        opts[f'{loader}.num_workers'] = workers
+        opts[f'{loader}.persistent_workers'] = workers > 0
+    return opts
+
+
+def schedule(cfg: Config, iters: int, lr_mult: float = 1.0) -> Config:
+    """Set ``cfg`` (in place) to train ``iters`` iterations: the config's optimizer with its
+    learning rate times ``lr_mult``, linear warm-up over ``min(50, iters // 5)`` iterations,
+    then poly decay to 0 at ``iters``, one checkpoint at the end and no validation loop (the
+    study evaluates with the test loop)."""
+    warm = max(1, min(50, iters // 5))
+    cfg.train_cfg = dict(type='IterBasedTrainLoop', max_iters=iters, val_interval=iters)
+    cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
+    cfg.param_scheduler = [
+        dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=warm),
+        dict(type='PolyLR', eta_min=0.0, power=1.0, begin=warm, end=iters, by_epoch=False)
+    ]
+    cfg.optim_wrapper.optimizer.lr = cfg.optim_wrapper.optimizer.lr * lr_mult
+    cfg.default_hooks.checkpoint.interval = iters
+    cfg.default_hooks.logger.interval = min(20, iters)
+    return cfg
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if is_model_wrapper(model) else model
+
+
+def train(cfg: Config, work_dir: str, verbose: bool = False,
+          reuse: bool = False) -> Tuple[str, float]:
+    """Train ``cfg`` (already :func:`schedule`-d) with the Runner in ``work_dir``.
+
+    Returns:
+        tuple[str, float]: the last checkpoint and the training seconds (0 if reused).
+    """
+    iters = cfg.train_cfg.max_iters
+    done = osp.join(work_dir, f'iter_{iters}.pth')
+    if reuse and osp.isfile(done):
+        return done, 0.0
+    cfg.work_dir = work_dir
+    prepare_config(cfg)
+    runner = build_runner(cfg, verbose)
+    t0 = time.time()
+    runner.train()
+    seconds = time.time() - t0
+    ckpt = runner.message_hub.get_info('last_ckpt') or done
+    del runner
+    gc.collect()
+    return ckpt, seconds
+
+
+def images_per_second(model: nn.Module, batch: dict, min_run_time: float) -> Dict[str, float]:
+    """Test-mode images/s of ``model`` on ``batch`` (``test_step``: preprocessing, forward
+    under the config's test mode, post-processing), the median of
+    ``torch.utils.benchmark.Timer`` with torch's threads."""
+    from torch.utils.benchmark import Timer
+
+    def run():
+        with torch.no_grad():
+            model.test_step(batch)
+
+    model.eval()
+    run()  # warm-up
+    t = Timer('run()', globals={'run': run},
+              num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
+    return {'img_per_s': len(batch['inputs']) / t.median}
+
+
+def evaluate(cfg: Config, checkpoint: str, work_dir: str, settings: StudySettings) -> dict:
+    """mIoU (the test loop of ``tools/test.py``), cost and images/s of ``cfg`` with
+    ``checkpoint``."""
+    cfg.work_dir = work_dir
+    prepare_config(cfg, checkpoint=checkpoint)
+    runner = build_runner(cfg, settings.verbose)
+    metrics = runner.test()
+    model = _unwrap(runner.model)
+    batch = next(iter(runner.test_dataloader))
+    row = dict(mIoU=float(metrics['mIoU']), mAcc=float(metrics['mAcc']),
+               aAcc=float(metrics['aAcc']), attn_GMACs=attention_gmacs(model, [batch]),
+               model_GFLOPs=model_gflops(model, batch),
+               **images_per_second(model, batch, settings.speed_min_run_time))
+    del runner, model
+    gc.collect()
+    return row
+
+
+def validation_images(cfg: Config, count: int) -> List[str]:
+    """The first ``count`` images (sorted) of the config's test set."""
+    ds = cfg.test_dataloader.dataset
+    folder = osp.join(ds.data_root, ds.get('data_prefix', {}).get('img_path', ''))
+    names = sorted(n for n in os.listdir(folder)
+                   if n.lower().endswith(('.jpg', '.jpeg', '.png')))
+    return [osp.join(folder, n) for n in names[:count]]
+
+
+def selection_maps(cfg: Config, checkpoint: str, pool: int, topk: int, images: Sequence[str],
+                   fig_dir: str, name: str) -> dict:
+    """Token-selection maps of the standard-attention checkpoint swapped to MiTA (P, k):
+    one PNG per image in ``fig_dir`` and the per-layer fractions of tokens that no routed
+    expert selects / reads, averaged over ``images``."""
+    from mita_seg.analysis.token_selection import plot_selection_overlay, record_image
+    model = init_model(copy.deepcopy(cfg), checkpoint,
+                       mita_cfg=dict(pool_size=pool, topk=topk))
+    model.test_cfg = ConfigDict(mode='whole')  # one grid per image, aligned with the input
+    patch = model.cfg.model.backbone.get('patch_size', None)
+    figures, never_sel, never_used, layers = [], {}, {}, {}
+    for path in images:
+        records, image = record_image(model, path)
+        stem = osp.splitext(osp.basename(path))[0]
+        figures.append(plot_selection_overlay(
+            image, records, osp.join(fig_dir, f'{name}_token_selection_{stem}.png'),
+            cell_size=(patch, patch) if patch else None,
+            title=f'{name}, {stem}: tokens selected by MiTA routed experts (M={pool}x{pool}, '
+            f'k={topk}, swapped without retraining)'))
+        for r in records:
+            never_sel.setdefault(r.name, []).append(r.frac_never_selected)
+            never_used.setdefault(r.name, []).append(r.frac_never_used)
+            layers[r.name] = dict(grid=list(r.hw_shape), M=r.num_experts, topk=r.topk,
+                                  tokens=int(r.selected.shape[-1]))
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    return dict(pool_size=pool, topk=topk, images=list(images), figures=figures,
+                layers={k: dict(v, never_selected=mean(never_sel[k]),
+                                never_used=mean(never_used[k])) for k, v in layers.items()})
+
+
+def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict]) -> dict:
+    """A table row with the reductions against ``base`` (the unswapped row)."""
+    row = dict(setting=setting, kind=kind, M=M, topk=topk)
+    row.update({k: values.get(k) for k in ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs',
+                                           'model_GFLOPs', 'img_per_s')})
+    base = base or row
+    row['delta_mIoU'] = row['mIoU'] - base['mIoU']
+    if row['model_GFLOPs'] is not None:
+        row['model_reduction_%'] = 100.0 * (1 - row['model_GFLOPs'] / base['model_GFLOPs'])
+    if row['img_per_s'] is not None:
+        row['speedup'] = row['img_per_s'] / base['img_per_s']
+    return row
+
+
+def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
+                progress: Callable[[str], None], fig_dir: str) -> dict:
+    """Train, sweep, fine-tune and map one model (see the module docstring).
+
+    Returns:
+        dict: ``name, config, input, train, rows, selection, seconds, load, errors``; ``rows``
+        as in :func:`_row` with ``kind`` one of ``baseline``, ``swap``, ``check``,
+        ``finetune``, ``control``.
+    """
+    t_model = time.time()
+    s = settings
+    opts = dict(data_options(s.data_root, s.workers), **(s.cfg_options or {}))
+    result = dict(name=name, config=config, settings=s.key(), rows=[], errors=[], load=[],
+                  started=time.strftime('%Y-%m-%d %H:%M:%S'))
+
+    def load(stage):
+        result['load'].append((stage, round(os.getloadavg()[0], 2)))
+
+    def stage(label, fn):
+        """Run one stage; an error is recorded (and the study goes on with the others)."""
+        progress(f'{name}: {label}')
+        load(label)
+        t0 = time.time()
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001  recorded, reported, exit status 1 at the end
+            msg = f'{label}: {type(e).__name__}: {e}'
+            result['errors'].append(msg)
+            progress(f'{name}: FAILED {msg}\n{traceback.format_exc()}')
+            return None
+        progress(f'{name}: {label} done in {time.time() - t0:.0f}s')
+        return out
+
+    # 1. train with standard attention
+    def do_train():
+        cfg = schedule(load_config(config, opts), s.train_iters)
+        return train(cfg, osp.join(work_dir, 'train'), s.verbose, s.reuse)
+
+    trained = stage(f'training {s.train_iters} iterations (standard attention)', do_train)
+    if trained is None:
+        return result
+    ckpt, seconds = trained
+    result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1), checkpoint=ckpt,
+                           reused=seconds == 0.0)
+
+    # 2. unswapped, the sweep, route-only check
+    measure = lambda model, batch: images_per_second(model, batch,  # noqa: E731
+                                                     s.speed_min_run_time)
+
+    def do_sweep():
+        cfg = load_config(config, opts, osp.join(work_dir, 'sweep'))
+        prepare_config(cfg, checkpoint=ckpt)
+        runner = build_runner(cfg, s.verbose)
+        model = _unwrap(runner.model)
+        swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
+        rows = swap_sweep(runner, s.pool_sizes, s.topks, None, 1,
+                          progress=lambda line: progress(f'{name}: sweep {line}'),
+                          measure=measure)
+        batch = next(iter(runner.test_dataloader))
+        result['input'] = list(batch['inputs'][0].shape[-2:])
+        result['test_images'] = len(runner.test_dataloader.dataset)
+        result['patch_size'] = cfg.model.backbone.get('patch_size')
+        exact = None
+        if s.exact_check:
+            progress(f'{name}: route-only MiTA with every key (exactly softmax attention)')
+            swap_model(model, dict(EXACT, pool_size=min(s.pool_sizes)), verbose=False)
+            exact = float(runner.test()['mIoU'])
+        del runner, model
+        gc.collect()
+        return rows, exact
+
+    swept = stage(f'unswapped and {len(s.pool_sizes) * len(s.topks)} MiTA settings, '
+                  'no retraining', do_sweep)
+    if swept is None:
+        return result
+    rows, exact = swept
+    base = None
+    for r in rows:
+        kind = 'baseline' if r['M'] == '' else 'swap'
+        setting = 'unswapped (softmax attention)' if kind == 'baseline' else (
+            f"MiTA M={int(r['M']**0.5)}x{int(r['M']**0.5)} k={r['topk']}")
+        result['rows'].append(_row(setting, kind, r['M'] or None, r['topk'] or None, r, base))
+        base = base or result['rows'][0]
+    if exact is not None:
+        result['rows'].append(_row('route-only MiTA, every key (check: = unswapped)', 'check',
+                                   None, 'N', dict(mIoU=exact), base))
+
+    # 3. fine-tune the exported pair, and the control
+    for pool, topk in s.finetune:
+        tag = f'p{pool}_k{topk}'
+
+        def do_finetune(pool=pool, topk=topk, tag=tag):
+            out_cfg, out_ckpt = export_swapped(config, ckpt,
+                                               osp.join(work_dir, f'finetune_{tag}', 'export'),
+                                               dict(pool_size=pool, topk=topk), opts)
+            cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
+            ft_ckpt, ft_s = train(cfg, osp.join(work_dir, f'finetune_{tag}', 'train'),
+                                  s.verbose, s.reuse)
+            values = evaluate(load_config(out_cfg), ft_ckpt,
+                              osp.join(work_dir, f'finetune_{tag}', 'test'), s)
+            return dict(values, exported=[out_cfg, out_ckpt], checkpoint=ft_ckpt,
+                        seconds=round(ft_s, 1))
+
+        ft = stage(f'export MiTA M={pool}x{pool} k={topk} and fine-tune it '
+                   f'{s.finetune_iters} iterations', do_finetune)
+        if ft is not None:
+            row = _row(f'MiTA M={pool}x{pool} k={topk}, fine-tuned {s.finetune_iters} it',
+                       'finetune', pool * pool, topk, ft, base)
+            row.update(exported=ft['exported'], checkpoint=ft['checkpoint'],
+                       train_seconds=ft['seconds'])
+            result['rows'].append(row)
+
+    if s.control:
+        def do_control():
+            cfg = schedule(load_config(config, opts), s.finetune_iters, s.finetune_lr_mult)
+            cfg.load_from = ckpt
+            c_ckpt, c_s = train(cfg, osp.join(work_dir, 'control', 'train'), s.verbose,
+                                s.reuse)
+            values = evaluate(load_config(config, opts), c_ckpt,
+                              osp.join(work_dir, 'control', 'test'), s)
+            return dict(values, checkpoint=c_ckpt, seconds=round(c_s, 1))
+
+        ctl = stage(f'control: unswapped, trained {s.finetune_iters} more iterations', do_control)
+        if ctl is not None:
+            row = _row(f'unswapped, trained {s.finetune_iters} it more (control)', 'control',
+                       None, None, ctl, base)
+            row.update(checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
+            result['rows'].append(row)
+
+    # 4. token selection at one setting
+    if s.selection and s.selection_images:
+        pool, topk = s.selection
+
+        def do_selection():
+            cfg = load_config(config, opts)
+            return selection_maps(cfg, ckpt, pool, topk,
+                                  validation_images(cfg, s.selection_images), fig_dir, name)
+
+        sel = stage(f'token selection at M={pool}x{pool} k={topk} on '
+                    f'{s.selection_images} validation image(s)', do_selection)
+        if sel is not None:
+            result['selection'] = sel
+
+    load('end')
+    result['seconds'] = round(time.time() - t_model, 1)
+    result['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
+    return result
+
+
+def _fmt(v, digits=2) -> str:
+    if v is None:
+        return ''
+    if isinstance(v, float):
+        return f'{v:.{digits}f}'
+    return str(v)
+
+
+def markdown(study: dict) -> str:
+    """The study as markdown: the machine, then per model the table and the selection."""
+    m = study['machine']
+    s = study['settings']
+    out = [f"# MiTA swap study ({study['started']} to {study['finished']})", '',
+           f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd']) or 'no AVX2'}), "
+           f"torch {m['torch']} with {m['threads']} thread(s); mmseg {m['mmseg']}, mmengine "
+           f"{m['mmengine']}, mmcv {m['mmcv']}. Load average (1 min) over the run: "
+           f"{study['load_range'][0]:.1f} to {study['load_range'][1]:.1f} "
+           f"({m['cores']} cores: above {m['cores']} the cores were shared).", '',
+           f"Data: {s['data_root']}. Training {s['train_iters']} iterations; fine-tune and "
+           f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "
+           f"config's learning rate. img/s: test-mode `test_step` on one test batch, median "
+           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row).", '',
+           f'Cost columns: {FLOP_NOTE}.', '']
+    cols = ['setting', 'M', 'k', 'mIoU', 'delta', 'model GFLOPs', 'FLOPs saved',
+            'attn GMACs', 'img/s', 'speed-up']
+    for res in study['models']:
+        out.append(f"## {res['name']} (`{res['config']}`)")
+        out.append('')
+        if 'train' in res:
+            t = res['train']
+            shape = res.get('input')
+            patch = res.get('patch_size')
+            grid = (f', patch {patch}: a {shape[0] // patch}x{shape[1] // patch} grid'
+                    if shape and patch else '')
+            took = ' (checkpoint reused)' if t['reused'] else f" in {t['seconds']:.0f} s"
+            out.append(f"Trained {t['iters']} iterations with standard attention{took}; "
+                       f"{res.get('test_images', '?')} test images of "
+                       f"{shape[0] if shape else '?'}x{shape[1] if shape else '?'}{grid}; "
+                       f"this model's study took {res.get('seconds', 0):.0f} s.")
+            out.append('')
+        out.append('| ' + ' | '.join(cols) + ' |')
+        out.append('|' + '|'.join(['---'] + ['---:'] * (len(cols) - 1)) + '|')
+        for r in res['rows']:
+            out.append('| ' + ' | '.join([
+                r['setting'], _fmt(r['M']), _fmt(r['topk']), _fmt(r['mIoU']),
+                f"{r['delta_mIoU']:+.2f}", _fmt(r.get('model_GFLOPs'), 4),
+                _fmt(r.get('model_reduction_%'), 1) + ('%' if r.get('model_GFLOPs') else ''),
+                _fmt(r.get('attn_GMACs'), 4), _fmt(r.get('img_per_s'), 2),
+                (_fmt(r.get('speedup'), 2) + 'x') if r.get('speedup') else ''
+            ]) + ' |')
+        sel = res.get('selection')
+        if sel:
+            out += ['', f"Tokens no routed expert selects (never read by one), swapped to "
+                    f"M={sel['pool_size']}x{sel['pool_size']} k={sel['topk']} without "
+                    f"retraining, mean over {len(sel['images'])} validation image(s):", '',
+                    '| layer | grid | tokens | never selected | never used |',
+                    '|---|---|---:|---:|---:|']
+            for layer, v in sel['layers'].items():
+                out.append(f"| {layer} | {v['grid'][0]}x{v['grid'][1]} | {v['tokens']} | "
+                           f"{100 * v['never_selected']:.1f}% | {100 * v['never_used']:.1f}% |")
+        for e in res['errors']:
+            out += ['', f'**Failed**: {e}']
+        out.append('')
+    out.append(f"Figures: {', '.join(study['figures'])}")
+    return '\n'.join(out) + '\n'
+
+
+def plot_study(models: Sequence[dict], out_png: str) -> str:
+    """mIoU against model GFLOPs (top) and against measured images/s (bottom), one column
+    per model: the unswapped model (star), the sweep (one line per M, k annotated), the
+    fine-tuned swaps (diamonds, arrow from the same setting without retraining) and the
+    control (triangle)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    n = max(1, len(models))
+    fig, axes = plt.subplots(2, n, figsize=(5.4 * n, 8.2), squeeze=False)
+    for col, res in enumerate(models):
+        rows = [r for r in res['rows'] if r.get('model_GFLOPs') is not None]
+        for row_i, (key, label) in enumerate(
+                (('model_GFLOPs', 'model GFLOPs per image (1 MAC = 1 FLOP)'),
+                 ('img_per_s', 'images/s measured (test mode, CPU)'))):
+            ax = axes[row_i][col]
+            for r in rows:
+                if r['kind'] == 'baseline':
+                    ax.scatter([r[key]], [r['mIoU']], marker='*', s=220, c='k', zorder=4,
+                               label='unswapped')
+                elif r['kind'] == 'control':
+                    ax.scatter([r[key]], [r['mIoU']], marker='^', s=70, c='grey', zorder=4,
+                               label=r['setting'])
+            swaps = [r for r in rows if r['kind'] == 'swap']
+            for M in sorted({r['M'] for r in swaps}):
+                sel = sorted((r for r in swaps if r['M'] == M), key=lambda r: r[key])
+                ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel], 'o-', ms=4,
+                        label=f'MiTA M={M}, no retraining')
+                for r in sel:
+                    ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
+                                textcoords='offset points', xytext=(3, 3))
+            for r in (r for r in rows if r['kind'] == 'finetune'):
+                ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, c='tab:red', zorder=5,
+                           label=r['setting'])
+                src = [w for w in swaps if w['M'] == r['M'] and w['topk'] == r['topk']]
+                if src:
+                    ax.annotate('', (r[key], r['mIoU']), (src[0][key], src[0]['mIoU']),
+                                arrowprops=dict(arrowstyle='->', color='tab:red', lw=1))
+            ax.set_xlabel(label)
+            ax.set_ylabel('mIoU (%)')
+            ax.grid(alpha=0.3)
+            if row_i == 0:
+                ax.set_title(res['name'], fontsize=10)
+                ax.legend(fontsize=7, loc='best', framealpha=0.7)
+    fig.suptitle('MiTA swap on a toy segmenter (generated data, CPU): mIoU against cost',
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: StudySettings,
+                   fig_dir: Optional[str] = None,
+                   progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Run the study on every ``(name, config)`` and write its JSON, table and figures.
+
+    Args:
+        models (Sequence[tuple[str, str]]): names (used in file names and the table) and
+            standard-attention configs (files or ``mmseg::`` names).
+        work_dir (str): runs, checkpoints, ``swap_study.json``, ``swap_study.md``.
+        settings (StudySettings): what to run (checked first).
+        fig_dir (str, optional): where the PNGs go. Default: ``WORK_DIR/figures``.
+        progress (Callable, optional): called with each progress line. Default: a
+            :class:`Progress` printing to stdout and ``WORK_DIR/progress.log``.
+
+    Returns:
+        dict: the study, as written to ``swap_study.json``: ``machine, settings, models,
+        figures, outputs, errors``; each model as :func:`study_model` returns it.
+
+    Raises:
+        ValueError: a bad setting, duplicate names or no model.
+        FileNotFoundError: the data or a config is missing.
+    """
+    settings.check()
+    names = [n for n, _ in models]
+    if not models or len(set(names)) != len(names):
+        raise ValueError(f'give at least one model, each name once; got {names}')
+    for n, c in models:
+        if '::' not in c and not osp.isfile(c):
+            raise FileNotFoundError(f'config of model {n!r} not found: {c}')
+        if not n.replace('-', '').replace('_', '').isalnum():
+            raise ValueError(f'model name {n!r}: use letters, digits, - and _ (it names files)')
+    fig_dir = fig_dir or osp.join(work_dir, 'figures')
+    os.makedirs(work_dir, exist_ok=True)
+    os.makedirs(fig_dir, exist_ok=True)
+    progress = progress or Progress(osp.join(work_dir, 'progress.log'))
+    study = dict(machine=machine(), settings=settings.key(),
+                 started=time.strftime('%Y-%m-%d %H:%M:%S'), models=[])
+    progress(f"{len(models)} model(s): {', '.join(names)}; {study['machine']['cpu']}, "
+             f"{study['machine']['threads']} thread(s); work dir {work_dir}")
+    for i, (name, config) in enumerate(models):
+        mdir = osp.join(work_dir, name)
+        cached = osp.join(mdir, 'result.json')
+        if settings.reuse and osp.isfile(cached):
+            with open(cached) as f:
+                res = json.load(f)
+            if res.get('settings') == settings.key() and res.get('config') == config \
+                    and not res.get('errors'):
+                progress(f'[{i + 1}/{len(models)}] {name}: reusing {cached} '
+                         f"(computed {res['started']} to {res['finished']})")
+                study['models'].append(res)
+                continue
+        progress(f'[{i + 1}/{len(models)}] {name}: {config}')
+        os.makedirs(mdir, exist_ok=True)
+        res = study_model(name, config, mdir, settings, progress, fig_dir)
+        with open(cached, 'w') as f:
+            json.dump(res, f, indent=1)
+        study['models'].append(res)
+        progress(f"[{i + 1}/{len(models)}] {name}: done in {res.get('seconds', 0):.0f}s")
+    loads = [v for res in study['models'] for _, v in res['load']]
+    study['load_range'] = [min(loads), max(loads)] if loads else [0.0, 0.0]
+    study['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
+    study['figures'] = [plot_study(study['models'], osp.join(fig_dir, 'swap_study.png'))]
+    study['figures'] += [p for res in study['models']
+                         for p in res.get('selection', {}).get('figures', [])]
+    study['errors'] = [f"{res['name']}: {e}" for res in study['models'] for e in res['errors']]
+    study['outputs'] = [osp.join(work_dir, 'swap_study.json'),
+                        osp.join(work_dir, 'swap_study.md')]
+    with open(study['outputs'][0], 'w') as f:
+        json.dump(study, f, indent=1)
+    with open(study['outputs'][1], 'w') as f:
+        f.write(markdown(study))
+    return study

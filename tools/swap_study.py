@@ -1,0 +1,158 @@
+"""The swap at the paper's token count: train, swap without retraining, fine-tune, measure.
+
+For each standard-attention model (a tiny Segmenter, and a tiny BEiT once its config exists) on
+the generated ADE20K-format data at 256x256 (patch 8: a 32x32 grid, N = 1025 tokens with cls,
+the paper's token count): train it with MMEngine's Runner, evaluate it unswapped and swapped
+to MiTA over a (pool size, top-k) sweep with no retraining, export and fine-tune the swap at
+the paper's M = k = 49 (plus a control: the unswapped model trained as long), with model
+GFLOPs and measured images/s on every row, and the token-selection maps
+(:func:`mita_seg.apis.swap_study.run_swap_study`). Writes ``WORK_DIR/swap_study.{json,md}``,
+``FIG_DIR/swap_study.png`` and the selection maps; ``make swap-study`` runs it as in
+docs/swap_study.md.
+
+Usage::
+
+    python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
+        [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
+        [--train-iters 150] [--finetune-iters 50] [--pool-sizes 4 5 7] [--topks 16 49 100]
+        [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
+"""
+import argparse
+import os.path as osp
+import subprocess
+import sys
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from mmengine.config import DictAction  # noqa: E402
+
+# The study's models: standard-attention configs on the 256x256 data (32x32 grid).
+MODELS = {
+    'segmenter': 'configs/baselines/segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py',
+    'beit': 'configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py',
+}
+DATA_ROOT = 'data/ade/tiny_ade20k_256'
+
+
+def pool_topk(text):
+    """``'7,49'`` -> ``(7, 49)``."""
+    try:
+        pool, topk = (int(v) for v in text.split(','))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{text!r}: give POOL,TOPK, e.g. 7,49') from None
+    return pool, topk
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='MiTA swap study: train, swap without retraining, fine-tune, measure')
+    parser.add_argument('--models', nargs='+', choices=sorted(MODELS),
+                        help='models of the study (default without --model: every one whose '
+                        'config exists; '
+                        f"{', '.join(f'{k}: {v}' for k, v in MODELS.items())})")
+    parser.add_argument('--model', action='append', default=[], metavar='NAME=CONFIG',
+                        help='a further standard-attention model (config file or mmseg::)')
+    parser.add_argument('--work-dir', default='work_dirs/swap_study')
+    parser.add_argument('--fig-dir', help='figures (default: WORK_DIR/figures)')
+    parser.add_argument('--data-root', default=DATA_ROOT,
+                        help='ADE20K-format data; written if missing (see --data-*)')
+    parser.add_argument('--data-size', type=int, default=256, help='image side if written')
+    parser.add_argument('--data-train', type=int, default=200, help='training images if written')
+    parser.add_argument('--data-val', type=int, default=40, help='validation images if written')
+    parser.add_argument('--train-iters', type=int, default=150)
+    parser.add_argument('--finetune-iters', type=int, default=50)
+    parser.add_argument('--finetune-lr-mult', type=float, default=0.1,
+                        help="fine-tune learning rate as a multiple of the config's")
+    parser.add_argument('--pool-sizes', type=int, nargs='+', default=[4, 5, 7],
+                        help='landmark grid sides P of the sweep (M = P*P)')
+    parser.add_argument('--topks', type=int, nargs='+', default=[16, 49, 100],
+                        help='keys per routed expert of the sweep')
+    parser.add_argument('--finetune', type=pool_topk, nargs='*', default=[(7, 49)],
+                        metavar='P,K', help='settings to export and fine-tune (none: no '
+                        'fine-tune)')
+    parser.add_argument('--selection', type=pool_topk, default=(7, 49), metavar='P,K',
+                        help='setting of the token-selection maps')
+    parser.add_argument('--selection-images', type=int, default=2)
+    parser.add_argument('--no-control', action='store_true',
+                        help='skip training the unswapped model as long as the fine-tune')
+    parser.add_argument('--no-check', action='store_true',
+                        help='skip the route-only every-key row (must equal unswapped)')
+    parser.add_argument('--speed-time', type=float, default=1.0,
+                        help='seconds of timing per row for images/s')
+    parser.add_argument('--threads', type=int, help="torch's intra-op threads (default: "
+                        "torch's choice)")
+    parser.add_argument('--workers', type=int, default=0, help='dataloader worker processes')
+    parser.add_argument('--reuse', action='store_true',
+                        help='reuse results and checkpoints of the work dir made with the '
+                        'same settings (to add a model to a finished study)')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override settings of every config, key=value')
+    parser.add_argument('--verbose', action='store_true',
+                        help="print the Runner's config dumps and per-class tables")
+    args = parser.parse_args(argv)
+    if args.models:
+        models = [(n, MODELS[n]) for n in args.models]
+    elif args.model:
+        models = []
+    else:   # the default study: every model whose config exists
+        models = [(n, c) for n, c in MODELS.items() if osp.isfile(osp.join(ROOT, c))]
+    for item in args.model:
+        name, sep, config = item.partition('=')
+        if not sep or not name or not config:
+            parser.error(f'--model {item!r}: give NAME=CONFIG')
+        models.append((name, config))
+    missing = [c for _, c in models if '::' not in c and not osp.isfile(c)
+               and not osp.isfile(osp.join(ROOT, c))]
+    if missing:
+        parser.error(f'config(s) not found: {missing}')
+    args.models = [(n, c if osp.isfile(c) or '::' in c else osp.join(ROOT, c))
+                   for n, c in models]
+    if args.threads is not None and args.threads < 1:
+        parser.error(f'--threads must be >= 1, got {args.threads}')
+    return args
+
+
+def main(argv=None):
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from mita_seg.apis.swap_study import StudySettings, run_swap_study
+    skipped = sorted(set(MODELS) - {n for n, _ in args.models})
+    if skipped:
+        print(f'[swap_study] not in this study: {", ".join(skipped)} '
+              f'(config missing or not asked for)', flush=True)
+    if not osp.isdir(osp.join(args.data_root, 'images')):
+        cmd = [sys.executable, osp.join(ROOT, 'tools', 'dataset', 'make_tiny_ade20k.py'),
+               '--out', args.data_root, '--train', str(args.data_train), '--val',
+               str(args.data_val), '--size', str(args.data_size)]
+        print('[swap_study] $ ' + ' '.join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    settings = StudySettings(
+        data_root=args.data_root, train_iters=args.train_iters,
+        finetune_iters=args.finetune_iters, finetune_lr_mult=args.finetune_lr_mult,
+        pool_sizes=tuple(args.pool_sizes), topks=tuple(args.topks),
+        finetune=tuple(args.finetune), control=not args.no_control,
+        exact_check=not args.no_check, selection=args.selection,
+        selection_images=args.selection_images, speed_min_run_time=args.speed_time,
+        workers=args.workers, cfg_options=args.cfg_options, reuse=args.reuse,
+        verbose=args.verbose)
+    try:
+        study = run_swap_study(args.models, args.work_dir, settings, args.fig_dir)
+    except ValueError as e:
+        raise SystemExit(f'error: {e}')
+    with open(study['outputs'][1]) as f:
+        print('\n' + f.read())
+    print('wrote ' + ', '.join(study['outputs'] + study['figures']))
+    if study['errors']:
+        print('\nerrors (the rows of these steps are missing):\n  ' +
+              '\n  '.join(study['errors']), file=sys.stderr)
+        sys.exit(1)
+    return study
+
+
+if __name__ == '__main__':
+    ARGS = parse_args()   # a bad argument stops here, before mmseg is imported
+    from mita_seg.apis import run_tool
+    run_tool(lambda: main(ARGS))
