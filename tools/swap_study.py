@@ -14,7 +14,7 @@ Usage::
 
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
-        [--train-iters 150] [--finetune-iters 50] [--pool-sizes 4 5 7] [--topks 16 49 100]
+        [--train-iters 120] [--finetune-iters 40] [--pool-sizes 4 5 7] [--topks 16 49 100]
         [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
 """
 import argparse
@@ -60,8 +60,8 @@ def parse_args(argv=None):
     parser.add_argument('--data-size', type=int, default=256, help='image side if written')
     parser.add_argument('--data-train', type=int, default=200, help='training images if written')
     parser.add_argument('--data-val', type=int, default=40, help='validation images if written')
-    parser.add_argument('--train-iters', type=int, default=150)
-    parser.add_argument('--finetune-iters', type=int, default=50)
+    parser.add_argument('--train-iters', type=int, default=120)
+    parser.add_argument('--finetune-iters', type=int, default=40)
     parser.add_argument('--finetune-lr-mult', type=float, default=0.1,
                         help="fine-tune learning rate as a multiple of the config's")
     parser.add_argument('--pool-sizes', type=int, nargs='+', default=[4, 5, 7],

@@ -61,8 +61,8 @@ class StudySettings:
     Args:
         data_root (str): the ADE20K-format data (``tools/dataset/make_tiny_ade20k.py``), set
             as ``data_root`` of the three dataloaders of every config.
-        train_iters (int): iterations of the standard-attention training. Default: 150.
-        finetune_iters (int): iterations of each fine-tune (and of the control). Default: 50.
+        train_iters (int): iterations of the standard-attention training. Default: 120.
+        finetune_iters (int): iterations of each fine-tune (and of the control). Default: 40.
         finetune_lr_mult (float): the fine-tune's (and control's) learning rate, as a multiple
             of the config's. Default: 0.1.
         pool_sizes (tuple[int]): landmark grid sides P of the sweep (M = P * P).
@@ -87,8 +87,8 @@ class StudySettings:
             Default: False.
     """
     data_root: str
-    train_iters: int = 150
-    finetune_iters: int = 50
+    train_iters: int = 120
+    finetune_iters: int = 40
     finetune_lr_mult: float = 0.1
     pool_sizes: Tuple[int, ...] = (4, 5, 7)
     topks: Tuple[int, ...] = (16, 49, 100)
