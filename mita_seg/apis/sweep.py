@@ -9,7 +9,6 @@ import torch.nn as nn
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
-from mmseg.models.backbones.beit import BEiTAttention
 
 from mita_seg.models import MiTAAttention
 from mita_seg.ops import attention_flops, mita_flops
@@ -22,16 +21,12 @@ FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attenti
 
 
 class AttentionMacCounter:
-    """Counts, while active, the analytic MACs of every global attention call in ``model``:
-    mmcv ``MultiheadAttention`` and :class:`MiTAAttention` (ViT, Segmenter's head), and
-    mmseg's ``BEiTAttention`` / ``MAEAttention`` (cls + grid tokens; relative-position bias
-    additions are not multiply-adds), standard or on MiTA (a module with MiTA settings,
-    ``effective_settings`` and ``grid_shape``)."""
+    """Counts, while active, the analytic MACs of every global attention call
+    (mmcv ``MultiheadAttention`` and :class:`MiTAAttention`) in ``model``."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
-                        if type(m) in (MultiheadAttention, MiTAAttention)
-                        or isinstance(m, BEiTAttention)]
+                        if type(m) in (MultiheadAttention, MiTAAttention)]
         self.macs = 0
         self._handles = []
 
@@ -45,21 +40,10 @@ class AttentionMacCounter:
             h.remove()
 
     def _count(self, module, args, kwargs):
-        query = args[0] if args else kwargs.get('query', kwargs.get('x'))
-        H = module.num_heads
-        if isinstance(module, BEiTAttention):               # x: [B, N, C]
-            B, N, C = query.shape
-            d = C // H
-            if hasattr(module, 'effective_settings'):        # BEiT/MAE attention on MiTA
-                (ph, pw), topk, router_topk = module.effective_settings(
-                    N, module.grid_shape(N))
-                self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
-                                        module.with_shared_expert)
-            else:
-                self.macs += attention_flops(B, H, N, d)
-            return
+        query = args[0] if args else kwargs['query']
         N = query.shape[1] if module.batch_first else query.shape[0]
         B = query.shape[0] if module.batch_first else query.shape[1]
+        H = module.num_heads
         d = module.embed_dims // H
         if isinstance(module, MiTAAttention):
             grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
