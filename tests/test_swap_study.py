@@ -120,21 +120,3 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     with open(work / 'swap_study.json') as f:
         assert json.load(f)['models'][0]['rows'] == res['rows']
 
-
-def test_attention_macs_count_beit():
-    """The sweep's attention column counts mmseg's BEiT attention (the study's second
-    model): 2 N^2 C per layer, as for mmcv's attention; the relative-position bias adds no
-    multiply-adds."""
-    import torch
-    from mmseg.models.backbones import BEiT
-
-    from mita_seg.apis.sweep import AttentionMacCounter
-    from mita_seg.ops import attention_flops
-    torch.manual_seed(0)
-    beit = BEiT(img_size=(64, 48), patch_size=8, embed_dims=32, num_layers=2, num_heads=2,
-                out_indices=(1, ))
-    beit.eval()
-    with AttentionMacCounter(beit) as counter, torch.no_grad():
-        beit(torch.randn(2, 3, 64, 48))
-    assert len(counter.modules) == 2
-    assert counter.macs == 2 * attention_flops(2, 2, 1 + 8 * 6, 16)
