@@ -24,6 +24,12 @@ def test_settings_errors(tmp_path, tiny_data):
     # a schedule needs a warm-up iteration and a decay iteration
     with pytest.raises(ValueError, match='train_iters must be >= 2'):
         StudySettings(data_root=tiny_data, train_iters=1).check()
+    with pytest.raises(ValueError, match=r"model_train_iters\['b'\] must be >= 2"):
+        StudySettings(data_root=tiny_data, model_train_iters=dict(b=0)).check()
+    # a model's own iterations replace train_iters for it only
+    s = StudySettings(data_root=tiny_data, model_train_iters=dict(b=7))
+    assert s.for_model('b').train_iters == 7 and s.for_model('a').train_iters == 120
+    assert s.for_model('a').key() == StudySettings(data_root=tiny_data).key()
     # pool sizes and k are >= 1, in the sweep and in the fine-tune settings
     with pytest.raises(ValueError, match='must be >= 1'):
         StudySettings(data_root=tiny_data, finetune=((0, 49), )).check()

@@ -14,7 +14,7 @@ Usage::
 
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
-        [--train-iters 120] [--finetune-iters 40] [--pool-sizes 4 5 7] [--topks 16 49 100]
+        [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40] [--pool-sizes 4 5 7] [--topks 16 49 100]
         [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
 """
 import argparse
@@ -61,6 +61,8 @@ def parse_args(argv=None):
     parser.add_argument('--data-train', type=int, default=200, help='training images if written')
     parser.add_argument('--data-val', type=int, default=40, help='validation images if written')
     parser.add_argument('--train-iters', type=int, default=120)
+    parser.add_argument('--model-train-iters', nargs='+', default=[], metavar='NAME=ITERS',
+                        help='training iterations of some models instead of --train-iters')
     parser.add_argument('--finetune-iters', type=int, default=40)
     parser.add_argument('--finetune-lr-mult', type=float, default=0.1,
                         help="fine-tune learning rate as a multiple of the config's")
@@ -108,6 +110,13 @@ def parse_args(argv=None):
         parser.error(f'config(s) not found: {missing}')
     args.models = [(n, c if osp.isfile(c) or '::' in c else osp.join(ROOT, c))
                    for n, c in models]
+    per_model = {}
+    for item in args.model_train_iters:
+        name, sep, iters = item.partition('=')
+        if not sep or not iters.isdigit():
+            parser.error(f'--model-train-iters {item!r}: give NAME=ITERS, e.g. beit=400')
+        per_model[name] = int(iters)
+    args.model_train_iters = per_model or None
     if args.threads is not None and args.threads < 1:
         parser.error(f'--threads must be >= 1, got {args.threads}')
     return args
@@ -131,6 +140,7 @@ def main(argv=None):
         subprocess.run(cmd, check=True)
     settings = StudySettings(
         data_root=args.data_root, train_iters=args.train_iters,
+        model_train_iters=args.model_train_iters,
         finetune_iters=args.finetune_iters, finetune_lr_mult=args.finetune_lr_mult,
         pool_sizes=tuple(args.pool_sizes), topks=tuple(args.topks),
         finetune=tuple(args.finetune), control=not args.no_control,

@@ -31,7 +31,7 @@ import os.path as osp
 import platform
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,6 +62,9 @@ class StudySettings:
         data_root (str): the ADE20K-format data (``tools/dataset/make_tiny_ade20k.py``), set
             as ``data_root`` of the three dataloaders of every config.
         train_iters (int): iterations of the standard-attention training. Default: 120.
+        model_train_iters (dict, optional): training iterations of some models, by name,
+            instead of ``train_iters`` (a model that needs longer to use its attention).
+            Default: None.
         finetune_iters (int): iterations of each fine-tune (and of the control). Default: 40.
         finetune_lr_mult (float): the fine-tune's (and control's) learning rate, as a multiple
             of the config's. Default: 0.1.
@@ -88,6 +91,7 @@ class StudySettings:
     """
     data_root: str
     train_iters: int = 120
+    model_train_iters: Optional[Dict[str, int]] = None
     finetune_iters: int = 40
     finetune_lr_mult: float = 0.1
     pool_sizes: Tuple[int, ...] = (4, 5, 7)
@@ -109,10 +113,12 @@ class StudySettings:
             raise FileNotFoundError(
                 f'data_root {self.data_root!r} has no images/ folder: write the data with '
                 f'tools/dataset/make_tiny_ade20k.py --out {self.data_root} --size 256')
-        for name in ('train_iters', 'finetune_iters'):
-            if getattr(self, name) < 2:
-                raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got '
-                                 f'{getattr(self, name)}')
+        iters = dict(train_iters=self.train_iters, finetune_iters=self.finetune_iters)
+        iters.update({f'model_train_iters[{k!r}]': v
+                      for k, v in (self.model_train_iters or {}).items()})
+        for name, value in iters.items():
+            if value < 2:
+                raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got {value}')
         values = list(self.pool_sizes) + list(self.topks) + [
             v for pk in self.finetune for v in pk] + list(self.selection or ())
         if not self.pool_sizes or not self.topks or min(values) < 1:
@@ -128,11 +134,19 @@ class StudySettings:
                              f'{self.selection_images} and {self.workers}')
         return self
 
+    def for_model(self, name: str) -> 'StudySettings':
+        """The settings of model ``name``: ``train_iters`` from ``model_train_iters`` if it
+        names the model."""
+        return replace(self, model_train_iters=None, train_iters=(
+            self.model_train_iters or {}).get(name, self.train_iters))
+
     def key(self) -> dict:
         """The settings that determine a model's results (not ``reuse``/``verbose``)."""
         d = asdict(self)
         for k in ('reuse', 'verbose'):
             d.pop(k)
+        if d['model_train_iters'] is None:   # resolved into train_iters by for_model
+            d.pop('model_train_iters')
         return json.loads(json.dumps(d))
 
 
@@ -489,7 +503,9 @@ def markdown(study: dict) -> str:
            f"{m['mmengine']}, mmcv {m['mmcv']}. Load average (1 min) over the run: "
            f"{study['load_range'][0]:.1f} to {study['load_range'][1]:.1f} "
            f"({m['cores']} cores: above {m['cores']} the cores were shared).", '',
-           f"Data: {s['data_root']}. Training {s['train_iters']} iterations; fine-tune and "
+           f"Data: {s['data_root']}. Training {s['train_iters']} iterations"
+           + ''.join(f' ({k}: {v})' for k, v in (s.get('model_train_iters') or {}).items()) +
+           f"; fine-tune and "
            f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "
            f"config's learning rate. img/s: test-mode `test_step` on one test batch, median "
            f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row).", '',
@@ -635,10 +651,11 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
     for i, (name, config) in enumerate(models):
         mdir = osp.join(work_dir, name)
         cached = osp.join(mdir, 'result.json')
+        model_settings = settings.for_model(name)
         if settings.reuse and osp.isfile(cached):
             with open(cached) as f:
                 res = json.load(f)
-            if res.get('settings') == settings.key() and res.get('config') == config \
+            if res.get('settings') == model_settings.key() and res.get('config') == config \
                     and not res.get('errors'):
                 progress(f'[{i + 1}/{len(models)}] {name}: reusing {cached} '
                          f"(computed {res['started']} to {res['finished']})")
@@ -646,7 +663,7 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
                 continue
         progress(f'[{i + 1}/{len(models)}] {name}: {config}')
         os.makedirs(mdir, exist_ok=True)
-        res = study_model(name, config, mdir, settings, progress, fig_dir)
+        res = study_model(name, config, mdir, model_settings, progress, fig_dir)
         with open(cached, 'w') as f:
             json.dump(res, f, indent=1)
         study['models'].append(res)
