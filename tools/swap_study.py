@@ -61,8 +61,10 @@ def parse_args(argv=None):
     parser.add_argument('--data-train', type=int, default=200, help='training images if written')
     parser.add_argument('--data-val', type=int, default=40, help='validation images if written')
     parser.add_argument('--train-iters', type=int, default=120)
-    parser.add_argument('--model-train-iters', nargs='+', default=[], metavar='NAME=ITERS',
-                        help='training iterations of some models instead of --train-iters')
+    parser.add_argument('--model-train-iters', nargs='*', default=['beit=400'],
+                        metavar='NAME=ITERS', help='training iterations of some models '
+                        'instead of --train-iters (default: beit=400, the tiny BEiT barely uses '
+                        'its attention after 120; see docs/swap_study.md)')
     parser.add_argument('--finetune-iters', type=int, default=40)
     parser.add_argument('--finetune-lr-mult', type=float, default=0.1,
                         help="fine-tune learning rate as a multiple of the config's")
