@@ -5,8 +5,8 @@ shape. Instead of copying the backbones' ``forward``, the owner of the tokens wr
 of the current forward into a :class:`GridContext` shared with its attention modules
 (:func:`grid_context` hooks an owner up):
 
-- a ViT through a hook on its ``patch_embed`` (:class:`PatchEmbedGridHook`, a callable
-  object, not a closure, so ``copy.deepcopy`` of a model rebinds it to the copy);
+- a ViT, BEiT or MAE through a hook on its ``patch_embed`` (:class:`PatchEmbedGridHook`,
+  a callable object, not a closure, so ``copy.deepcopy`` of a model rebinds it to the copy);
 - a Segmenter mask head in its ``forward`` (:class:`GridFromInputsMixin`): mmseg's
   segmentors call ``decode_head.forward(x)`` directly, which skips module hooks.
 
@@ -16,7 +16,11 @@ import math
 from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
-from mmseg.models.backbones import VisionTransformer
+from mmseg.models.backbones import BEiT, VisionTransformer
+
+# Backbones whose grid is the output of their ``patch_embed`` (BEiT covers MAE); BEiT always
+# has a cls token before the grid.
+PATCH_EMBED_OWNERS = (VisionTransformer, BEiT)
 
 
 class GridContext:
@@ -80,15 +84,16 @@ def with_grid_forward(cls: type) -> type:
 
 
 def grid_context(owner: nn.Module) -> GridContext:
-    """The grid context of a token owner (a ViT or a decode head), hooked up on first use.
+    """The grid context of a token owner (a ViT, BEiT or MAE backbone or a decode head),
+    hooked up on first use.
 
-    A ViT's grid is the output of its ``patch_embed`` (a forward hook); a head's class gets
-    :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
+    A backbone's grid is the output of its ``patch_embed`` (a forward hook); a head's class
+    gets :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
     """
     ctx = getattr(owner, '_mita_grid', None)
     if ctx is None:
-        if isinstance(owner, VisionTransformer):
-            ctx = GridContext(num_prefix_tokens=1 if owner.with_cls_token else 0)
+        if isinstance(owner, PATCH_EMBED_OWNERS):
+            ctx = GridContext(num_prefix_tokens=int(getattr(owner, 'with_cls_token', True)))
             owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
         else:
             ctx = GridContext(num_prefix_tokens=0)
@@ -119,6 +124,6 @@ def resolve_grid(num_tokens: int, num_prefix_tokens: int,
 
 
 __all__ = [
-    'GridContext', 'PatchEmbedGridHook', 'GridFromInputsMixin', 'register_grid_class',
-    'with_grid_forward', 'grid_context', 'resolve_grid'
+    'PATCH_EMBED_OWNERS', 'GridContext', 'PatchEmbedGridHook', 'GridFromInputsMixin',
+    'register_grid_class', 'with_grid_forward', 'grid_context', 'resolve_grid'
 ]
