@@ -17,6 +17,7 @@ from typing import List
 
 import torch
 
+from .bias import gather_bias, landmark_bias
 from .flops import mita_flops_per_head
 from .routing import mita_routing, routing_dtype
 
@@ -88,8 +89,9 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
                            num_prefix_tokens=1, with_shared_expert=True,
-                           shared_scale=None, block_size=None):
-    """Blocked MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated).
+                           shared_scale=None, block_size=None, bias=None):
+    """Blocked MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated;
+    ``bias`` the ``rel_pos_bias``).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
@@ -98,7 +100,7 @@ def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     BH, r = B * H, router_topk
     scale = d ** -0.5
     rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale)
+                      shared_scale, None if bias is None else landmark_bias(bias, pool_size))
     M = rt.landmarks.shape[2]
     acc = routing_dtype(q.dtype)
     # Matmuls run in the input dtype on GPU; CPU low-precision matmuls are slow and
@@ -122,6 +124,10 @@ def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     k_tiles = _rows(k_rows, key_rows).view(BH, nT, topk, d)
     v_tiles = _rows(v_rows, key_rows).view(BH, nT, topk, d)
     logits = (q_tiles @ k_tiles.transpose(-1, -2)).to(acc)           # [BH, nT, T, k]
+    if bias is not None:  # B[n, key] of every (slot, key) pair
+        heads = (base % H).view(BH, 1, 1, 1)
+        logits = logits + gather_bias(bias, heads, (slot_item // r).view(BH, nT, T, 1),
+                                      tile_keys.unsqueeze(2)).to(acc)
     m_r = logits.amax(-1, keepdim=True)
     p_r = torch.exp(logits - m_r)
     o_r = (p_r.to(mm) @ v_tiles).to(acc)                              # [BH, nT, T, d]

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from . import blocked, fused_cpu, reference, varlen
+from .bias import RelPosBias
 
 __all__ = ['Inputs', 'Backend', 'BACKENDS', 'AUTO_ORDER', 'select_backend']
 
@@ -35,6 +36,7 @@ class Inputs(NamedTuple):
     num_prefix_tokens: int = 1
     with_shared_expert: bool = True
     shared_scale: Optional[float] = None
+    bias: Optional[RelPosBias] = None
 
     @property
     def device(self) -> torch.device:
@@ -54,7 +56,8 @@ class Inputs(NamedTuple):
 
     @property
     def requires_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        tensors = (self.q, self.k, self.v) + (() if self.bias is None else (self.bias.table, ))
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class Backend(NamedTuple):
@@ -62,8 +65,9 @@ class Backend(NamedTuple):
 
     Attributes:
         fn (Callable): ``fn(q, k, v, hw_shape, pool_size, topk, router_topk,
-            num_prefix_tokens, with_shared_expert, shared_scale, block_size) -> out``,
-            differentiable with respect to q, k, v by its own autograd.
+            num_prefix_tokens, with_shared_expert, shared_scale, block_size, bias=None) ->
+            out``, differentiable with respect to q, k, v (and the bias table) by its own
+            autograd.
         unsupported (Callable): ``unsupported(inp: Inputs) -> list[str]``, why it cannot run
             these inputs (empty when it can).
         flops (Callable): ``flops(num_tokens, head_dim, num_experts, topk, router_topk,

@@ -3,9 +3,24 @@ mmengine's convention; multiply by 2 for FlopCounterMode's). Each backend's own 
 it executes) sits beside it in its module and in :data:`mita_seg.ops.dispatch.BACKENDS`."""
 
 
-def attention_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int) -> int:
-    """Softmax attention: ``q k^T`` and ``attn v``, ``2 N^2 C`` per batch item."""
-    return 2 * batch * num_heads * num_tokens ** 2 * head_dim
+def attention_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int,
+                    with_bias: bool = False) -> int:
+    """Softmax attention: ``q k^T`` and ``attn v``, ``2 N^2 C`` per batch item; with an
+    additive bias (BEiT's relative position bias) ``N^2`` more per head (one add = one
+    FLOP)."""
+    per_head = 2 * num_tokens ** 2 * head_dim + (num_tokens ** 2 if with_bias else 0)
+    return batch * num_heads * per_head
+
+
+def bias_flops_per_head(num_tokens: int, num_experts: int, topk: int,
+                        router_topk: int = 1) -> int:
+    """Additions of a relative position bias in MiTA, per batch item and head (one add =
+    one FLOP): ``Bq`` on the ``M N`` scores, ``Bk`` on the ``N M`` router / shared logits
+    and the gathered bias on the ``N r k`` routed logits. The box sums that form ``Bq`` and
+    ``Bk`` (:func:`mita_seg.ops.bias.landmark_bias`) are per head, not per batch item, and
+    are counted here once per item too (3 adds per mean: ``6 M N``), an upper bound."""
+    N, M = num_tokens, num_experts
+    return 2 * M * N + N * router_topk * topk + 6 * M * N
 
 
 def mita_flops_per_head(num_tokens: int, head_dim: int, num_experts: int, topk: int,

@@ -44,6 +44,8 @@ def unsupported(inp) -> List[str]:
                    'run scripts/setup_env.sh')
     if inp.device.type != 'cpu':
         why.append(f'it runs on CPU tensors, got {inp.device.type}')
+    if inp.bias is not None:
+        why.append('relative position bias: not in the C++ kernel yet')
     return why
 
 
@@ -125,7 +127,7 @@ class MiTAFused(torch.autograd.Function):
 
 def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
                              num_prefix_tokens=1, with_shared_expert=True,
-                             shared_scale=None, block_size=None):
+                             shared_scale=None, block_size=None, bias=None):
     """Fused CPU MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated;
     ``block_size`` is unused).
 

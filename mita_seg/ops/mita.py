@@ -14,9 +14,10 @@ from typing import Optional
 
 import torch
 
+from .bias import RelPosBias, check_bias
 from .blocked import default_block_size
 from .dispatch import BACKENDS, Inputs, select_backend
-from .flops import mita_flops_per_head
+from .flops import bias_flops_per_head, mita_flops_per_head
 from .routing import IntPair, pair
 
 __all__ = ['mita_attention', 'mita_flops', 'check_mita_args']
@@ -68,23 +69,27 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
 
 
 def _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
-         with_shared_expert, shared_scale, block_size, backend):
+         with_shared_expert, shared_scale, block_size, backend, bias_table=None,
+         window_h=0, window_w=0):
+    bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
     # The operator picks its own precision (routing and softmax in float32): autocast
     # (e.g. mmengine's --amp) must not push its matmuls into bf16/fp16.
     with torch.autocast(q.device.type, enabled=False):
         return BACKENDS[backend].fn(q, k, v, (h, w), (ph, pw), topk, router_topk,
                                     num_prefix_tokens, with_shared_expert, shared_scale,
-                                    block_size)
+                                    block_size, bias=bias)
 
 
 @torch.library.custom_op('mita_seg::mita_attention', mutates_args=())
 def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, ph: int,
              pw: int, topk: int, router_topk: int, num_prefix_tokens: int,
              with_shared_expert: bool, shared_scale: float, block_size: int,
-             backend: str) -> torch.Tensor:
+             backend: str, bias_table: Optional[torch.Tensor] = None, window_h: int = 0,
+             window_w: int = 0) -> torch.Tensor:
     """The operator as one opaque node, for calls that need no gradient."""
     return _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
-                with_shared_expert, shared_scale, block_size, backend)
+                with_shared_expert, shared_scale, block_size, backend, bias_table, window_h,
+                window_w)
 
 
 @_mita_op.register_fake
@@ -94,14 +99,21 @@ def _(q, k, v, *args):
 
 def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
                topk: int, router_topk: int = 1, with_shared_expert: bool = True,
-               block_size: Optional[int] = None, backend: Optional[str] = None) -> int:
+               block_size: Optional[int] = None, backend: Optional[str] = None,
+               with_bias: bool = False) -> int:
     """Multiply-adds of one MiTA call (one MAC = one FLOP): the paper's ``(4M + 2k) N C``
     for router top-1 (:func:`mita_seg.ops.flops.mita_flops_per_head`), or with ``backend``
     what that backend executes (``BACKENDS[backend].flops``: the blocked backend's padding
-    slots, the varlen backend's recomputed scores, the reference's dense logits)."""
+    slots, the varlen backend's recomputed scores, the reference's dense logits).
+    ``with_bias`` adds a relative position bias's additions
+    (:func:`mita_seg.ops.flops.bias_flops_per_head`, one add = one FLOP)."""
     per_head = BACKENDS[backend].flops if backend else mita_flops_per_head
-    return batch * num_heads * per_head(num_tokens, head_dim, num_experts, topk, router_topk,
-                                        with_shared_expert, block_size)
+    total = batch * num_heads * per_head(num_tokens, head_dim, num_experts, topk,
+                                         router_topk, with_shared_expert, block_size)
+    if with_bias:
+        total += batch * num_heads * bias_flops_per_head(num_tokens, num_experts, topk,
+                                                         router_topk)
+    return total
 
 
 def mita_attention(q: torch.Tensor,
@@ -115,7 +127,8 @@ def mita_attention(q: torch.Tensor,
                    with_shared_expert: bool = True,
                    shared_scale: Optional[float] = None,
                    block_size: Optional[int] = None,
-                   backend: Optional[str] = None) -> torch.Tensor:
+                   backend: Optional[str] = None,
+                   rel_pos_bias: Optional[RelPosBias] = None) -> torch.Tensor:
     """Mixture-of-Top-k Attention.
 
     Tokens ``p:p + h*w`` (``p = num_prefix_tokens``) form an ``h x w`` grid; tokens before it
@@ -153,6 +166,11 @@ def mita_attention(q: torch.Tensor,
             ``'blocked'``, ``'reference'``); None takes ``$MITA_BACKEND`` or the first that
             can run of ``fused_cpu, varlen, blocked`` on CPU, ``varlen, blocked`` on CUDA
             (:data:`mita_seg.ops.dispatch.AUTO_ORDER`). Default: None.
+        rel_pos_bias (RelPosBias, optional): BEiT's relative position bias ``B``
+            (:mod:`mita_seg.ops.bias`; tokens ``[cls, grid]``), added to the routed logits
+            exactly and, averaged over the landmarks' regions, to the scores and the shared
+            logits; never formed as ``N x N``. Route-only with ``topk >= N`` is then exactly
+            BEiT's attention. Default: None.
 
     Returns:
         Tensor: ``[B, H, N, d]``, the dtype of ``q``.
@@ -161,8 +179,11 @@ def mita_attention(q: torch.Tensor,
                                                 router_topk, num_prefix_tokens, shared_scale)
     d = q.shape[-1]
     shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    if rel_pos_bias is not None:
+        rel_pos_bias = RelPosBias(rel_pos_bias.table, tuple(rel_pos_bias.window))
+        check_bias(rel_pos_bias, q.shape[1], q.shape[2], hw_shape, num_prefix_tokens)
     inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                 with_shared_expert, shared_scale)
+                 with_shared_expert, shared_scale, rel_pos_bias)
     name = select_backend(inp, backend)
     if block_size is None:
         block_size = default_block_size(q.shape[2] * router_topk, pool_size[0] * pool_size[1])
@@ -171,6 +192,7 @@ def mita_attention(q: torch.Tensor,
     # One opaque node wherever no gradient is needed, and in jit traces (FLOP counting);
     # the backend's own autograd otherwise.
     call = _mita_op if torch.jit.is_tracing() or not inp.requires_grad else _run
+    bias_args = () if rel_pos_bias is None else (rel_pos_bias.table, *rel_pos_bias.window)
     return call(q, k, v, hw_shape[0], hw_shape[1], pool_size[0], pool_size[1], topk,
-                    router_topk, num_prefix_tokens, with_shared_expert, shared_scale,
-                    block_size, name)
+                router_topk, num_prefix_tokens, with_shared_expert, shared_scale, block_size,
+                name, *bias_args)

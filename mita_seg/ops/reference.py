@@ -6,6 +6,7 @@ from typing import List
 
 import torch
 
+from .bias import dense_bias, pooled_dense_bias
 from .routing import mita_routing
 
 
@@ -27,21 +28,27 @@ def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_to
 
 def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
                              num_prefix_tokens=1, with_shared_expert=True,
-                             shared_scale=None, block_size=None):
+                             shared_scale=None, block_size=None, bias=None):
     """MiTA as one softmax over a concatenation of dense, masked logit blocks.
 
     For every query ``n`` the logits are ``[G[n] * shared_scale | L_1 | ... | L_r]`` with
     values ``[V_R | V | ... | V]``, where ``L_c[j] = q_n . k_j / sqrt(d)`` if key ``j`` is in
     the expert of the query's ``c``-th choice, and ``-inf`` otherwise. Arguments as for
     :func:`mita_seg.ops.mita_attention` (taken as already validated;
-    ``block_size`` is unused).
+    ``block_size`` is unused). With a relative position ``bias``, the dense bias ``B``
+    ``[H, N, N]`` is added to the dense logits, and its means over the landmarks' regions
+    (pooled exactly as the queries are) to the scores and the shared logits.
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``.
     """
     B, H, N, d = q.shape
+    dense_b = lm_bias = None
+    if bias is not None:
+        dense_b = dense_bias(bias)                                    # [H, N, N]
+        lm_bias = pooled_dense_bias(dense_b, hw_shape, pool_size, num_prefix_tokens)
     rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale)
+                      shared_scale, lm_bias)
     dt = rt.landmarks.dtype
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     M = rt.landmarks.shape[2]
@@ -51,6 +58,8 @@ def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     member = torch.zeros(B, H, M, N, dtype=torch.bool, device=q.device)
     member.scatter_(-1, rt.expert_keys, True)
     dense = qf @ kf.transpose(-1, -2) * scale                        # [B, H, N, N]
+    if dense_b is not None:
+        dense = dense + dense_b.to(dt)
     logits, values = [], []
     for c in range(router_topk):
         e = rt.choice[..., c]                                         # [B, H, N]

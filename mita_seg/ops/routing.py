@@ -17,9 +17,10 @@ class MiTARouting(NamedTuple):
 
     Attributes:
         landmarks (Tensor): ``R``, ``[B, H, M, d]``, pooled grid queries (float32 or wider).
-        scores (Tensor): ``S / sqrt(d) = R K^T / sqrt(d)``, ``[B, H, M, N]``.
-        router (Tensor): ``G * shared_scale = q R^T * shared_scale``, ``[B, H, N, M]``, the
-            shared logits.
+        scores (Tensor): ``S / sqrt(d) = R K^T / sqrt(d)`` (``+ Bq`` with a relative position
+            bias), ``[B, H, M, N]``.
+        router (Tensor): ``G * shared_scale = q R^T * shared_scale`` (``+ Bk`` with a
+            relative position bias), ``[B, H, N, M]``, the shared logits.
         expert_keys (Tensor): ``I``, ``[B, H, M, k]``, the top-k keys of each expert.
         choice (Tensor): ``e``, ``[B, H, N, r]``, the experts each query is routed to.
     """
@@ -68,17 +69,24 @@ def mita_routing(q: torch.Tensor,
                  topk: int,
                  router_topk: int = 1,
                  num_prefix_tokens: int = 1,
-                 shared_scale: Optional[float] = None) -> MiTARouting:
+                 shared_scale: Optional[float] = None,
+                 landmark_bias: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                 ) -> MiTARouting:
     """Landmarks, scores and the two top-k decisions of MiTA (no gradient flows through
     the indices). Arguments are assumed validated (see :func:`mita_attention`); the scales
     are positive, so selecting on scaled scores selects the same keys and experts.
-    ``shared_scale=None`` means ``1 / d``."""
+    ``shared_scale=None`` means ``1 / d``. ``landmark_bias``: ``(Bq [H, M, N], Bk [H, N, M])``
+    of a relative position bias (:func:`mita_seg.ops.bias.landmark_bias`), added to the
+    scores and to the router logits."""
     d = q.shape[-1]
     shared_scale = 1.0 / d if shared_scale is None else shared_scale
     R = landmarks(q, hw_shape, pool_size, num_prefix_tokens)
     dt = R.dtype
     S = (R * d ** -0.5) @ k.to(dt).transpose(-1, -2)                  # [B, H, M, N]
     G = q.to(dt) @ (R * shared_scale).transpose(-1, -2)               # [B, H, N, M]
+    if landmark_bias is not None:
+        S = S + landmark_bias[0].to(dt)
+        G = G + landmark_bias[1].to(dt)
     expert_keys = S.detach().topk(topk, dim=-1, sorted=False).indices   # [B, H, M, k]
     if router_topk == 1:
         choice = G.detach().argmax(dim=-1, keepdim=True)              # [B, H, N, 1]

@@ -24,13 +24,18 @@ landmarks ``R``, ``V_R = SDPA(R, K, V)`` and the kernels are ordinary autograd, 
 reach q (through R and the logits), k and v with no recomputation of the forward. Router
 top-r (r > 1) reads r experts per query, which is not one softmax per group: the dispatcher
 falls back to another backend.
+
+A relative position bias (:mod:`.bias`) becomes an additive mask: ``[Bk[n] ; B[n, I_e]]``
+on each query's row of its group's keys, and ``Bq`` on ``V_R``'s SDPA. Only the CPU kernel
+takes a mask; on CUDA the dispatcher falls back to another backend.
 """
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .bias import gather_bias, landmark_bias
 from .flops import mita_flops_per_head
 from .routing import landmarks, mita_routing
 
@@ -55,6 +60,8 @@ class VarlenPack(NamedTuple):
         kv_len (int): ``L = M + k`` (``k`` route-only), keys of every group.
         order (Tensor): ``[Tq]`` the row of ``q.reshape(B H N, d)`` in each packed slot.
         inverse (Tensor): ``[Tq]`` the packed slot of each row (``order``'s inverse).
+        bias (Tensor | None): ``[Tq, L]`` the additive bias of each query's logits (a
+            relative position bias), or None.
     """
     q: Tensor
     k: Tensor
@@ -65,6 +72,7 @@ class VarlenPack(NamedTuple):
     kv_len: int
     order: Tensor
     inverse: Tensor
+    bias: Optional[Tensor] = None
 
 
 def unsupported(inp) -> List[str]:
@@ -76,6 +84,8 @@ def unsupported(inp) -> List[str]:
     if inp.device.type == 'cuda' and (inp.head_dim % 8 or inp.head_dim > 256):
         why.append(f'head_dim={inp.head_dim}: the CUDA varlen kernels need a multiple of 8, '
                    'at most 256')
+    if inp.bias is not None and inp.device.type != 'cpu':
+        why.append('relative position bias: the CUDA varlen kernels take no additive bias')
     if inp.device.type not in ('cpu', 'cuda'):
         why.append(f'it runs on CPU and CUDA tensors, got {inp.device.type}')
     return why
@@ -93,7 +103,7 @@ def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_to
 
 
 def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
-         choice: Tensor, shared_key_scale: float) -> VarlenPack:
+         choice: Tensor, shared_key_scale: float, bias=None, bias_k=None) -> VarlenPack:
     """Lay out the groups of one MiTA call for a varlen kernel (differentiable in q, k, v,
     R and ``v_r``; the indices carry no gradient).
 
@@ -104,6 +114,8 @@ def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
         expert_keys (Tensor): ``[B, H, M, k]`` int64, the keys of each expert.
         choice (Tensor): ``[B, H, N, 1]`` int64, the expert of each query.
         shared_key_scale (float): factor on ``R`` as keys (``shared_scale * sqrt(d)``).
+        bias (RelPosBias, optional): a relative position bias, for the routed logits.
+        bias_k (Tensor, optional): ``Bk`` ``[H, N, M]``, its means for the shared logits.
     """
     B, H, N, d = q.shape
     M, topk = expert_keys.shape[-2:]
@@ -128,8 +140,17 @@ def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
         vals = torch.cat([v_r.reshape(BH, M, d)[bh], vals], 1)
     L = keys.shape[1]
     cu_seq_k = torch.arange(live.numel() + 1, device=dev, dtype=torch.int32) * L
+    mask = None
+    if bias is not None:  # each packed query's row: [Bk[n] ; B[n, I_e]]
+        row_bh, n = order // N, (order % N).unsqueeze(1)
+        head = (row_bh % H).unsqueeze(1)
+        e = group[order] % M
+        mask = gather_bias(bias, head, n, expert_keys.reshape(BH, M, topk)[row_bh, e])
+        if v_r is not None:
+            mask = torch.cat([bias_k[head.squeeze(1), n.squeeze(1)], mask], 1)  # [Tq, L]
+        mask = mask.to(q.dtype)
     return VarlenPack(q.reshape(BH * N, d)[order], keys.reshape(-1, d), vals.reshape(-1, d),
-                      cu_seq_q, cu_seq_k, max_q, L, order, inverse)
+                      cu_seq_q, cu_seq_k, max_q, L, order, inverse, mask)
 
 
 def kernel(p: VarlenPack) -> str:
@@ -147,6 +168,8 @@ def attend(p: VarlenPack, kernel_name: str = None) -> Tensor:
     queries over its keys: ``[Tq, d]`` in packed order. ``kernel_name`` forces one of
     :func:`kernel`'s answers (the CPU tests run ``'nested'`` too)."""
     name = kernel_name or kernel(p)
+    if p.bias is not None and name != 'padded':
+        raise ValueError(f'the {name!r} kernel takes no additive bias; use the padded kernel')
     if name == 'varlen_attn':
         out = varlen_attn(p.q.unsqueeze(1), p.k.unsqueeze(1), p.v.unsqueeze(1), p.cu_seq_q,
                           p.cu_seq_k, p.max_q, p.kv_len)                    # [Tq, 1, d]
@@ -168,7 +191,8 @@ def _padded_sdpa(p: VarlenPack, num_buckets: int = 4) -> Tensor:
     """The CPU kernel: batched SDPA over the groups, each group's queries padded to the
     largest group of its bucket (groups sorted by size and cut into ``num_buckets`` runs of
     equal count, so padding stays near the real queries where group sizes vary). Padding
-    queries attend too and are dropped; every group has ``L`` keys, so no mask is needed."""
+    queries attend too and are dropped; every group has ``L`` keys, so no mask is needed
+    (except a relative position bias, padded like the queries)."""
     Tq, d = p.q.shape
     G, L, dev = p.cu_seq_q.numel() - 1, p.kv_len, p.q.device
     sizes = (p.cu_seq_q[1:] - p.cu_seq_q[:-1]).long()                       # [G]
@@ -183,30 +207,36 @@ def _padded_sdpa(p: VarlenPack, num_buckets: int = 4) -> Tensor:
         first = groups.numel() and int(rank[groups[0]])
         r = ((rank[grp] >= first) & (rank[grp] < first + groups.numel())).nonzero().squeeze(1)
         slot = (rank[grp[r]] - first, pos[r])
-        q = p.q.new_zeros(groups.numel(), int(sizes[groups[-1]]), d).index_put(slot, p.q[r])
-        outs.append(F.scaled_dot_product_attention(q, k[groups], v[groups])[slot])
+        shape = (groups.numel(), int(sizes[groups[-1]]))
+        q = p.q.new_zeros(*shape, d).index_put(slot, p.q[r])
+        mask = None if p.bias is None else p.bias.new_zeros(*shape, L).index_put(slot, p.bias[r])
+        outs.append(F.scaled_dot_product_attention(q, k[groups], v[groups], mask)[slot])
         rows.append(r)
     return torch.cat(outs)[torch.cat(rows).argsort()]
 
 
 def mita_attention_varlen(q, k, v, hw_shape, pool_size, topk, router_topk=1,
                           num_prefix_tokens=1, with_shared_expert=True, shared_scale=None,
-                          block_size=None, kernel_name=None):
+                          block_size=None, bias=None, kernel_name=None):
     """Varlen MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated,
-    ``router_topk == 1``; ``block_size`` is unused). ``kernel_name`` forces a kernel
-    (:func:`attend`).
+    ``router_topk == 1``; ``block_size`` is unused; ``bias`` the ``rel_pos_bias``).
+    ``kernel_name`` forces a kernel (:func:`attend`).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
     """
     B, H, N, d = q.shape
     shared_scale = 1.0 / d if shared_scale is None else shared_scale
+    lm_bias = None if bias is None else landmark_bias(bias, pool_size)   # [H, M, N], [H, N, M]
     with torch.no_grad():
-        rt = mita_routing(q, k, hw_shape, pool_size, topk, 1, num_prefix_tokens, shared_scale)
+        rt = mita_routing(q, k, hw_shape, pool_size, topk, 1, num_prefix_tokens, shared_scale,
+                          lm_bias)
     R = v_r = None
     if with_shared_expert:
         R = landmarks(q, hw_shape, pool_size, num_prefix_tokens).to(q.dtype)  # [B, H, M, d]
-        v_r = F.scaled_dot_product_attention(R, k, v)                         # [B, H, M, d]
-    p = pack(q, k, v, R, v_r, rt.expert_keys, rt.choice, shared_scale * d ** 0.5)
+        v_r = F.scaled_dot_product_attention(
+            R, k, v, None if bias is None else lm_bias[0].to(q.dtype))       # [B, H, M, d]
+    p = pack(q, k, v, R, v_r, rt.expert_keys, rt.choice, shared_scale * d ** 0.5, bias,
+             None if bias is None else lm_bias[1])
     out = attend(p, kernel_name)                                              # [Tq, d]
     return out[p.inverse].view(B, H, N, d)
