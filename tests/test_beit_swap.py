@@ -27,7 +27,10 @@ from mmseg.utils import register_all_modules
 
 from mita_seg import swap_attention
 from mita_seg.analysis.segmentor_cost import SegmentorFlops
+from mita_seg.analysis.token_selection import TokenSelectionRecorder
 from mita_seg.apis import load_config
+from mita_seg.apis.export import mita_config
+from mita_seg.apis.sweep import AttentionMacCounter
 from mita_seg.models import (GridMismatchError, MiTABEiT, MiTABEiTAttention, MiTAMAE,
                              MiTAMAEAttention)
 from mita_seg.ops import attention_flops, bias_flops_per_head, mita_flops
@@ -305,6 +308,41 @@ def test_layers_selection_and_reconfiguring(log_records):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter('ignore')
         torch.testing.assert_close(twin(x)[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_token_selection_and_attention_macs():
+    model = small_beit()                              # 4 layers, 4 heads, a 4x5 grid
+    H, N, d = 4, 21, 16
+    x = torch.randn(2, 3, 64, 80)
+    with AttentionMacCounter(model) as counter, torch.no_grad():
+        model(x)
+    assert counter.macs == 4 * attention_flops(2, H, N, d, with_bias=True)
+    # a strong bias towards the cls key (table entry T-2: grid query -> cls key) puts cls
+    # in every expert; with k = 1, no other key: the routing sees the bias
+    for layer in model.layers:
+        layer.attn.relative_position_bias_table.data[-2] = 100.
+    swap_attention(model, verbose=False, pool_size=2, topk=1)
+    with AttentionMacCounter(model) as counter, TokenSelectionRecorder(model) as rec, \
+            torch.no_grad():
+        model(x)
+    assert counter.macs == 4 * mita_flops(2, H, N, d, 4, 1, with_bias=True)
+    assert [r.name for r in rec.records] == [f'layers.{i}.attn' for i in range(4)]
+    for r in rec.records:
+        assert r.hw_shape == (4, 5) and r.num_prefix_tokens == 1
+        assert r.selected[:, :, 0].all() and not r.selected[:, :, 1:].any()
+
+
+def test_export_config_switches_the_backbone():
+    # tools/export_swapped.py's config: BEiT -> MiTABEiT with the settings, same keys
+    cfg = mita_config(load_config(TINY_BEIT), dict(pool_size=5, topk=25))
+    assert cfg.model.backbone.type == 'MiTABEiT'
+    assert cfg.model.backbone.mita_cfg == dict(pool_size=5, topk=25)
+    base, mita = (MODELS.build(c.model) for c in (load_config(TINY_BEIT), cfg))
+    assert list(mita.state_dict()) == list(base.state_dict())
+    assert [(a.pool_size, a.topk) for a in (layer.attn for layer in mita.backbone.layers)] == [
+        (5, 25)] * 4
+    mae = load_config(ZOO['mae-b'])
+    assert mita_config(mae, {}).model.backbone.type == 'MiTAMAE'
 
 
 def test_bad_settings():

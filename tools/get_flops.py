@@ -29,7 +29,7 @@ from mita_seg.analysis.flop_handles import CONVENTION  # noqa: E402
 from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
 from mita_seg.apis import (add_mita_args, config_name, load_config, run_tool,  # noqa: E402
                            swap_settings)
-from mita_seg.models import MITA_KEYS, MiTAAttention  # noqa: E402
+from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -192,7 +192,7 @@ def mita_settings(counter: SegmentorFlops) -> str:
     """The MiTA settings of the swapped model, as ``key=value`` pairs."""
     if counter.mita is None:
         return ''
-    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTAAttention))
+    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin))
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
 
 

@@ -136,12 +136,20 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
                 f'the {h}x{w} patch grid ({1 + h * w} tokens)')
         return h, w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Self-attention over ``x`` (``[B, N, C]``: cls, then the ``h x w`` grid row-major).
+    def rel_pos_bias(self) -> Optional[RelPosBias]:
+        """The bias as the operator takes it (the table ``[H, T]`` and its window), or None
+        without a table."""
+        table = self.relative_position_bias_table                  # [T, H]
+        if table is None:
+            return None
+        return RelPosBias(table.t(), (int(self.window_size[0]), int(self.window_size[1])))
+
+    def project(self, x: torch.Tensor):
+        """Heads and grid of ``x`` (``[B, N, C]``), as ``BEiTAttention.forward`` projects.
 
         Returns:
-            Tensor: ``[B, N, C]``, after the output projection (the layer adds the
-            residual).
+            tuple: ``q, k, v`` (``[B, H, N, d]``; ``q`` carries a custom ``qk_scale`` as
+            ``scale * sqrt(d)``), the grid ``(h, w)`` and the number of prefix tokens (1).
         """
         B, N, C = x.shape
         h, w = self.grid_shape(N)
@@ -155,15 +163,23 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
         d = q.shape[-1]                                   # q, k, v: [B, H, N, d]
         if self.scale != d**-0.5:                         # MiTA scales q k^T by d ** -0.5
             q = q * (self.scale * d**0.5)
-        table = self.relative_position_bias_table         # [T, H], T = (2Wh-1)(2Ww-1) + 3
-        rel_pos_bias = None if table is None else RelPosBias(
-            table.t(), (int(self.window_size[0]), int(self.window_size[1])))  # table [H, T]
+        return q, k, v, (h, w), 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Self-attention over ``x`` (``[B, N, C]``: cls, then the ``h x w`` grid row-major).
+
+        Returns:
+            Tensor: ``[B, N, C]``, after the output projection (the layer adds the
+            residual).
+        """
+        B, N, C = x.shape
+        q, k, v, (h, w), p = self.project(x)
         pool_size, topk, router_topk = self.effective_settings(N, (h, w))
         x = mita_attention(q, k, v, (h, w), pool_size=pool_size, topk=topk,
-                           router_topk=router_topk, num_prefix_tokens=1,
+                           router_topk=router_topk, num_prefix_tokens=p,
                            with_shared_expert=self.with_shared_expert,
                            shared_scale=self.shared_scale,
-                           rel_pos_bias=rel_pos_bias)      # [B, H, N, d]
+                           rel_pos_bias=self.rel_pos_bias())      # [B, H, N, d]
         x = x.transpose(1, 2).reshape(B, N, C)
         return self.proj_drop(self.proj(x))
 
