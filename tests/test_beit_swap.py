@@ -179,7 +179,7 @@ def test_route_only_full_topk_equals_beit_at_the_configs_crop(name, tmp_path):
     model.init_weights()
     for layer in model.backbone.layers:
         torch.nn.init.normal_(layer.attn.relative_position_bias_table, std=0.5)
-    path = tmp_path / 'model.pth'
+    path = str(tmp_path / 'model.pth')
     save_zoo(model, path)
     for test_cfg, image in ((dict(mode='whole'), crop), (None, (crop[0], crop[1] + 64))):
         model = build(cfg, path, test_cfg)
@@ -437,4 +437,5 @@ def test_get_flops_tool_on_the_beit_config(tools, tmp_path):
     assert result['mita']['backbone_attention'] == pytest.approx(
         L * mita_flops(1, H, N, d, 49, 49, with_bias=True) / 1e9)
     assert 'MiTA: 12 attention modules swapped, pool_size=7, topk=49' in text
+    assert 'Relative position bias (BEiT/MAE), in attention: one add = one FLOP' in text
     assert result['reduction_percent']['backbone'] > 0
