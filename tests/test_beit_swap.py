@@ -33,7 +33,9 @@ from mita_seg.apis.export import mita_config
 from mita_seg.apis.sweep import AttentionMacCounter
 from mita_seg.models import (GridMismatchError, MiTABEiT, MiTABEiTAttention, MiTAMAE,
                              MiTAMAEAttention)
-from mita_seg.ops import attention_flops, bias_flops_per_head, mita_flops
+from mita_seg.ops import (Inputs, RelPosBias, attention_flops, bias_flops_per_head,
+                          mita_flops, select_backend)
+from mita_seg.ops.bias import table_size
 from mita_seg.utils import CheckpointMismatchError, check_checkpoint_keys
 
 register_all_modules()
@@ -194,7 +196,8 @@ def test_route_only_full_topk_equals_beit_at_the_configs_crop(name, tmp_path):
 # tests/test_models/test_backbones/test_{beit,mae}.py of mmsegmentation: image size ->
 # feature grid of patch 16 (two layers instead of twelve: the shapes are what is tested)
 MMSEG_SHAPES = [((224, 224), (14, 14)), ((256, 256), (16, 16)), ((32, 32), (2, 2)),
-                ((112, 224), (7, 14)), ((234, 345), (14, 21))]
+                ((112, 224), (7, 14)), ((234, 345), (14, 21)),
+                ((16, 16), (1, 1))]                      # and one patch (ours)
 
 
 @pytest.mark.parametrize('mita_cls, mmseg_cls', [(MiTABEiT, BEiT), (MiTAMAE, MAE)],
@@ -400,6 +403,13 @@ def test_checkpoint_of_another_grid_says_what_to_do(zoo, tmp_path):
     assert "mode='slide'" in message and 'resize_rel_pos_embed' in message
 
 
+def cpu_backend(N, d, window=(32, 32), pool=(7, 7), topk=49):
+    """The backend a CPU run of a MiTA BEiT layer picks (with the bias)."""
+    q = torch.empty(1, 1, 1, d).expand(1, 1, N, d)
+    bias = RelPosBias(torch.empty(1, table_size(window)), window)
+    return select_backend(Inputs(q, q, q, window, pool, topk, bias=bias))
+
+
 # ----------------------------------------------------------------------------------------
 # FLOPs: the bias counted on both sides, one add = one FLOP.
 # ----------------------------------------------------------------------------------------
@@ -415,8 +425,10 @@ def test_flops_count_the_bias_on_both_sides():
     assert base.macs == base.total - bias_adds - sum(
         base.by_operator.get(k, 0) for k in ('batch_norm', 'layer_norm', 'upsample_bilinear2d',
                                              'adaptive_avg_pool2d'))
-    with_bias = mita_flops(1, H, N, d, 49, 49, with_bias=True)
-    assert with_bias == mita_flops(1, H, N, d, 49, 49) + H * bias_flops_per_head(N, 49, 49)
+    backend = cpu_backend(N, d)                   # counted for the backend a CPU run picks
+    with_bias = mita_flops(1, H, N, d, 49, 49, backend=backend, with_bias=True)
+    assert with_bias == mita_flops(1, H, N, d, 49, 49, backend=backend) + H * bias_flops_per_head(
+        N, 49, 49)
     assert 'rel_pos_bias' not in mita.by_operator
     assert mita.backbone_attention == L * with_bias
     assert mita.backbone_rest == base.backbone_rest
@@ -435,7 +447,8 @@ def test_get_flops_tool_on_the_beit_config(tools, tmp_path):
     assert result['baseline']['backbone_attention'] == pytest.approx(
         L * (attention_flops(1, H, N, d) + H * N**2) / 1e9)
     assert result['mita']['backbone_attention'] == pytest.approx(
-        L * mita_flops(1, H, N, d, 49, 49, with_bias=True) / 1e9)
+        L * mita_flops(1, H, N, d, 49, 49, backend=cpu_backend(N, d, (40, 40)),
+                       with_bias=True) / 1e9)
     assert 'MiTA: 12 attention modules swapped, pool_size=7, topk=49' in text
     assert 'Relative position bias (BEiT/MAE), in attention: one add = one FLOP' in text
     assert result['reduction_percent']['backbone'] > 0

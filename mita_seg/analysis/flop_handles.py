@@ -144,7 +144,7 @@ def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...,
     bias_table, ...)``: :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read
     from the trace, and ``with_bias`` when a bias table is passed."""
-    from mita_seg.ops import Inputs, mita_flops, select_backend
+    from mita_seg.ops import Inputs, RelPosBias, mita_flops, select_backend
     args = dict(zip(_mita_arg_names(), inputs))
     B, H, N, d = _shape(args['q'], 'the MiTA query')
     c = {n: _constant(args[n], n) for n in ('h', 'w', 'ph', 'pw', 'topk', 'router_topk',
@@ -156,9 +156,15 @@ def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     if device is not None and device.type == 'meta':
         # A meta trace stands for a CPU run: count the backend a CPU run would pick.
         q = torch.empty(1, 1, 1, d).expand(B, H, N, d)
+        rel_pos_bias = None
+        if with_bias:   # a backend that cannot take the bias is not picked on CPU either
+            table = torch.empty(_shape(bias, 'the bias table'))
+            rel_pos_bias = RelPosBias(table, (_constant(args['window_h'], 'window_h'),
+                                              _constant(args['window_w'], 'window_w')))
         c['backend'] = select_backend(Inputs(
             q, q, q, (c['h'], c['w']), (c['ph'], c['pw']), c['topk'], c['router_topk'],
-            c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale']))
+            c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale'],
+            rel_pos_bias))
     return Counter({
         'mita_attention':
         mita_flops(B, H, N, d, num_experts=c['ph'] * c['pw'], topk=c['topk'],
