@@ -202,12 +202,15 @@ def test_beit_at_another_grid_says_how_to_evaluate(tiny_data, tools, tmp_path):
     ckpt = tmp_path / 'beit.pth'
     torch.save({'meta': {}, 'state_dict': MODELS.build(load_config(config).model).state_dict()},
                ckpt)
-    code, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'test',
-                      '--swap-attn', 'mita', '--cfg-options', *tools.data_options(tiny_data),
-                      'model.test_cfg.mode=whole',
-                      'test_dataloader.dataset.pipeline.1.scale=(1280,320)', check=False)
-    assert code == 1 and 'Traceback' not in out, out[-3000:]
-    assert ('error: this BEiT/MAE backbone (its relative position bias tables) was built for '
-            'a 32x32 patch grid') in out, out[-3000:]
-    assert 'this input has a 40x40 grid' in out
-    assert "test_cfg=dict(mode='slide', crop_size=<img_size>" in out
+    options = ['--cfg-options', *tools.data_options(tiny_data), 'model.test_cfg.mode=whole',
+               'test_dataloader.dataset.pipeline.1.scale=(1280,320)']
+    results = run_all(tools, {   # as configured (mmseg's BEiT) and swapped to MiTA
+        swap: ['tools/test.py', config, ckpt, '--work-dir', tmp_path / swap, *options,
+               *(['--swap-attn', 'mita'] if swap == 'mita' else [])]
+        for swap in ('none', 'mita')})
+    for code, out in results.values():
+        assert code == 1 and 'Traceback' not in out, out[-3000:]
+        assert ('error: this BEiT/MAE backbone (its relative position bias tables) was built '
+                'for a 32x32 patch grid') in out, out[-3000:]
+        assert 'this input has a 40x40 grid' in out
+        assert "test_cfg=dict(mode='slide', crop_size=<img_size>" in out

@@ -11,7 +11,7 @@ from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingsMix
                         check_settings, use_mita)
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
-from .grid import GridContext, GridMismatchError
+from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .swap import SWAP_RULES, NothingToSwapError, swap_attention
 
@@ -20,7 +20,7 @@ register_safe_globals()
 __all__ = [
     'MiTAAttention', 'MiTABEiTAttention', 'MiTAMAEAttention', 'MiTASettingsMixin',
     'MiTAVisionTransformer', 'MiTABEiT', 'MiTAMAE', 'MiTASegmenterMaskTransformerHead',
-    'GridMismatchError',
+    'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError'
 ]

@@ -145,6 +145,19 @@ def grid_context(owner: nn.Module) -> GridContext:
     return ctx
 
 
+def guard_grids(model: nn.Module) -> int:
+    """Hook up the grid context of every BEiT/MAE backbone in ``model`` (on MiTA or not),
+    so that an input whose patch grid their bias tables (or MAE's position embedding) do
+    not fit is a :class:`GridMismatchError` saying how to evaluate, not mmseg's
+    broadcasting error deep in the attention.
+
+    Returns:
+        int: the number of BEiT/MAE backbones with a fixed grid.
+    """
+    return sum(grid_context(m).window is not None for m in model.modules()
+               if isinstance(m, BEiT))
+
+
 def resolve_grid(num_tokens: int, num_prefix_tokens: int,
                  hw_shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
     """The grid of ``num_tokens`` tokens: ``hw_shape`` if given, else a square of the
@@ -169,5 +182,5 @@ def resolve_grid(num_tokens: int, num_prefix_tokens: int,
 __all__ = [
     'PATCH_EMBED_OWNERS', 'GridMismatchError', 'grid_mismatch_message', 'GridContext',
     'PatchEmbedGridHook', 'GridFromInputsMixin', 'register_grid_class', 'with_grid_forward',
-    'grid_context', 'resolve_grid'
+    'grid_context', 'guard_grids', 'resolve_grid'
 ]
