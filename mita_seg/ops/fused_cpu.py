@@ -104,7 +104,8 @@ def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out, tabl
     N, M = q.shape[1], ph * pw
     acc = dict(dtype=routing_dtype(q.dtype))
     if not window_h:
-        return [torch.empty_like(q) for _ in range(3)] + [q.new_empty(0, **acc)] * 3
+        return [torch.empty_like(q) for _ in range(3)] + [q.new_empty(0, **acc)
+                                                          for _ in range(3)]
     H = table.shape[0]
     return [torch.empty_like(q) for _ in range(3)] + [
         q.new_empty((H, M, N) if shared else (0, ), **acc),
