@@ -68,8 +68,7 @@ def test_box_filter_means_equal_dense_pooling(case):
     assert Bq.shape == (H, M, 1 + h * w) and Bk.shape == (H, 1 + h * w, M)
     torch.testing.assert_close(Bq, Bq_ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(Bk, Bk_ref, atol=1e-12, rtol=0)
-    # float32 tables: means computed in float32 (band-matrix products, no differences of
-    # large partial sums), within float32 rounding of the float64 result.
+    # float32 tables: the integral image runs in float64, so no cancellation error.
     Bq32, Bk32 = landmark_bias(RelPosBias(table.float(), (h, w)), pool)
     assert Bq32.dtype == torch.float32
     torch.testing.assert_close(Bq32, Bq_ref.float(), atol=1e-6, rtol=1e-6)
