@@ -220,13 +220,17 @@ def test_same_bits_with_one_and_two_threads():
 
 def test_profile_counts_every_phase():
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1 + 64, 16))
+    bias = _bias(2, 8, 8)
+    bias.table.requires_grad_()
     profile(True)
     try:
-        out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu')
-        out.sum().backward()
+        for b in (None, bias):  # the bias means run only with a bias
+            out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu', rel_pos_bias=b)
+            out.sum().backward()
     finally:
         phases = profile(False)
-    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores'}
+    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores',
+                           'fwd.bias_means', 'bwd.bias_means'}
     assert all(t > 0 for t in phases.values()), phases
 
 
@@ -376,3 +380,60 @@ def test_same_bits_with_one_and_two_threads_with_bias():
         torch.set_num_threads(threads)
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+# (H, Wh, Ww, pool): square, non-square, pools that do not divide the grid (overlapping
+# regions), a 1-row grid, the paper's 32x32 / 7x7.
+MEANS_CASES = {'5x7-pool2x3': (3, 5, 7, (2, 3)), '8x8-pool3': (2, 8, 8, (3, 3)),
+               '4x6-pool4x3': (1, 4, 6, (4, 3)), '1x9-pool1x2': (2, 1, 9, (1, 2)),
+               '32x32-pool7': (2, 32, 32, (7, 7))}
+
+
+@pytest.mark.parametrize('case', list(MEANS_CASES.values()), ids=list(MEANS_CASES))
+def test_kernel_landmark_means_are_bias_landmark_bias(case):
+    """The C++ landmark means (what fused_cpu feeds its kernel) and their gradient are
+    mita_seg.ops.bias.landmark_bias's, in float64 and float32."""
+    from mita_seg.ops.fused_cpu import LandmarkBias
+    H, Wh, Ww, pool = case
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(H, table_size((Wh, Ww)), generator=g, dtype=torch.float64)
+    M, N = pool[0] * pool[1], 1 + Wh * Ww
+    grads = (torch.randn(H, M, N, generator=g, dtype=torch.float64),
+             torch.randn(H, N, M, generator=g, dtype=torch.float64))
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        t = table.to(dtype).requires_grad_()
+        ref = landmark_bias(RelPosBias(t, (Wh, Ww)), pool)
+        got = LandmarkBias.apply(t, (Wh, Ww), pool)
+        for a, b in zip(got, ref):
+            assert a.dtype == dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+        gr = tuple(x.to(dtype) for x in grads)
+        d_got, = torch.autograd.grad(got, t, gr)
+        d_ref, = torch.autograd.grad(ref, t, gr)
+        torch.testing.assert_close(d_got, d_ref, atol=tol * 100, rtol=tol)
+    t = table.clone().requires_grad_()
+    if N <= 40:  # gradcheck: one column of the Jacobian per table entry
+        assert torch.autograd.gradcheck(lambda x: LandmarkBias.apply(x, (Wh, Ww), pool), (t, ))
+
+
+def test_kernel_landmark_means_reject_bad_inputs():
+    from mita_seg.ops import fused_cpu
+    table = torch.zeros(2, table_size((5, 7)))
+    with pytest.raises(RuntimeError, match=r'table must be \[H, 120\] for a 5x7 window'):
+        _C.landmark_bias(table[:, 1:], 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match='float32 or float64 CPU tensor, got Long'):
+        _C.landmark_bias(table.long(), 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match='pool 6x3 must be within the grid 5x7'):
+        _C.landmark_bias(table, 5, 7, 6, 3)
+    with pytest.raises(RuntimeError, match='window must be positive'):
+        _C.landmark_bias(table, 0, 7, 1, 1)
+    gq, gk = _C.landmark_bias(table, 5, 7, 2, 3)
+    assert _C.landmark_bias_backward(gq, gk, 5, 7, 2, 3).shape == table.shape
+    with pytest.raises(RuntimeError, match=r'grad_k must have shape \[2, 36, 6\]'):
+        _C.landmark_bias_backward(gq, gq, 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match=r'grad_q must have shape \[2, 4, 36\]'):
+        _C.landmark_bias_backward(gq, gk, 5, 7, 2, 2)
+    torch.library.opcheck(fused_cpu._landmark_bias, (table, 5, 7, 2, 3),
+                          test_utils=('test_schema', 'test_faketensor'))
+    torch.library.opcheck(fused_cpu._landmark_bias_bwd, (gq, gk, 5, 7, 2, 3),
+                          test_utils=('test_schema', 'test_faketensor'))

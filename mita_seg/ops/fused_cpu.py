@@ -17,12 +17,13 @@ AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 on
 docs/benchmark.md).
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
-``Bq [H, M, N]`` and ``Bk [H, N, M]`` (:func:`~.bias.landmark_bias`, box filters over the
-table, computed here in PyTorch: differentiable in the table) and the table itself, whose
-entries of the routed logits it computes from the tokens' positions; never ``N x N``. Its
-backward returns the gradients of ``Bq`` (scores), ``Bk`` (shared logits) and the table
-(routed logits, scatter-added); autograd carries the first two back to the table through
-``landmark_bias``.
+``Bq [H, M, N]`` and ``Bk [H, N, M]`` and the table itself, whose entries of the routed
+logits it computes from the tokens' positions; never ``N x N``. ``Bq, Bk`` are
+:func:`~.bias.landmark_bias`'s (the same integral-image box means, tested equal), computed
+in C++ (:class:`LandmarkBias`, differentiable in the table): the PyTorch version costs more
+than the whole kernel on CPU. The kernel's backward returns the gradients of ``Bq``
+(scores), ``Bk`` (shared logits) and the table (routed logits, scatter-added); autograd
+carries the first two back to the table through :class:`LandmarkBias`.
 
 The forward and the backward are ``torch.library`` custom ops with fake implementations, so
 tracers (``torch.compile``) see opaque nodes.
@@ -32,7 +33,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .bias import landmark_bias
+from .bias import table_size
 from .flops import mita_flops_per_head
 from .routing import routing_dtype
 
@@ -112,6 +113,49 @@ def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out, tabl
         q.new_empty((H, N, M) if shared else (0, ), **acc), q.new_empty(table.shape, **acc)]
 
 
+@torch.library.custom_op('mita_seg::landmark_bias', mutates_args=())
+def _landmark_bias(table: Tensor, window_h: int, window_w: int, ph: int,
+                   pw: int) -> List[Tensor]:
+    return _C.landmark_bias(table, window_h, window_w, ph, pw)
+
+
+@_landmark_bias.register_fake
+def _(table, window_h, window_w, ph, pw):
+    H, N, M = table.shape[0], 1 + window_h * window_w, ph * pw
+    return [table.new_empty(H, M, N), table.new_empty(H, N, M)]
+
+
+@torch.library.custom_op('mita_seg::landmark_bias_bwd', mutates_args=())
+def _landmark_bias_bwd(grad_q: Tensor, grad_k: Tensor, window_h: int, window_w: int, ph: int,
+                       pw: int) -> Tensor:
+    return _C.landmark_bias_backward(grad_q, grad_k, window_h, window_w, ph, pw)
+
+
+@_landmark_bias_bwd.register_fake
+def _(grad_q, grad_k, window_h, window_w, ph, pw):
+    return grad_q.new_empty(grad_q.shape[0], table_size((window_h, window_w)))
+
+
+class LandmarkBias(torch.autograd.Function):
+    """:func:`mita_seg.ops.bias.landmark_bias` in C++ (the same float64 integral image
+    and box means; ``O(T + M N)`` per head, on the CPU).
+
+    ``apply(table, window, pool_size)``: ``table`` ``[H, T]`` float32/float64 ->
+    ``(Bq [H, M, N], Bk [H, N, M])`` in its dtype, differentiable in the table.
+    """
+
+    @staticmethod
+    def forward(ctx, table, window, pool_size):
+        ctx.args = (*window, *pool_size)
+        bias_q, bias_k = _landmark_bias(table, *window, *pool_size)
+        return bias_q, bias_k
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q, grad_k):
+        return _landmark_bias_bwd(grad_q.contiguous(), grad_k.contiguous(), *ctx.args), None, None
+
+
 def profile(enable: bool) -> Dict[str, float]:
     """Wall time of each phase of the C++ kernels, summed over calls: ``profile(True)``
     resets the counters and starts counting, ``profile(False)`` stops; both return
@@ -176,8 +220,8 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         # In the kernel's compute dtype (float64 for float64 inputs, float32 otherwise), so
         # that the bias gradients it returns match these tensors.
         acc = routing_dtype(q.dtype)
-        bias_q, bias_k = (t.to(acc).contiguous() for t in landmark_bias(bias, pool_size))
         table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
+        bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
     out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(hw_shape),
                           tuple(pool_size), num_prefix_tokens, topk, router_topk,
                           with_shared_expert, shared_scale)

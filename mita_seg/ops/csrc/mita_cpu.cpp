@@ -76,10 +76,11 @@ struct SerialBlas {
 // ---- Phase profile: wall time of each phase, summed over calls (off unless enabled). ----
 enum Phase { kLandmarks, kExperts, kRouter, kGrouping, kRouted, kMerge,
              kBwdShared, kBwdRouted, kBwdReduce, kBwdScores, kBwdRows, kBwdLandmarks,
-             kNumPhases };
+             kBiasMeans, kBwdBiasMeans, kNumPhases };
 const char* const kPhaseNames[kNumPhases] = {
     "fwd.landmarks", "fwd.experts", "fwd.router", "fwd.grouping", "fwd.routed", "fwd.merge",
-    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks"};
+    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks",
+    "fwd.bias_means", "bwd.bias_means"};
 std::atomic<bool> g_profile{false};
 double g_phase_seconds[kNumPhases] = {};
 
@@ -798,6 +799,119 @@ void landmarks_backward_phase(const T* dR, T* dq, const Geometry& g) {
   });
 }
 
+// ---- The landmarks' mean biases (mita_seg.ops.bias.landmark_bias, the same maths), for
+// the relative position bias of the fused backend. Per head, the grid part of the table,
+// t2 [2Wh - 1, 2Ww - 1] = table[:T - 3], gets a float64 integral image ii [2Wh, 2Ww]
+// (ii[a, b] = sum of t2[< a, < b]); each mean is four reads of it over its area: O(T + M N)
+// per head, never N x N. Landmark m = (i, j) covers grid rows [r0, r1) x columns [c0, c1)
+// (adaptive_avg_pool2d's regions); tokens are [cls, Wh x Ww grid]:
+//   bq [H, M, N]: bq[m, 0] = table[T - 2] (token-to-cls); bq[m, 1 + y Ww + x] = mean of t2
+//     over rows [r0 - y, r1 - y) + Wh - 1, columns [c0 - x, c1 - x) + Ww - 1 (landmark m's
+//     queries towards the key at (y, x));
+//   bk [H, N, M]: bk[0, m] = table[T - 3] (cls-to-token); bk[1 + y Ww + x, m] = mean over
+//     rows [y - r1, y - r0) + Wh, columns [x - c1, x - c0) + Ww (the query at (y, x)
+//     towards landmark m's keys).
+// f(row0, row1, col0, col1, area, bq_slot, bk_slot) for every grid mean, both kinds: the
+// forward reads the box, the backward spreads the mean's gradient over its four corners.
+template <typename F>
+void for_each_grid_mean(int64_t Wh, int64_t Ww, int64_t ph, int64_t pw, F&& f) {
+  const int64_t M = ph * pw, N = 1 + Wh * Ww;
+  for (int64_t i = 0; i < ph; ++i) {
+    const int64_t r0 = i * Wh / ph, r1 = ((i + 1) * Wh + ph - 1) / ph;
+    for (int64_t j = 0; j < pw; ++j) {
+      const int64_t c0 = j * Ww / pw, c1 = ((j + 1) * Ww + pw - 1) / pw, m = i * pw + j;
+      const double area = static_cast<double>((r1 - r0) * (c1 - c0));
+      for (int64_t y = 0; y < Wh; ++y)
+        for (int64_t x = 0; x < Ww; ++x) {
+          const int64_t t = 1 + y * Ww + x;
+          f(r0 - y + Wh - 1, r1 - y + Wh - 1, c0 - x + Ww - 1, c1 - x + Ww - 1, area,
+            m * N + t, int64_t(-1));                                     // bq[m, t]
+          f(y - r1 + Wh, y - r0 + Wh, x - c1 + Ww, x - c0 + Ww, area, int64_t(-1),
+            t * M + m);                                                  // bk[t, m]
+        }
+    }
+  }
+}
+
+template <typename T>
+void bias_means_phase(const T* table, T* bq, T* bk, int64_t H, int64_t Wh, int64_t Ww,
+                      int64_t ph, int64_t pw) {
+  PhaseTimer timer(kBiasMeans);
+  const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
+  const int64_t W2 = 2 * Ww;  // row stride of ii
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<double> ii(2 * Wh * W2);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* tab = table + h * NT;
+      T* q = bq + h * M * N;
+      T* k = bk + h * N * M;
+      std::fill(ii.begin(), ii.begin() + W2, 0.0);
+      for (int64_t a = 0; a < 2 * Wh - 1; ++a) {
+        double run = 0;  // ii[a + 1, b + 1] = ii[a, b + 1] + sum of t2[a, <= b]
+        ii[(a + 1) * W2] = 0;
+        for (int64_t b = 0; b < 2 * Ww - 1; ++b) {
+          run += static_cast<double>(tab[a * (2 * Ww - 1) + b]);
+          ii[(a + 1) * W2 + b + 1] = ii[a * W2 + b + 1] + run;
+        }
+      }
+      for_each_grid_mean(Wh, Ww, ph, pw, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                                             double area, int64_t sq, int64_t sk) {
+        const double box = ii[a1 * W2 + b1] - ii[a0 * W2 + b1] - ii[a1 * W2 + b0] +
+                           ii[a0 * W2 + b0];
+        (sq >= 0 ? q[sq] : k[sk]) = static_cast<T>(box / area);
+      });
+      for (int64_t m = 0; m < M; ++m) {
+        q[m * N] = tab[NT - 2];
+        k[m] = tab[NT - 3];
+      }
+    }
+  });
+}
+
+// The adjoint: dtable [H, T] from the gradients gq [H, M, N], gk [H, N, M] of bq, bk.
+template <typename T>
+void bias_means_backward_phase(const T* gq, const T* gk, T* dtable, int64_t H, int64_t Wh,
+                               int64_t Ww, int64_t ph, int64_t pw) {
+  PhaseTimer timer(kBwdBiasMeans);
+  const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
+  const int64_t W2 = 2 * Ww, Ws = 2 * Ww + 1;  // row strides of dii and of its suffix sums
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<double> dii(2 * Wh * W2), suf((2 * Wh + 1) * Ws);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* q = gq + h * M * N;
+      const T* k = gk + h * N * M;
+      T* dt = dtable + h * NT;
+      std::fill(dii.begin(), dii.end(), 0.0);
+      for_each_grid_mean(Wh, Ww, ph, pw, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                                             double area, int64_t sq, int64_t sk) {
+        const double g = static_cast<double>(sq >= 0 ? q[sq] : k[sk]) / area;
+        dii[a1 * W2 + b1] += g;
+        dii[a0 * W2 + b1] -= g;
+        dii[a1 * W2 + b0] -= g;
+        dii[a0 * W2 + b0] += g;
+      });
+      // t2[a, b] enters ii[a', b'] for every a' > a, b' > b: dt2[a, b] = suf[a + 1, b + 1]
+      // with suf[a, b] = sum of dii[>= a, >= b].
+      std::fill(suf.begin(), suf.end(), 0.0);
+      for (int64_t a = 2 * Wh - 1; a >= 0; --a)
+        for (int64_t b = 2 * Ww - 1; b >= 0; --b)
+          suf[a * Ws + b] = dii[a * W2 + b] + suf[(a + 1) * Ws + b] + suf[a * Ws + b + 1] -
+                            suf[(a + 1) * Ws + b + 1];
+      for (int64_t a = 0; a < 2 * Wh - 1; ++a)
+        for (int64_t b = 0; b < 2 * Ww - 1; ++b)
+          dt[a * (2 * Ww - 1) + b] = static_cast<T>(suf[(a + 1) * Ws + b + 1]);
+      double cls_key = 0, cls_query = 0;  // the cls entries: summed over the landmarks
+      for (int64_t m = 0; m < M; ++m) {
+        cls_key += static_cast<double>(q[m * N]);
+        cls_query += static_cast<double>(k[m]);
+      }
+      dt[NT - 3] = static_cast<T>(cls_query);
+      dt[NT - 2] = static_cast<T>(cls_key);
+      dt[NT - 1] = 0;
+    }
+  });
+}
+
 // ---- Entry points: checks (every index read from a tensor is range-checked before it
 // addresses memory), allocation, dispatch on float32 / float64.
 void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
@@ -1142,6 +1256,70 @@ std::vector<torch::Tensor> mita_backward(
   return grads;
 }
 
+void check_means_geometry(const char* name, int64_t window_h, int64_t window_w, int64_t ph,
+                          int64_t pw) {
+  TORCH_CHECK(window_h >= 1 && window_w >= 1, name, ": the bias window must be positive, got ",
+              window_h, "x", window_w);
+  TORCH_CHECK(ph >= 1 && pw >= 1 && ph <= window_h && pw <= window_w, name, ": pool ", ph, "x",
+              pw, " must be within the grid ", window_h, "x", window_w);
+}
+
+// table [H, T] (float32 or float64; T = (2 Wh - 1)(2 Ww - 1) + 3) -> bias_q [H, M, N],
+// bias_k [H, N, M] in its dtype (see bias_means_phase).
+std::vector<torch::Tensor> landmark_bias(torch::Tensor table, int64_t window_h,
+                                         int64_t window_w, int64_t ph, int64_t pw) {
+  const char* name = "landmark_bias";
+  check_means_geometry(name, window_h, window_w, ph, pw);
+  const int64_t NT = (2 * window_h - 1) * (2 * window_w - 1) + 3, M = ph * pw;
+  const int64_t N = 1 + window_h * window_w;
+  TORCH_CHECK(table.device().is_cpu() && (table.scalar_type() == at::kFloat ||
+                                          table.scalar_type() == at::kDouble),
+              name, ": the table must be a float32 or float64 CPU tensor, got ",
+              table.scalar_type(), " on ", table.device());
+  TORCH_CHECK(table.dim() == 2 && table.size(0) >= 1 && table.size(1) == NT, name,
+              ": the table must be [H, ", NT, "] for a ", window_h, "x", window_w,
+              " window, got ", table.sizes());
+  table = table.contiguous();
+  const int64_t H = table.size(0);
+  auto bq = torch::empty({H, M, N}, table.options()), bk = torch::empty({H, N, M},
+                                                                         table.options());
+  AT_DISPATCH_FLOATING_TYPES(table.scalar_type(), "landmark_bias", [&] {
+    bias_means_phase<scalar_t>(table.data_ptr<scalar_t>(), bq.data_ptr<scalar_t>(),
+                               bk.data_ptr<scalar_t>(), H, window_h, window_w, ph, pw);
+  });
+  return {bq, bk};
+}
+
+// Gradient of landmark_bias: grad_q [H, M, N], grad_k [H, N, M] -> dtable [H, T] in the
+// dtype of grad_q (grad_k is converted to it).
+torch::Tensor landmark_bias_backward(torch::Tensor grad_q, torch::Tensor grad_k,
+                                     int64_t window_h, int64_t window_w, int64_t ph,
+                                     int64_t pw) {
+  const char* name = "landmark_bias_backward";
+  check_means_geometry(name, window_h, window_w, ph, pw);
+  const int64_t NT = (2 * window_h - 1) * (2 * window_w - 1) + 3, M = ph * pw;
+  const int64_t N = 1 + window_h * window_w;
+  TORCH_CHECK(grad_q.device().is_cpu() && (grad_q.scalar_type() == at::kFloat ||
+                                           grad_q.scalar_type() == at::kDouble),
+              name, ": grad_q must be a float32 or float64 CPU tensor, got ",
+              grad_q.scalar_type(), " on ", grad_q.device());
+  TORCH_CHECK(grad_q.dim() == 3 && grad_q.size(0) >= 1, name, ": grad_q must be [H, ", M,
+              ", ", N, "], got ", grad_q.sizes());
+  const int64_t H = grad_q.size(0);
+  grad_q = float_tensor(name, "grad_q", grad_q, {H, M, N}, grad_q);
+  TORCH_CHECK(grad_k.device().is_cpu() && grad_k.is_floating_point(), name,
+              ": grad_k must be a floating point CPU tensor");
+  grad_k = float_tensor(name, "grad_k", grad_k, {H, N, M}, grad_q);
+  auto dtable = torch::empty({H, NT}, grad_q.options());
+  AT_DISPATCH_FLOATING_TYPES(grad_q.scalar_type(), "landmark_bias_backward", [&] {
+    bias_means_backward_phase<scalar_t>(grad_q.data_ptr<scalar_t>(),
+                                        grad_k.data_ptr<scalar_t>(),
+                                        dtable.data_ptr<scalar_t>(), H, window_h, window_w, ph,
+                                        pw);
+  });
+  return dtable;
+}
+
 // Phase profile: profile(true) zeroes the counters and starts counting, profile(false)
 // stops; both return {phase: seconds summed since the last reset}.
 std::vector<std::pair<std::string, double>> profile(bool enable) {
@@ -1174,6 +1352,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("R"), py::arg("probs"), py::arg("ls"), py::arg("vr"), py::arg("out"),
         py::arg("lse"), py::arg("dout"), py::arg("table") = py::none(),
         py::arg("window_h") = 0, py::arg("window_w") = 0);
+  m.def("landmark_bias", &landmark_bias,
+        "The landmarks' mean biases (mita_seg.ops.bias.landmark_bias) from the table [H, T]: "
+        "(bias_q [H, M, N], bias_k [H, N, M])",
+        py::arg("table"), py::arg("window_h"), py::arg("window_w"), py::arg("ph"),
+        py::arg("pw"));
+  m.def("landmark_bias_backward", &landmark_bias_backward,
+        "Gradient of landmark_bias: (grad_q, grad_k) -> dtable [H, T]", py::arg("grad_q"),
+        py::arg("grad_k"), py::arg("window_h"), py::arg("window_w"), py::arg("ph"),
+        py::arg("pw"));
   m.def("profile", &profile, "Per-phase wall time of the kernels: profile(enable)");
   m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
         "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
