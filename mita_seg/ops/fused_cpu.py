@@ -147,13 +147,21 @@ class LandmarkBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, table, window, pool_size):
         ctx.args = (*window, *pool_size)
+        ctx.set_materialize_grads(False)  # route-only MiTA gives these means no gradient
         bias_q, bias_k = _landmark_bias(table, *window, *pool_size)
         return bias_q, bias_k
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_q, grad_k):
-        return _landmark_bias_bwd(grad_q.contiguous(), grad_k.contiguous(), *ctx.args), None, None
+        if grad_q is None and grad_k is None:
+            return None, None, None
+        Wh, Ww, ph, pw = ctx.args
+        like = grad_q if grad_q is not None else grad_k
+        H, M, N = like.shape[0], ph * pw, 1 + Wh * Ww
+        grad_q = like.new_zeros(H, M, N) if grad_q is None else grad_q.contiguous()
+        grad_k = like.new_zeros(H, N, M) if grad_k is None else grad_k.contiguous()
+        return _landmark_bias_bwd(grad_q, grad_k, *ctx.args), None, None
 
 
 def profile(enable: bool) -> Dict[str, float]:

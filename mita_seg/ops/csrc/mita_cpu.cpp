@@ -26,6 +26,13 @@
 //   C. per bh: scatter-add the per-expert dK, dV into key rows; sum dQ over choices.
 //   D-F. the routing part, through R, S, P, V_R (see scores_backward_phase).
 //
+// Relative position bias (BEiT; optional, see Bias): the landmark means bq, bk (computed by
+// landmark_bias from the table, phase fwd.bias_means) are added to S in phase 2 and to Ls in
+// phase 3; phase 5 (and B, which recomputes the routed logits) adds each routed logit's
+// table entry. The backward returns d(bq) (= dS summed over the batch), d(bk) (= dLs) and
+// the table's routed part (scattered in phase C); landmark_bias_backward (bwd.bias_means)
+// takes d(bq), d(bk) to the table.
+//
 // Built for the baseline ISA (no -march=native, no -ffast-math): the GEMMs are MKL's (which
 // dispatch on the CPU themselves) and the exponentials take an AVX2 path chosen at run time.
 #include <torch/extension.h>
