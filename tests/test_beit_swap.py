@@ -6,7 +6,7 @@ The model-zoo cases build mmseg's configs with seeded random weights, saved as m
 checkpoints (``meta`` + ``state_dict``). The fast ones keep the architecture (ViT-B, 12
 layers, 12 heads, q/v bias, layer scale, UperNet) at a 128x160 crop (an 8x10 patch grid,
 non-square, N = 81) with a narrower UperNet (the head has no attention); the ``slow`` ones
-run the configs' own crops (BEiT 640x640, N = 1601; MAE 512x512, N = 1025; about 5 min) and
+run the configs' own crops (BEiT 640x640, N = 1601; MAE 512x512, N = 1025; about 2 min) and
 ``tools/get_flops.py``. About 1.5 min on 2 cores without the slow ones.
 """
 import copy
@@ -173,7 +173,7 @@ def test_mita_config_loads_zoo_checkpoint(zoo):
 @pytest.mark.parametrize('name, mode', [('beit-b', 'whole'), ('mae-b', 'slide')])
 def test_route_only_full_topk_equals_beit_at_the_configs_crop(name, mode, tmp_path):
     # the configs' own crops: BEiT-B 640x640 (N = 1601) whole, MAE-B 512x512 (N = 1025)
-    # slide over a 512x576 image (2 crops); about 5 min on 2 busy cores
+    # slide over a 512x576 image (2 crops); about 2 min on 2 busy cores
     cfg = model_cfg(ZOO[name], crop=None)
     crop = tuple(cfg.test_cfg.crop_size)
     torch.manual_seed(0)
