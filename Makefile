@@ -1,9 +1,10 @@
-# The two commands of the README: `make demo` (the main job) and `make test`; and
-# `make swap-study`, the swap at the paper's token count (docs/swap_study.md).
+# The two commands of the README: `make demo` (the main job) and `make test`. `make test`
+# skips the long end-to-end runs (marked `slow`); `make test-slow` runs them; CI runs both.
+# `make swap-study`: the swap at the paper's token count (docs/swap_study.md).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test swap-study
+.PHONY: setup demo test test-slow swap-study
 
 setup:
 	@bash scripts/setup_env.sh
@@ -12,8 +13,12 @@ demo: setup
 	$(PY) tools/train_demo.py
 
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not slow"
 
-# About 35 minutes on 2 cores: trains, sweeps and fine-tunes each model (tools/swap_study.py).
+test-slow: setup
+	$(PY) -m pytest tests -m slow
+
+# About 45 minutes on 2 shared cores: trains, sweeps and fine-tunes each model
+# (tools/swap_study.py; --reuse keeps the models already computed in the work dir).
 swap-study: setup
 	$(PY) tools/swap_study.py --work-dir work_dirs/swap_study --fig-dir docs/swap_study --threads 1

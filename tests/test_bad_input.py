@@ -5,7 +5,9 @@ says what to change, and nothing runs with random weights.
 - a file that is no checkpoint (random bytes, text, truncated): "not a readable checkpoint";
 - a bad ``--mita-cfg`` (unknown key, non-integer, ``pool_size`` < 1, ``topk`` < 1): exit 2 at
   argument parsing, naming the key and what it accepts, nothing written;
-- ``--swap-attn`` on a model with nothing to swap (Swin): exit 1 listing its attention.
+- ``--swap-attn`` on a model with nothing to swap (Swin): exit 1 listing its attention;
+- a BEiT evaluated at a patch grid its bias tables were not built for: exit 1 saying to
+  evaluate at the training crop (``mode='slide'``) or to interpolate the table.
 
 The tools run as subprocesses, two at a time.
 """
@@ -183,3 +185,32 @@ def test_every_tool_says_nothing_to_swap(tools, tmp_path):
             assert 'error: swap_attention found no global attention' in out, name
             assert 'backbone.stages.0.blocks.0.attn (ShiftWindowMSA: windowed attention' \
                    in out, f'{name}\n{out[-3000:]}'
+
+
+@pytest.mark.slow
+def test_beit_at_another_grid_says_how_to_evaluate(tiny_data, tools, tmp_path):
+    # a BEiT of 256x256 crops (a 32x32 grid) evaluated whole on images resized to 320x320:
+    # a 40x40 grid its bias tables do not fit
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    from mita_seg.apis import load_config
+    config = osp.join(tools.root, 'configs', 'baselines',
+                      'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    ckpt = tmp_path / 'beit.pth'
+    torch.save({'meta': {}, 'state_dict': MODELS.build(load_config(config).model).state_dict()},
+               ckpt)
+    options = ['--cfg-options', *tools.data_options(tiny_data), 'model.test_cfg.mode=whole',
+               'test_dataloader.dataset.pipeline.1.scale=(1280,320)']
+    results = run_all(tools, {   # as configured (mmseg's BEiT) and swapped to MiTA
+        swap: ['tools/test.py', config, ckpt, '--work-dir', tmp_path / swap, *options,
+               *(['--swap-attn', 'mita'] if swap == 'mita' else [])]
+        for swap in ('none', 'mita')})
+    for code, out in results.values():
+        assert code == 1 and 'Traceback' not in out, out[-3000:]
+        assert ('error: this BEiT/MAE backbone (its relative position bias tables) was built '
+                'for a 32x32 patch grid') in out, out[-3000:]
+        assert 'this input has a 40x40 grid' in out
+        assert "test_cfg=dict(mode='slide', crop_size=<img_size>" in out

@@ -23,7 +23,7 @@ CASES = {
     '32x32-pool7': (1, 2, 32, 32, 8, (7, 7), 49),
 }
 # Backends that take a bias on CPU.
-BIAS_BACKENDS = ['blocked', 'varlen']
+BIAS_BACKENDS = ['fused_cpu', 'blocked', 'varlen']
 
 
 def _inputs(case, dtype=torch.float32, seed=0):
@@ -147,12 +147,12 @@ def test_bias_that_does_not_fit_the_grid_is_refused():
         check_bias(ok, H, h * w, (h, w), 0)
 
 
-def test_dispatch_with_bias_picks_a_backend_that_takes_it():
+def test_dispatch_with_bias_picks_the_fused_kernel_on_cpu():
     case = CASES['5x7-pool2x3']
     (q, k, v, table), _ = _inputs(case)
     B, H, h, w, d, pool, topk = case
     inp = Inputs(q, k, v, (h, w), pool, topk, bias=RelPosBias(table, (h, w)))
     name = select_backend(inp)
-    assert name in BIAS_BACKENDS
+    assert name == 'fused_cpu'  # the first of the CPU order: it takes the bias
     for backend in BIAS_BACKENDS:
         assert BACKENDS[backend].unsupported(inp) == []

@@ -1,4 +1,5 @@
-"""Every config in configs/ inherits from mmseg, builds, and runs a forward pass."""
+"""Every config in configs/ inherits from mmseg, builds, and runs a forward pass (BEiT-B at
+640x640 and MAE-B at 512x512 are ``slow``: tests/test_beit_swap.py runs them smaller)."""
 import glob
 import os.path as osp
 
@@ -8,12 +9,15 @@ from mmengine.config import Config
 from mmengine.registry import init_default_scope
 from mmseg.registry import MODELS
 
-from mita_seg.models import MiTAAttention
+from mita_seg.models import MiTASettingsMixin
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = sorted(glob.glob(osp.join(ROOT, 'configs', '*.py')))
 TINY = [c for c in CONFIGS if 'tiny-ade20k' in c]
 REAL = [c for c in CONFIGS if c not in TINY]
+# BEiT / MAE backbones run only at the grid of their bias tables: the config's img_size
+BEIT_FAMILY = [c for c in CONFIGS if 'beit' in osp.basename(c) or 'mae' in osp.basename(c)]
+HEAVY = [c for c in BEIT_FAMILY if c in REAL]   # ViT-B at 640x640 / 512x512 with UperNet
 
 
 def cfg_id(path):
@@ -28,7 +32,7 @@ def build(cfg):
 
 
 def num_mita(module):
-    return sum(isinstance(m, MiTAAttention) for m in module.modules())
+    return sum(isinstance(m, MiTASettingsMixin) for m in module.modules())
 
 
 def test_configs_exist():
@@ -48,7 +52,9 @@ def test_config_inherits_from_mmseg(path):
     assert cfg.custom_imports['imports'] == ['mita_seg.models', 'mita_seg.engine']
     # crash-safe saves and strict weights-only loads with mmseg's own tools too
     assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook'
-    assert cfg.model.backbone.type == 'MiTAVisionTransformer'
+    assert cfg.model.backbone.type == (
+        'MiTAVisionTransformer' if path not in BEIT_FAMILY else
+        'MiTAMAE' if 'mae' in osp.basename(path) else 'MiTABEiT')
     if path in REAL:  # published defaults and the real dataset, unchanged
         assert cfg.model.backbone.mita_cfg == dict(pool_size=7, topk=49)
         assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
@@ -58,8 +64,11 @@ def test_config_inherits_from_mmseg(path):
         assert cfg.model.decode_head.mita_cfg == dict(pool_size=7, topk=49)
 
 
-@pytest.mark.parametrize('path', CONFIGS, ids=cfg_id)
+@pytest.mark.parametrize(
+    'path', [pytest.param(c, marks=pytest.mark.slow) if c in HEAVY else c for c in CONFIGS],
+    ids=cfg_id)
 def test_config_forward_512(path):
+    # 512x512, or a BEiT/MAE backbone's img_size
     cfg = Config.fromfile(path)
     model = build(cfg)
     layers = len(model.backbone.layers)
@@ -67,9 +76,10 @@ def test_config_forward_512(path):
     assert num_mita(model) == layers + heads
     # UperNet predicts at 1/4 of the input, Segmenter's mask head at the 1/16 patch grid
     stride = 16 if 'segmenter' in path else 4
+    size = cfg.model.backbone.img_size[0] if path in BEIT_FAMILY else 512
     with torch.no_grad():
-        out = model(torch.randn(1, 3, 512, 512), mode='tensor')
-    assert out.shape == (1, 150, 512 // stride, 512 // stride)
+        out = model(torch.randn(1, 3, size, size), mode='tensor')
+    assert out.shape == (1, 150, size // stride, size // stride)
     assert torch.isfinite(out).all()
 
 
@@ -89,8 +99,8 @@ def test_non_square_whole_inference():
     assert seg_logits.shape == (1, 150, 512, 683)
 
 
-def test_baseline_config_is_standard_attention_and_swappable():
-    # configs/baselines/: a standard-attention model for the swap tools (docs/swap.md)
+def test_baseline_configs_are_standard_attention_and_swappable():
+    # configs/baselines/: standard-attention models for the swap tools (docs/swap.md)
     path = osp.join(ROOT, 'configs', 'baselines',
                     'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
     model = build(Config.fromfile(path))
@@ -102,3 +112,15 @@ def test_baseline_config_is_standard_attention_and_swappable():
         assert swap_attention(model, pool_size=4, topk=16, verbose=False) == 4 + 2
         out = model(x, mode='tensor')
     assert base.shape == out.shape == (1, 150, 16, 20) and torch.isfinite(out).all()
+
+    # the tiny BEiT UperNet: 256x256 crops, a 32x32 grid of patch 8 plus cls (N = 1025)
+    path = osp.join(ROOT, 'configs', 'baselines', 'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
+    model = build(Config.fromfile(path))
+    assert num_mita(model) == 0
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        base = model(x, mode='tensor')
+        assert swap_attention(model, verbose=False) == 4
+        out = model(x, mode='tensor')
+    assert model.backbone._mita_grid.hw_shape == (32, 32)
+    assert base.shape == out.shape == (1, 150, 64, 64) and torch.isfinite(out).all()

@@ -1,11 +1,14 @@
 """The C++ kernel of the fused CPU backend on its own: its routing against
-:func:`mita_seg.ops.mita_routing`, the checks of its entry points (bad shapes, dtypes and
-indices give a clear error, never a crash), infinities and NaNs without -ffast-math, and
+:func:`mita_seg.ops.mita_routing` (with and without a relative position bias), the checks of
+its entry points (bad shapes, dtypes, indices and bias operands give a clear error, never a
+crash), its custom ops' fake implementations, infinities and NaNs without -ffast-math, and
 results independent of the thread count. A few seconds on 2 cores."""
 import pytest
 import torch
 
-from mita_seg.ops import mita_attention, mita_attention_reference, mita_routing
+from mita_seg.ops import (RelPosBias, mita_attention, mita_attention_reference,
+                          mita_routing)
+from mita_seg.ops.bias import landmark_bias, table_size
 from mita_seg.ops.fused_cpu import _C, profile
 
 pytestmark = pytest.mark.skipif(_C is None, reason='the C++ extension mita_seg._C is not built')
@@ -217,13 +220,17 @@ def test_same_bits_with_one_and_two_threads():
 
 def test_profile_counts_every_phase():
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1 + 64, 16))
+    bias = _bias(2, 8, 8)
+    bias.table.requires_grad_()
     profile(True)
     try:
-        out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu')
-        out.sum().backward()
+        for b in (None, bias):  # the bias means run only with a bias
+            out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu', rel_pos_bias=b)
+            out.sum().backward()
     finally:
         phases = profile(False)
-    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores'}
+    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores',
+                           'fwd.bias_means', 'bwd.bias_means'}
     assert all(t > 0 for t in phases.values()), phases
 
 
@@ -234,3 +241,199 @@ def test_torch_mm_fallback_gives_the_same_results():
                        lambda: _C._set_torch_mm_only(False))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---- BEiT's relative position bias (tokens [cls, grid]): the kernel's routing with the
+# landmark means, the routed logits' table entries, and its checks.
+BIAS_CASES = {  # (B, H, h, w, d, pool, topk, router_topk)
+    'vit-7x11': (2, 3, 7, 11, 16, (3, 3), 10, 1),
+    'vit-7x11-r2': (2, 3, 7, 11, 16, (3, 3), 10, 2),
+    '1x9-pool1x2': (1, 2, 1, 9, 4, (1, 2), 3, 1),
+    'segmenter-1025': (1, 2, 32, 32, 64, (7, 7), 49, 1),
+}
+
+
+def _bias(H, h, w, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return RelPosBias(torch.randn(H, table_size((h, w)), generator=g), (h, w))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16],
+                         ids=['fp32', 'bf16', 'fp16'])
+@pytest.mark.parametrize('case', list(BIAS_CASES.values()), ids=list(BIAS_CASES))
+def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype):
+    """With a bias: scores + Bq and shared logits + Bk as mita_routing's (the very same keys
+    and experts; for bf16/fp16 inputs, routing in float32 on the rounded values), and the
+    output of the dense reference with the dense bias."""
+    B, H, h, w, d, pool, topk, r = case
+    N, M, BH = 1 + h * w, pool[0] * pool[1], B * H
+    q, k, v = _qkv(B, H, N, d, dtype=dtype)
+    bias = _bias(H, h, w)
+    Bq, Bk = landmark_bias(bias, pool)
+    flat = (t.reshape(BH, N, d) for t in (q, k, v))
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, out32 = _C.mita_forward(
+        *flat, h, w, *pool, 1, topk, r, True, 1.0 / d, True, Bq, Bk, bias.table, h, w)
+    out32 = out if dtype == torch.float32 else out32
+    rt = mita_routing(q, k, (h, w), pool, topk, r, 1, landmark_bias=(Bq, Bk))
+    torch.testing.assert_close(ls, rt.router.reshape(BH, N, M), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, torch.softmax(rt.scores, -1).reshape(BH, M, N),
+                               atol=1e-6, rtol=1e-5)
+    assert torch.equal(keys.sort(-1).values, rt.expert_keys.reshape(BH, M, topk).sort(-1).values)
+    assert torch.equal(choice.sort(-1).values, rt.choice.reshape(BH, N, r).sort(-1).values)
+    without = _forward(q, k, v, h, w, 1, pool, topk, r)
+    assert not torch.equal(keys, without[2]), 'the bias does not move the routing'
+    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, 1,
+                                   bias=bias)
+    torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
+
+
+def _bias_call(case='vit-7x11'):
+    """Good arguments of _C.mita_forward with a bias, by name, and its outputs."""
+    B, H, h, w, d, pool, topk, r = BIAS_CASES[case]
+    N = 1 + h * w
+    q, k, v = (t.reshape(B * H, N, d) for t in _qkv(B, H, N, d))
+    bias = _bias(H, h, w)
+    Bq, Bk = landmark_bias(bias, pool)
+    fwd = dict(q=q, k=k, v=v, h=h, w=w, ph=pool[0], pw=pool[1], prefix=1, topk=topk,
+               router_topk=r, shared=True, shared_scale=1.0 / d, save_probs=True, bias_q=Bq,
+               bias_k=Bk, table=bias.table, window_h=h, window_w=w)
+    return fwd, _C.mita_forward(**fwd)
+
+
+def test_kernel_rejects_bad_bias_inputs():
+    """Bias operands that do not fit the call: a clear error naming the tensor, never a read
+    outside the table."""
+    a, res = _bias_call()
+    H, T = a['table'].shape
+    M, N = a['bias_q'].shape[1:]
+
+    def fwd(match, **kw):
+        with pytest.raises(RuntimeError, match=match):
+            _C.mita_forward(**{**a, **kw})
+    fwd(rf'bias table must have shape \[{H}, {T}\]', table=torch.zeros(H, T + 1))
+    fwd(r'\[H, T\] with H dividing BH = 6', table=torch.zeros(4, T))
+    fwd(r'\[H, T\] with H dividing BH', table=torch.zeros(H * T))
+    fwd(r'floating point CPU tensor, got Long', table=a['table'].long())
+    fwd(rf'bias_q must have shape \[{H}, {M}, {N}\]', bias_q=a['bias_q'][:, :, 1:])
+    fwd(rf'bias_k must have shape \[{H}, {N}, {M}\]', bias_k=a['bias_q'])
+    fwd(r'needs the table and the landmark means', bias_k=None)
+    fwd(r'needs the table', table=None)
+    fwd(r'bias tensors given without a window', window_h=0, window_w=0)
+    fwd(r'window must be positive', window_h=-1)
+    # the table indexes [cls, Wh x Ww grid] tokens: any other layout is refused
+    fwd(r'needs tokens \[cls, 11x7 grid\].*grid 7x11', window_h=11, window_w=7)
+    fwd(r'needs tokens \[cls, 7x11 grid\].*got prefix 0', prefix=0)
+    # the backward: the table and window as the forward took them
+    out, lse, keys, choice, offsets, order, R, probs, ls, vr, _ = res
+    bwd = dict(q=a['q'], k=a['k'], v=a['v'], h=a['h'], w=a['w'], ph=a['ph'], pw=a['pw'],
+               prefix=1, shared=True, shared_scale=a['shared_scale'], keys=keys,
+               choice=choice, offsets=offsets, order=order, R=R, probs=probs, ls=ls, vr=vr,
+               out=out, lse=lse, dout=torch.ones_like(out), table=a['table'], window_h=a['h'],
+               window_w=a['w'])
+    grads = _C.mita_backward(**bwd)
+    assert [tuple(g.shape) for g in grads[3:]] == [(H, M, N), (H, N, M), (H, T)]
+    with pytest.raises(RuntimeError, match=rf'bias table must have shape \[{H}, {T}\]'):
+        _C.mita_backward(**{**bwd, 'table': a['table'][:, 1:]})
+    with pytest.raises(RuntimeError, match='needs tokens'):
+        _C.mita_backward(**{**bwd, 'window_h': a['w'], 'window_w': a['h']})
+    with pytest.raises(RuntimeError, match='without a window'):
+        _C.mita_backward(**{**bwd, 'window_h': 0, 'window_w': 0})
+
+
+@pytest.mark.parametrize('shared', [True, False], ids=['shared', 'route-only'])
+@pytest.mark.parametrize('with_bias', [True, False], ids=['bias', 'no-bias'])
+def test_fake_implementations_match_the_kernel(with_bias, shared):
+    """The fake implementations of the custom ops give the real outputs' shapes and dtypes
+    (what torch.compile and other tracers see), bias gradients included."""
+    from mita_seg.ops import fused_cpu
+    a, _ = _bias_call()
+    a = {**a, 'shared': shared}
+    if not with_bias:
+        a = {**a, 'bias_q': None, 'bias_k': None, 'table': None, 'window_h': 0, 'window_w': 0}
+    fwd_args = list(a.values())
+    torch.library.opcheck(fused_cpu._fused_fwd, fwd_args, test_utils=('test_schema',
+                                                                      'test_faketensor'))
+    out, lse, *routing, out_float = fused_cpu._fused_fwd(*fwd_args)
+    bwd_args = [a['q'], a['k'], a['v'], a['h'], a['w'], a['ph'], a['pw'], 1, shared,
+                a['shared_scale'], routing + [out, lse], torch.ones_like(out), a['table'],
+                a['window_h'], a['window_w']]
+    torch.library.opcheck(fused_cpu._fused_bwd, bwd_args, test_utils=('test_schema',
+                                                                      'test_faketensor'))
+
+
+def test_same_bits_with_one_and_two_threads_with_bias():
+    """With a bias too (the table's gradient is a scatter-add): the result does not depend on
+    how the tasks fall on threads."""
+    threads = torch.get_num_threads()
+    B, H, h, w, d = 2, 3, 20, 21, 16
+    q, k, v = (t.requires_grad_() for t in _qkv(B, H, 1 + h * w, d, seed=4))
+    table = _bias(H, h, w).table.requires_grad_()
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    res = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = mita_attention(q, k, v, (h, w), (4, 5), 30, router_topk=2,
+                                 backend='fused_cpu', rel_pos_bias=RelPosBias(table, (h, w)))
+            res.append([out] + list(torch.autograd.grad(out, (q, k, v, table), g)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
+# (H, Wh, Ww, pool): square, non-square, pools that do not divide the grid (overlapping
+# regions), a 1-row grid, the paper's 32x32 / 7x7.
+MEANS_CASES = {'5x7-pool2x3': (3, 5, 7, (2, 3)), '8x8-pool3': (2, 8, 8, (3, 3)),
+               '4x6-pool4x3': (1, 4, 6, (4, 3)), '1x9-pool1x2': (2, 1, 9, (1, 2)),
+               '32x32-pool7': (2, 32, 32, (7, 7))}
+
+
+@pytest.mark.parametrize('case', list(MEANS_CASES.values()), ids=list(MEANS_CASES))
+def test_kernel_landmark_means_are_bias_landmark_bias(case):
+    """The C++ landmark means (what fused_cpu feeds its kernel) and their gradient are
+    mita_seg.ops.bias.landmark_bias's, in float64 and float32."""
+    from mita_seg.ops.fused_cpu import LandmarkBias
+    H, Wh, Ww, pool = case
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(H, table_size((Wh, Ww)), generator=g, dtype=torch.float64)
+    M, N = pool[0] * pool[1], 1 + Wh * Ww
+    grads = (torch.randn(H, M, N, generator=g, dtype=torch.float64),
+             torch.randn(H, N, M, generator=g, dtype=torch.float64))
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        t = table.to(dtype).requires_grad_()
+        ref = landmark_bias(RelPosBias(t, (Wh, Ww)), pool)
+        got = LandmarkBias.apply(t, (Wh, Ww), pool)
+        for a, b in zip(got, ref):
+            assert a.dtype == dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=tol, rtol=0)
+        gr = tuple(x.to(dtype) for x in grads)
+        d_got, = torch.autograd.grad(got, t, gr)
+        d_ref, = torch.autograd.grad(ref, t, gr)
+        torch.testing.assert_close(d_got, d_ref, atol=tol * 100, rtol=tol)
+    t = table.clone().requires_grad_()
+    if N <= 40:  # gradcheck: one column of the Jacobian per table entry
+        assert torch.autograd.gradcheck(lambda x: LandmarkBias.apply(x, (Wh, Ww), pool), (t, ))
+
+
+def test_kernel_landmark_means_reject_bad_inputs():
+    from mita_seg.ops import fused_cpu
+    table = torch.zeros(2, table_size((5, 7)))
+    with pytest.raises(RuntimeError, match=r'table must be \[H, 120\] for a 5x7 window'):
+        _C.landmark_bias(table[:, 1:], 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match='float32 or float64 CPU tensor, got Long'):
+        _C.landmark_bias(table.long(), 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match='pool 6x3 must be within the grid 5x7'):
+        _C.landmark_bias(table, 5, 7, 6, 3)
+    with pytest.raises(RuntimeError, match='window must be positive'):
+        _C.landmark_bias(table, 0, 7, 1, 1)
+    gq, gk = _C.landmark_bias(table, 5, 7, 2, 3)
+    assert _C.landmark_bias_backward(gq, gk, 5, 7, 2, 3).shape == table.shape
+    with pytest.raises(RuntimeError, match=r'grad_k must have shape \[2, 36, 6\]'):
+        _C.landmark_bias_backward(gq, gq, 5, 7, 2, 3)
+    with pytest.raises(RuntimeError, match=r'grad_q must have shape \[2, 4, 36\]'):
+        _C.landmark_bias_backward(gq, gk, 5, 7, 2, 2)
+    torch.library.opcheck(fused_cpu._landmark_bias, (table, 5, 7, 2, 3),
+                          test_utils=('test_schema', 'test_faketensor'))
+    torch.library.opcheck(fused_cpu._landmark_bias_bwd, (gq, gk, 5, 7, 2, 3),
+                          test_utils=('test_schema', 'test_faketensor'))

@@ -2,6 +2,7 @@
 seeded random weights and saved as model-zoo checkpoints (``meta`` + ``state_dict``).
 
 Inputs are 128x160 (an 8x10 patch grid, non-square) to stay fast; about 40 s on 2 cores.
+BEiT and MAE (relative position bias): tests/test_beit_swap.py.
 """
 import copy
 import warnings
@@ -13,11 +14,12 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.hub import get_config
 from mmengine.runner import load_checkpoint
 from mmseg.models.backbones import BEiT, VisionTransformer
+from mmseg.models.backbones.mit import EfficientMultiheadAttention
 from mmseg.registry import MODELS
 from mmseg.utils import register_all_modules
 
 from mita_seg import swap_attention
-from mita_seg.models import MiTAAttention
+from mita_seg.models import MiTAAttention, MiTABEiTAttention
 
 register_all_modules()
 
@@ -170,12 +172,13 @@ def test_swin_raises_naming_what_it_found():
 def test_mixed_model_reports_unswappable_by_name(log_records):
     model = nn.ModuleDict(dict(
         vit=VisionTransformer(img_size=(32, 32), embed_dims=32, num_layers=2, num_heads=2),
-        beit=BEiT(img_size=(32, 32), embed_dims=32, num_layers=1, num_heads=2)))
+        beit=BEiT(img_size=(32, 32), embed_dims=32, num_layers=1, num_heads=2),
+        segformer=EfficientMultiheadAttention(32, 2, sr_ratio=2)))
     with log_records() as records:
-        assert swap_attention(model, pool_size=2, topk=4) == 2
+        assert swap_attention(model, pool_size=2, topk=4) == 3
     assert isinstance(model['vit'].layers[1].attn, MiTAAttention)
+    assert isinstance(model['beit'].layers[0].attn, MiTABEiTAttention)   # tests/test_beit_swap
     log = '\n'.join(records.messages)
-    assert 'left beit.layers.0.attn alone: BEiTAttention' in log
-    assert 'relative-position bias' in log
+    assert 'left segformer alone: EfficientMultiheadAttention: spatial-reduction' in log
     out = model['vit'](torch.randn(2, 3, 32, 48))
     assert out[0].shape == (2, 32, 2, 3) and torch.isfinite(out[0]).all()

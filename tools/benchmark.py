@@ -9,6 +9,13 @@ default, for forward and forward+backward, float32 and bfloat16 (and float16 on 
 Prints median times, the speed-up of MiTA over each alternative measured in the same run,
 the multiply-add ratio beside it, and peak memory.
 
+With ``--bias`` the operator level measures BEiT's relative position bias instead
+(:class:`mita_seg.ops.RelPosBias`, a random table for the ``s x s`` grid): each MiTA backend
+that takes it on the device (``fused_cpu`` and ``varlen`` on CPU) and SDPA with the dense
+``[H, N, N]`` bias gathered from the table through a precomputed ``[N, N]`` index as mmseg's
+``BEiTAttention`` does, each with and without the bias; the bias's cost is part of each
+call (MiTA's landmark means, SDPA's gather), and in fwd+bwd the table gets a gradient too.
+
 Model level (``--level model``): images per second and peak memory of mmseg segmenters
 (``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
 mode (slide) or whole-image at a given size.
@@ -25,6 +32,7 @@ Examples::
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
+    python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
 import argparse
@@ -44,8 +52,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.benchmark import Timer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mita_seg.ops import (Inputs, attention_flops, mita_attention, mita_flops,  # noqa: E402
-                          select_backend)
+from mita_seg.ops import (Inputs, RelPosBias, attention_flops, mita_attention,  # noqa: E402
+                          mita_flops, select_backend)
+from mita_seg.ops.bias import bias_index, table_size  # noqa: E402
 
 # name -> (config, test size or None for the config's own test mode)
 MODELS = {
@@ -211,6 +220,69 @@ def op_level(args):
                 del q, k, v, grad
 
 
+def op_bias_level(args):
+    """Operator level with BEiT's relative position bias: the bias's overhead on each
+    implementation, and MiTA against SDPA with the dense bias, all measured in one run."""
+    H, d = args.heads, args.head_dim
+    dev = torch.device(args.device)
+    backends = ['fused_cpu', 'varlen'] if dev.type == 'cpu' else ['varlen']
+    print(f'# operator with relative position bias: B=1, H={H}, d={d}, MiTA pool '
+          f'{args.pool_size}x{args.pool_size} (M={args.pool_size ** 2}), k={args.topk}; torch '
+          f'{torch.__version__}, {dev.type} ({describe(dev)}); SDPA+B = SDPA with the dense '
+          '[H, N, N] bias gathered from the table in each call through a precomputed index '
+          '(as mmseg\'s BEiTAttention)')
+    print('# ms = median time; +B = with the bias; overhead = time(+B) / time(without), '
+          'vs SDPA+B = time(SDPA+B) / time(MiTA backend +B), all in this run')
+    cols = ['SDPA', 'SDPA+B'] + [n + s for n in backends for s in ('', '+B')]
+    header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | " + ' '.join(f'{c:>12}' for c in cols) +
+              ' | ' + ' '.join(f"{'ovh ' + c:>14}" for c in ['SDPA'] + backends) + ' | ' +
+              ' '.join(f"{'SDPA+B/' + n:>16}" for n in backends))
+    print(header)
+    print('-' * len(header))
+    for N in args.tokens:
+        side = int(round((N - 1) ** 0.5))
+        if side * side + 1 != N:
+            raise SystemExit(f'--tokens must be 1 + s*s (a cls token and an s x s grid), got {N}')
+        for dtype in args.dtypes:
+            dt = getattr(torch, dtype)
+            for pass_ in args.passes:
+                train = pass_ == 'fwd+bwd'
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dev, dt).requires_grad_(
+                    train) for _ in range(3))
+                grad = torch.randn(1, H, N, d, generator=g).to(dev, dt)
+                # float32 as the model's parameter (BEiT's tables train from zero to ~+-1)
+                table = torch.randn(H, table_size((side, side)), generator=g).to(
+                    dev).requires_grad_(train)
+                bias = RelPosBias(table, (side, side))
+                t = torch.arange(N, device=dev)
+                index = bias_index((side, side), t.view(-1, 1), t.view(1, -1))  # mmseg's buffer
+                fns = {
+                    'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
+                    'SDPA+B': lambda: F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=table[:, index].to(dt)),
+                }
+                for n in backends:
+                    fns[n] = lambda n=n: mita_attention(q, k, v, (side, side), args.pool_size,
+                                                        args.topk, backend=n)
+                    fns[n + '+B'] = lambda n=n: mita_attention(
+                        q, k, v, (side, side), args.pool_size, args.topk, backend=n,
+                        rel_pos_bias=bias)
+                times = {}
+                for name, f in fns.items():
+                    run = timed_call(f, pass_, (q, k, v) + ((table, ) if '+B' in name else ()),
+                                     grad)
+                    run()  # warm-up
+                    times[name] = median_time(run, args.min_run_time)
+                ovh = [times[c + '+B'] / times[c] for c in ['SDPA'] + backends]
+                vs = [times['SDPA+B'] / times[n + '+B'] for n in backends]
+                print(f'{N:>6} {dtype:>8} {pass_:>7} | ' +
+                      ' '.join(f'{times[c] * 1e3:12.2f}' for c in cols) + ' | ' +
+                      ' '.join(f'{r:13.2f}x' for r in ovh) + ' | ' +
+                      ' '.join(f'{r:15.2f}x' for r in vs), flush=True)
+                del q, k, v, grad, table, bias, index
+
+
 def model_level(args):
     from mmengine.hub import get_config
     from mmengine.registry import init_default_scope
@@ -280,6 +352,9 @@ def parse_args():
                                                    'upernet-vit-b'], choices=list(MODELS))
     p.add_argument('--threads', type=int, default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
+    p.add_argument('--bias', action='store_true',
+                   help='operator level: with BEiT\'s relative position bias (each MiTA '
+                   'backend that takes it and SDPA with the dense bias, with and without it)')
     p.add_argument('--profile', action='store_true',
                    help='operator level, fused CPU backend: print the time of each phase of '
                    'the kernel under each row')
@@ -304,7 +379,7 @@ def main():
         torch.set_num_threads(args.threads)
     t0 = time.time()
     if args.level in ('op', 'all'):
-        op_level(args)
+        op_bias_level(args) if args.bias else op_level(args)
     if args.level in ('model', 'all'):
         model_level(args)
     print(f'# done in {time.time() - t0:.0f} s')

@@ -25,11 +25,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 
-from mita_seg.analysis.flop_handles import CONVENTION  # noqa: E402
+from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
 from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
 from mita_seg.apis import (add_mita_args, config_name, load_config, run_tool,  # noqa: E402
                            swap_settings)
-from mita_seg.models import MITA_KEYS, MiTAAttention  # noqa: E402
+from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -153,6 +153,10 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
     lines = [f'FLOPs of {c.name}: input {H}x{W} (one crop, mode=\'tensor\', '
              'auxiliary head removed)',
              f'Convention: {CONVENTION}. GFLOPs = 1e9 MACs.']
+    if c.baseline.by_operator.get(REL_POS_BIAS):
+        lines.append('Relative position bias (BEiT/MAE), in attention: one add = one FLOP; '
+                     'N^2 per head for the dense bias, mita_seg.ops.bias_flops_per_head in '
+                     'MiTA.')
     if c.mita is not None:
         lines.append(f'MiTA: {c.num_swapped} attention modules swapped, {settings}')
     if c.note:
@@ -192,7 +196,7 @@ def mita_settings(counter: SegmentorFlops) -> str:
     """The MiTA settings of the swapped model, as ``key=value`` pairs."""
     if counter.mita is None:
         return ''
-    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTAAttention))
+    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin))
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
 
 

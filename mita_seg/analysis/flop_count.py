@@ -3,7 +3,9 @@
 *Attention* in the breakdown (:class:`FlopBreakdown`) means the token-mixing core only:
 ``QK^T`` and ``AV`` (``bmm/baddbmm/matmul/einsum`` executed inside an attention module,
 :func:`mita_seg.utils.is_attention_module`), SDPA, the attention part of the fused MHA
-kernels and MiTA; the q/k/v and output projections are not attention. Element-wise ops
+kernels, BEiT/MAE's relative-position bias add (one add = one FLOP,
+:func:`~mita_seg.analysis.flop_handles.rel_pos_bias_add_handle`) and MiTA (its bias
+included); the q/k/v and output projections are not attention. Element-wise ops
 (softmax, add, GELU, scaling) are not counted, as in mmengine.
 """
 import contextlib
@@ -15,18 +17,20 @@ import torch.nn as nn
 from mmengine.analysis import FlopAnalyzer
 
 from mita_seg.utils.modules import is_attention_module
-from .flop_handles import flop_analyzer, meta_tracing
+from .flop_handles import REL_POS_BIAS, flop_analyzer, meta_tracing
 
 __all__ = ['FlopBreakdown', 'count_flops']
 
 # Op-count keys of the token-mixing core, counted as attention wherever they run.
-ATTENTION_KEYS = ('scaled_dot_product_attention', 'native_mha_attention', 'mita_attention')
+ATTENTION_KEYS = ('scaled_dot_product_attention', 'native_mha_attention', 'mita_attention',
+                  REL_POS_BIAS)
 # Matrix products that are attention when executed inside an attention module.
 MATMUL_KEYS = ('bmm', 'baddbmm', 'matmul', 'einsum')
-# mmengine's counts of ops that are not multiply-accumulates of a matrix product.
+# Counts of ops that are not multiply-accumulates of a matrix product: mmengine's estimates,
+# and BEiT's bias adds (MiTA's bias adds stay inside its 'mita_attention' count).
 NON_MAC_KEYS = ('batch_norm', 'group_norm', 'layer_norm', 'instance_norm',
                 'upsample_nearest2d', 'upsample_bilinear2d', 'adaptive_avg_pool2d',
-                'grid_sampler')
+                'grid_sampler', REL_POS_BIAS)
 
 
 def _attention_roots(model: nn.Module) -> List[str]:
@@ -54,8 +58,9 @@ class FlopBreakdown:
         backbone_attention, head_attention (int): the attention core inside the backbone
             and the decode head.
         macs (int): matrix-product and convolution MACs only (``total`` minus the
-            norm/upsample/pool estimates mmengine adds), comparable with
-            ``FlopCounterMode`` (which reports ``2 * macs``).
+            norm/upsample/pool estimates mmengine adds and BEiT's bias adds), comparable
+            with ``FlopCounterMode`` (which reports ``2 * macs``; for MiTA with a bias,
+            ``macs`` still holds its bias adds, :func:`mita_seg.ops.bias_flops_per_head`).
         params (int): parameters of the model.
         by_operator (dict): FLOPs by op name.
         not_counted (dict): traced ops counted as zero FLOPs (element-wise ops), with

@@ -15,7 +15,11 @@ traced op                                     MACs
 ``aten::_native_multi_head_attention``        projections ``(2 L + 2 S) E^2`` and attention
                                               ``2 L S E``, per batch item
 ``aten::baddbmm``                             ``b n m p``, as ``bmm``
-``mita_seg::mita_attention``                  :func:`mita_seg.ops.mita_flops`
+``mita_seg::mita_attention``                  :func:`mita_seg.ops.mita_flops`, with the
+                                              bias cost when it has a relative-position
+                                              bias (``with_bias=True``)
+``aten::add`` of BEiT/MAE's bias              ``B H N^2`` (``attn + bias`` in mmseg's
+                                              ``BEiTAttention``; every other add stays 0)
 ``topk, sort, argsort, gather, scatter, ...`` 0 (memory traffic, no MACs)
 ============================================  ==============================================
 
@@ -34,6 +38,15 @@ per head, i.e. ``(4M + 2k) N C`` with the shared expert and ``(2M + 2k) N C`` wi
 of its tiles, ``L = T * ceil((N r + M (T - 1)) / T)``; a ``meta`` trace is counted for the
 backend a CPU run would pick.
 
+**Relative-position bias** (BEiT/MAE): adding a bias is not a multiply-accumulate, but it is
+what separates BEiT's attention from a ViT's, so it is counted, on one convention for both
+sides: **one add = one FLOP**. mmseg's ``BEiTAttention`` adds the dense bias to the logits,
+``N^2`` adds per head and batch item (:func:`rel_pos_bias_add_handle`, key
+``rel_pos_bias``); MiTA adds ``(2M + k) N`` per head (the landmark scores ``M N``, the
+shared logits ``N M``, the routed logits ``N k``) plus the box sums that form the landmark
+means (:func:`mita_seg.ops.bias_flops_per_head`; :func:`mita_seg.ops.mita_flops` with
+``with_bias=True``). Gathering the bias from the table is memory traffic (0), like top-k.
+
 Tracing notes (torch 2.13): MiTA's ``torch.library.custom_op`` appears in the jit trace as
 one node of kind ``mita_seg::mita_attention`` (not ``prim::PythonOp``, which is what an
 ``autograd.Function`` would give), its scalar arguments as ``prim::Constant`` inputs.
@@ -50,7 +63,13 @@ import torch.nn as nn
 from mmengine.analysis import FlopAnalyzer
 from mmengine.analysis.jit_handles import get_shape
 
-__all__ = ['CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'flop_analyzer', 'meta_tracing']
+__all__ = [
+    'CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'REL_POS_BIAS', 'flop_analyzer',
+    'meta_tracing', 'rel_pos_bias_add_handle'
+]
+
+# Op-count key of the relative-position bias add of unswapped BEiT/MAE attention.
+REL_POS_BIAS = 'rel_pos_bias'
 
 CONVENTION = ('one multiply-accumulate (MAC) = one FLOP (mmengine/fvcore convention; '
               'FlopCounterMode and "2 FLOPs per MAC" papers report twice these numbers)')
@@ -122,27 +141,66 @@ def _constant(value: torch._C.Value, name: str):
 
 
 def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
-    """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...)``:
-    :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read from the trace."""
-    from mita_seg.ops import Inputs, mita_flops, select_backend
+    """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...,
+    bias_table, ...)``: :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read
+    from the trace, and ``with_bias`` when a bias table is passed."""
+    from mita_seg.ops import Inputs, RelPosBias, mita_flops, select_backend
     args = dict(zip(_mita_arg_names(), inputs))
     B, H, N, d = _shape(args['q'], 'the MiTA query')
     c = {n: _constant(args[n], n) for n in ('h', 'w', 'ph', 'pw', 'topk', 'router_topk',
                                              'num_prefix_tokens', 'with_shared_expert',
                                              'shared_scale', 'block_size', 'backend')}
+    bias = args.get('bias_table')       # a traced tensor, or a None constant / left out
+    with_bias = bias is not None and not isinstance(bias.type(), torch._C.NoneType)
     device = args['q'].type().device()
     if device is not None and device.type == 'meta':
         # A meta trace stands for a CPU run: count the backend a CPU run would pick.
         q = torch.empty(1, 1, 1, d).expand(B, H, N, d)
+        rel_pos_bias = None
+        if with_bias:   # a backend that cannot take the bias is not picked on CPU either
+            table = torch.empty(_shape(bias, 'the bias table'))
+            rel_pos_bias = RelPosBias(table, (_constant(args['window_h'], 'window_h'),
+                                              _constant(args['window_w'], 'window_w')))
         c['backend'] = select_backend(Inputs(
             q, q, q, (c['h'], c['w']), (c['ph'], c['pw']), c['topk'], c['router_topk'],
-            c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale']))
+            c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale'],
+            rel_pos_bias))
     return Counter({
         'mita_attention':
         mita_flops(B, H, N, d, num_experts=c['ph'] * c['pw'], topk=c['topk'],
                    router_topk=c['router_topk'], with_shared_expert=c['with_shared_expert'],
-                   block_size=c['block_size'], backend=c['backend'])
+                   block_size=c['block_size'], backend=c['backend'], with_bias=with_bias)
     })
+
+
+def rel_pos_bias_modules(model: nn.Module) -> List[str]:
+    """Names of the modules of ``model`` that add a dense relative-position bias to their
+    attention logits: mmseg's ``BEiTAttention`` / ``MAEAttention`` with a bias table, not
+    on MiTA (whose bias cost is the MiTA op's)."""
+    from mmseg.models.backbones.beit import BEiTAttention
+
+    from mita_seg.models.attention import MiTASettingsMixin
+    return [name for name, m in model.named_modules()
+            if isinstance(m, BEiTAttention) and not isinstance(m, MiTASettingsMixin)
+            and getattr(m, 'relative_position_bias_table', None) is not None]
+
+
+def rel_pos_bias_add_handle(module_names: Sequence[str]):
+    """An ``aten::add`` handle that counts the relative-position bias add of the modules
+    named ``module_names`` (:func:`rel_pos_bias_modules`): ``attn + bias`` executed directly
+    in one of them, one add = one FLOP, i.e. ``B H N^2`` for logits ``[B, H, N, N]``. Every
+    other add (residuals, embeddings) stays uncounted, as in mmengine."""
+    names = set(module_names)
+
+    def handle(inputs: List[Any], outputs: List[Any]) -> Counter:
+        scope = outputs[0].node().scopeName().split('/')[-1]
+        if scope.startswith('__module.'):
+            scope = scope[len('__module.'):]
+        if scope not in names:
+            return Counter()
+        return Counter({REL_POS_BIAS: prod(_shape(outputs[0], 'the biased attention logits'))})
+
+    return handle
 
 
 EXTRA_FLOP_HANDLES = {
@@ -184,7 +242,8 @@ def meta_tracing():
 
 def flop_analyzer(model: nn.Module, inputs: Union[torch.Tensor, Tuple]) -> FlopAnalyzer:
     """mmengine's ``FlopAnalyzer`` with the handles of :data:`EXTRA_FLOP_HANDLES`, zero for
-    :data:`ZERO_FLOP_OPS`, and its warnings off (unsupported ops are listed by
+    :data:`ZERO_FLOP_OPS`, the bias add of unswapped BEiT/MAE attention if ``model`` has any
+    (:func:`rel_pos_bias_add_handle`), and its warnings off (unsupported ops are listed by
     :func:`count_flops` instead).
 
     Args:
@@ -197,6 +256,9 @@ def flop_analyzer(model: nn.Module, inputs: Union[torch.Tensor, Tuple]) -> FlopA
     analyzer = FlopAnalyzer(model, inputs)
     analyzer.set_op_handle(**EXTRA_FLOP_HANDLES)
     analyzer.set_op_handle(**{op: None for op in ZERO_FLOP_OPS})
+    biased = rel_pos_bias_modules(model)
+    if biased:
+        analyzer.set_op_handle('aten::add', rel_pos_bias_add_handle(biased))
     analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     analyzer.tracer_warnings('none')
     return analyzer

@@ -182,7 +182,8 @@ class SegmentorFlops:
         self.preprocessor = copy.deepcopy(self.baseline.data_preprocessor)
         self.test_cfg = getattr(self.baseline, 'test_cfg', None)
         self.note = ''
-        if any(type(m).__name__ == 'MiTAAttention' for m in self.baseline.modules()):
+        from mita_seg.models import MiTASettingsMixin
+        if any(isinstance(m, MiTASettingsMixin) for m in self.baseline.modules()):
             self.note = 'note: the config already uses MiTA; "baseline" is the model as configured'
         self.baseline.to(device)
         self.mita, self.num_swapped = None, 0

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from mita_seg.ops import mita_routing
+from mita_seg.ops.bias import landmark_bias
 from mita_seg.ops.routing import pair
 
 
@@ -33,7 +34,8 @@ def selection_from_qk(q: torch.Tensor,
                       pool_size,
                       topk: int,
                       router_topk: int = 1,
-                      num_prefix_tokens: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+                      num_prefix_tokens: int = 1,
+                      rel_pos_bias=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Keys selected by MiTA's routed experts, from ``q, k`` (``[B, H, N, d]``).
 
     Args:
@@ -43,6 +45,8 @@ def selection_from_qk(q: torch.Tensor,
         topk (int): keys per expert (clamped to N).
         router_topk (int): experts per query. Default: 1.
         num_prefix_tokens (int): tokens before the grid. Default: 1.
+        rel_pos_bias (RelPosBias, optional): BEiT's relative position bias, which steers
+            the landmark scores (:func:`mita_seg.ops.bias.landmark_bias`). Default: None.
 
     Returns:
         tuple[Tensor, Tensor]: ``selected`` and ``used``, bool ``[B, H, N]``: the key is in
@@ -50,8 +54,10 @@ def selection_from_qk(q: torch.Tensor,
         some query is routed to (``used``: the keys the routed softmax reads).
     """
     B, H, N, _ = q.shape
-    rt = mita_routing(q, k, tuple(hw_shape), pair(pool_size, 'pool_size'), min(topk, N),
-                      router_topk, num_prefix_tokens)
+    pool_size = pair(pool_size, 'pool_size')
+    biases = None if rel_pos_bias is None else landmark_bias(rel_pos_bias, pool_size)
+    rt = mita_routing(q, k, tuple(hw_shape), pool_size, min(topk, N), router_topk,
+                      num_prefix_tokens, landmark_bias=biases)
     keys = rt.expert_keys.flatten(2)                                   # [B, H, M*k]
     M = rt.expert_keys.shape[2]
     routed = torch.zeros(B, H, M, dtype=torch.bool, device=q.device)
@@ -113,8 +119,9 @@ class TokenSelectionRecorder:
     """Context manager recording :class:`LayerSelection` for every MiTA layer call.
 
     Args:
-        model (nn.Module): a model with :class:`~mita_seg.models.MiTAAttention` modules
-            (build it with MiTA, or call :func:`mita_seg.swap_attention` first).
+        model (nn.Module): a model with MiTA attention modules (``MiTAAttention``,
+            ``MiTABEiTAttention``; build it with MiTA, or call
+            :func:`mita_seg.swap_attention` first).
         layers (Sequence[str], optional): module names to record; None for all.
 
     Raises:
@@ -122,11 +129,11 @@ class TokenSelectionRecorder:
     """
 
     def __init__(self, model: nn.Module, layers: Optional[Sequence[str]] = None):
-        from mita_seg.models import MiTAAttention
+        from mita_seg.models import MiTASettingsMixin
         self.modules = {n: m for n, m in model.named_modules()
-                        if isinstance(m, MiTAAttention) and (layers is None or n in layers)}
+                        if isinstance(m, MiTASettingsMixin) and (layers is None or n in layers)}
         if not self.modules:
-            raise ValueError(f'{type(model).__name__} has no MiTAAttention modules'
+            raise ValueError(f'{type(model).__name__} has no MiTA attention modules'
                              + (f' named {list(layers)}' if layers is not None else '')
                              + ': swap its attention first (mita_seg.swap_attention)')
         self.records: List[LayerSelection] = []
@@ -171,16 +178,21 @@ class TokenSelectionRecorder:
 @torch.no_grad()
 def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
                      kwargs: dict) -> LayerSelection:
-    """Recompute the routing of ``module`` (a MiTAAttention) on its input ``query``, as
-    :meth:`MiTAAttention.forward` does."""
-    if kwargs.get('query_pos') is not None:
-        query = query + kwargs['query_pos']
-    if not module.batch_first:
-        query = query.transpose(0, 1)
-    N = query.shape[1]
-    q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
-    (ph, pw), topk, router_topk = module.effective_settings(N, (h, w))
-    selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, router_topk, p)
+    """Recompute the routing of ``module`` (a MiTA attention module) on its input
+    ``query``, as its ``forward`` does."""
+    from mita_seg.models import MiTABEiTAttention
+    bias = None
+    if isinstance(module, MiTABEiTAttention):
+        q, k, _, (h, w), p = module.project(query)
+        bias = module.rel_pos_bias()
+    else:
+        if kwargs.get('query_pos') is not None:
+            query = query + kwargs['query_pos']
+        if not module.batch_first:
+            query = query.transpose(0, 1)
+        q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
+    (ph, pw), topk, router_topk = module.effective_settings(q.shape[2], (h, w))
+    selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, router_topk, p, bias)
     return LayerSelection(name, (h, w), p, ph * pw, topk, selected.cpu(), used.cpu())
 
 

@@ -1,7 +1,8 @@
 """A MiTA config + checkpoint pair from a standard-attention one (``tools/export_swapped.py``).
 
 The written config is the original one (all bases merged) with the ``VisionTransformer``
-backbone switched to ``MiTAVisionTransformer`` (``mita_cfg``, ``mita_layers``) and Segmenter's
+backbone switched to ``MiTAVisionTransformer`` (``mita_cfg``, ``mita_layers``), a ``BEiT`` or
+``MAE`` backbone to ``MiTABEiT`` / ``MiTAMAE``, and Segmenter's
 ``SegmenterMaskTransformerHead`` to ``MiTASegmenterMaskTransformerHead``, ``mita_seg.models``
 and ``mita_seg.engine`` in ``custom_imports``, the crash-safe checkpoint hook, pretrained
 initialisation removed and ``load_from`` pointing at the written checkpoint. MiTA adds no
@@ -22,7 +23,13 @@ from mita_seg.utils import load_local_checkpoint
 from .config import config_name, load_config
 from .model import init_model
 
-VIT_TYPES = ('VisionTransformer', 'mmseg.VisionTransformer', 'MiTAVisionTransformer')
+# backbone type -> its MiTA version
+MITA_BACKBONES = {
+    **{t: 'MiTAVisionTransformer' for t in ('VisionTransformer', 'mmseg.VisionTransformer',
+                                           'MiTAVisionTransformer')},
+    **{t: 'MiTABEiT' for t in ('BEiT', 'mmseg.BEiT', 'MiTABEiT')},
+    **{t: 'MiTAMAE' for t in ('MAE', 'mmseg.MAE', 'MiTAMAE')},
+}
 HEAD_TYPES = ('SegmenterMaskTransformerHead', 'mmseg.SegmenterMaskTransformerHead',
               'MiTASegmenterMaskTransformerHead')
 
@@ -35,17 +42,18 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
         mita_cfg (dict): ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``).
 
     Raises:
-        NothingToSwapError: the backbone is not mmseg's ``VisionTransformer`` family.
+        NothingToSwapError: the backbone is not mmseg's ``VisionTransformer`` family,
+            ``BEiT`` or ``MAE``.
     """
     cfg = copy.deepcopy(cfg)
     settings = {k: v for k, v in mita_cfg.items() if k in MITA_KEYS}
     backbone = cfg.model.backbone
-    if backbone.type not in VIT_TYPES:
+    if backbone.type not in MITA_BACKBONES:
         raise NothingToSwapError(
             f'export_swapped needs a VisionTransformer backbone (ViT, DeiT, Segmenter, SETR, '
-            f'DPT configs); this config has {backbone.type!r}, whose attention MiTA cannot '
-            'replace')
-    backbone.type = 'MiTAVisionTransformer'
+            f'DPT configs) or a BEiT/MAE one; this config has {backbone.type!r}, whose '
+            'attention MiTA cannot replace')
+    backbone.type = MITA_BACKBONES[backbone.type]
     backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
     layers = mita_cfg.get('layers')
     backbone.mita_layers = list(layers) if layers is not None else None

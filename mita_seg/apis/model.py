@@ -6,7 +6,7 @@ import torch.nn as nn
 from mmengine.config import Config
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 
-from mita_seg.models import swap_attention
+from mita_seg.models import guard_grids, swap_attention
 from mita_seg.utils.checkpoint import load_checkpoint
 from .config import load_config
 
@@ -70,6 +70,7 @@ def init_model(config: Union[str, Config],
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
+    guard_grids(model)           # a BEiT/MAE at another grid: an error that says what to do
     if mita_cfg is not None:
         swap_model(model, mita_cfg)
     ckpt = load_checkpoint(model, checkpoint) if checkpoint is not None else None

@@ -9,6 +9,7 @@ from mmengine.config import Config
 from mmengine.runner import Runner
 
 from mita_seg.engine import use_amp, use_safe_checkpoint
+from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
 
 # Multi-line info records longer than this go to the log file only (config dump,
@@ -65,8 +66,13 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
 
 
 def build_runner(cfg: Config, verbose: bool = False) -> Runner:
-    """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default."""
+    """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default. A
+    BEiT/MAE backbone's grid is checked on every forward
+    (:func:`~mita_seg.models.guard_grids`)."""
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
-        return RUNNERS.build(cfg)
-    return (Runner if verbose else QuietRunner).from_cfg(cfg)
+        runner = RUNNERS.build(cfg)
+    else:
+        runner = (Runner if verbose else QuietRunner).from_cfg(cfg)
+    guard_grids(runner.model)
+    return runner

@@ -10,23 +10,28 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
 
-from mita_seg.models import MiTAAttention
+from mmseg.models.backbones.beit import BEiTAttention
+
+from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin
 from mita_seg.ops import attention_flops, mita_flops
 from .model import swap_model
 
 FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attention layers '
-             '(2 N^2 C standard, mita_seg.ops.mita_flops for MiTA), counted on the calls the '
+             '(2 N^2 C standard, mita_seg.ops.mita_flops for MiTA; BEiT/MAE: plus the '
+             'relative position bias adds, one add = one FLOP), counted on the calls the '
              'model makes; model_GFLOPs: whole model per image (mita_seg.analysis, jit trace '
              'with attention handles, times the test-mode crops); 1 MAC = 1 FLOP')
 
 
 class AttentionMacCounter:
-    """Counts, while active, the analytic MACs of every global attention call
-    (mmcv ``MultiheadAttention`` and :class:`MiTAAttention`) in ``model``."""
+    """Counts, while active, the analytic MACs of every global attention call (mmcv
+    ``MultiheadAttention``, :class:`MiTAAttention`, BEiT/MAE attention and
+    :class:`MiTABEiTAttention`, their bias adds included) in ``model``."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
-                        if type(m) in (MultiheadAttention, MiTAAttention)]
+                        if type(m) in (MultiheadAttention, MiTAAttention)
+                        or isinstance(m, BEiTAttention)]
         self.macs = 0
         self._handles = []
 
@@ -40,18 +45,23 @@ class AttentionMacCounter:
             h.remove()
 
     def _count(self, module, args, kwargs):
-        query = args[0] if args else kwargs['query']
-        N = query.shape[1] if module.batch_first else query.shape[0]
-        B = query.shape[0] if module.batch_first else query.shape[1]
+        query = args[0] if args else kwargs.get('query', kwargs.get('x'))
+        batch_first = getattr(module, 'batch_first', True)   # BEiT: always [B, N, C]
+        N = query.shape[1] if batch_first else query.shape[0]
+        B = query.shape[0] if batch_first else query.shape[1]
         H = module.num_heads
         d = module.embed_dims // H
-        if isinstance(module, MiTAAttention):
-            grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
+        with_bias = getattr(module, 'relative_position_bias_table', None) is not None
+        if isinstance(module, MiTASettingsMixin):
+            if isinstance(module, MiTABEiTAttention):
+                grid = module.grid_shape(N)
+            else:
+                grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
             (ph, pw), topk, router_topk = module.effective_settings(N, grid)
             self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
-                                    module.with_shared_expert)
+                                    module.with_shared_expert, with_bias=with_bias)
         else:
-            self.macs += attention_flops(B, H, N, d)
+            self.macs += attention_flops(B, H, N, d, with_bias=with_bias)
 
 
 def attention_gmacs(model: nn.Module, batches: Sequence[dict]) -> float:
@@ -111,7 +121,7 @@ def swap_sweep(runner: Runner,
     t0 = time.time()
     for i, setting in enumerate(settings):
         if setting is None:
-            configured = any(isinstance(m, MiTAAttention) for m in model.modules())
+            configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
         else:
             pool, topk = setting

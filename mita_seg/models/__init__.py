@@ -2,20 +2,25 @@
 mmengine load local checkpoints weights-only with mmengine's few safe globals allowed
 (:func:`mita_seg.utils.checkpoint.register_safe_globals`).
 
-Imports within: ``grid`` <- ``attention`` <- ``backbones``, ``heads`` <- ``swap``
+Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
+<- ``swap``
 (the high-level swap depends on the modules, never the reverse).
 """
 from mita_seg.utils.checkpoint import register_safe_globals
-from .attention import MITA_DEFAULTS, MITA_KEYS, MiTAAttention, check_settings, use_mita
-from .backbones import MiTAVisionTransformer
-from .grid import GridContext
+from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingsMixin,
+                        check_settings, use_mita)
+from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
+from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
+from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .swap import SWAP_RULES, NothingToSwapError, swap_attention
 
 register_safe_globals()
 
 __all__ = [
-    'MiTAAttention', 'MiTAVisionTransformer', 'MiTASegmenterMaskTransformerHead',
+    'MiTAAttention', 'MiTABEiTAttention', 'MiTAMAEAttention', 'MiTASettingsMixin',
+    'MiTAVisionTransformer', 'MiTABEiT', 'MiTAMAE', 'MiTASegmenterMaskTransformerHead',
+    'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError'
 ]

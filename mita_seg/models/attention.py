@@ -73,8 +73,51 @@ def check_settings(settings: Dict[str, Any],
     return settings
 
 
+class MiTASettingsMixin:
+    """The MiTA settings of an attention module (:data:`MITA_KEYS`): changing them
+    (:meth:`configure`, checked by :func:`check_settings`), what a forward over a given grid
+    runs with (:meth:`effective_settings`), and their repr. Shared by every MiTA attention
+    module (:class:`MiTAAttention`, the BEiT/MAE ones); their defaults are
+    :data:`MITA_DEFAULTS`, i.e. those of :class:`MiTAAttention`'s signature."""
+
+    def configure(self, **settings) -> None:
+        """Change MiTA settings (any of :data:`MITA_KEYS`), e.g. M and k at test time.
+
+        Raises:
+            ValueError: an unknown setting or a bad value (:func:`check_settings`).
+        """
+        check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
+        self.__dict__.update(settings)
+
+    def effective_settings(self, num_tokens: int,
+                           hw_shape: Tuple[int, int]) -> Tuple[Tuple[int, int], int, int]:
+        """The ``(pool_size, topk, router_topk)`` a forward over ``num_tokens`` tokens on
+        a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
+        (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
+        (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
+        once per setting."""
+        (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
+        pool = (min(ph, h), min(pw, w))
+        topk = min(self.topk, num_tokens)
+        router_topk = min(self.router_topk, pool[0] * pool[1])
+        if (pool, router_topk) != ((ph, pw), self.router_topk) or topk < self.topk:
+            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk < self.topk)
+            if key not in _ADAPTED:
+                _ADAPTED.add(key)
+                print_log(
+                    f'{type(self).__name__}: a {h}x{w} grid of N={num_tokens} tokens is smaller '
+                    f'than pool_size={(ph, pw)}, topk={self.topk}, router_topk={self.router_topk}'
+                    f': running pool_size={pool}, topk={topk}, router_topk={router_topk} '
+                    '(logged once)', logger='current')
+        return pool, topk, router_topk
+
+    def extra_repr(self) -> str:
+        return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
+                f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
+
+
 @MODELS.register_module()
-class MiTAAttention(MultiheadAttention):
+class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
     """Mixture-of-Top-k Attention, a drop-in replacement for mmcv's ``MultiheadAttention``.
 
     It keeps mmcv's parameters (``attn.in_proj_weight`` ``[3C, C]``, ``attn.in_proj_bias``,
@@ -160,41 +203,6 @@ class MiTAAttention(MultiheadAttention):
         new.train(attn.training)
         return new
 
-    def configure(self, **settings) -> None:
-        """Change MiTA settings (any of :data:`MITA_KEYS`), e.g. M and k at test time.
-
-        Raises:
-            ValueError: an unknown setting or a bad value (:func:`check_settings`).
-        """
-        check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
-        self.__dict__.update(settings)
-
-    def effective_settings(self, num_tokens: int,
-                           hw_shape: Tuple[int, int]) -> Tuple[Tuple[int, int], int, int]:
-        """The ``(pool_size, topk, router_topk)`` a forward over ``num_tokens`` tokens on
-        a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
-        (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
-        (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
-        once per setting."""
-        (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
-        pool = (min(ph, h), min(pw, w))
-        topk = min(self.topk, num_tokens)
-        router_topk = min(self.router_topk, pool[0] * pool[1])
-        if (pool, router_topk) != ((ph, pw), self.router_topk) or topk < self.topk:
-            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk < self.topk)
-            if key not in _ADAPTED:
-                _ADAPTED.add(key)
-                print_log(
-                    f'MiTAAttention: a {h}x{w} grid of N={num_tokens} tokens is smaller than '
-                    f'pool_size={(ph, pw)}, topk={self.topk}, router_topk={self.router_topk}'
-                    f': running pool_size={pool}, topk={topk}, router_topk={router_topk} '
-                    '(logged once)', logger='current')
-        return pool, topk, router_topk
-
-    def extra_repr(self) -> str:
-        return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
-                f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
-
     def token_layout(self, num_tokens: int, hw_shape: Optional[Tuple[int, int]] = None
                      ) -> Tuple[Tuple[int, int], int]:
         """The grid ``(h, w)`` and number of prefix tokens of a forward over ``num_tokens``
@@ -273,7 +281,7 @@ class MiTAAttention(MultiheadAttention):
         return identity + self.dropout_layer(self.proj_drop(x))
 
 
-# (settings, effective settings) already logged by MiTAAttention.effective_settings
+# (settings, effective settings) already logged by MiTASettingsMixin.effective_settings
 _ADAPTED: set = set()
 
 # The defaults of the MiTA settings: those of MiTAAttention's signature.
@@ -298,16 +306,34 @@ def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
     return sorted({i % num_layers for i in ids})
 
 
+# attention class -> the function that puts one of its modules on MiTA, keeping its
+# parameters (MiTAAttention.from_mmcv here; the BEiT/MAE conversions are registered by
+# their module, which depends on this one)
+_TO_MITA: Dict[type, Callable[..., nn.Module]] = {MultiheadAttention: MiTAAttention.from_mmcv}
+
+
+def register_mita_conversion(cls: type, convert: Callable[..., nn.Module]) -> None:
+    """Make :func:`use_mita` put attention modules of exactly ``cls`` on MiTA with
+    ``convert(module, **settings)``, which returns the MiTA module (a
+    :class:`MiTASettingsMixin`) holding the very parameters of ``module``."""
+    _TO_MITA[cls] = convert
+
+
+def can_use_mita(attn: nn.Module) -> bool:
+    """Whether :func:`use_mita` can put ``attn`` on MiTA (or reconfigure it)."""
+    return isinstance(attn, MiTASettingsMixin) or type(attn) in _TO_MITA
+
+
 def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
     """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) on MiTA, in place.
 
-    ``owner`` is a token owner (a ViT backbone or a Segmenter mask head) whose layers call
-    ``self.attn(x, identity=x)``. An mmcv ``MultiheadAttention`` becomes a
-    :class:`MiTAAttention` that takes over its very parameters (keys and weights
-    unchanged), with the MiTA defaults for settings not given; a :class:`MiTAAttention` is
-    reconfigured with the settings given (the others keep their values). Either way the
-    module gets the owner's grid (:func:`~mita_seg.models.grid.grid_context`). Other
-    attention modules are left alone.
+    ``owner`` is a token owner (a ViT or BEiT/MAE backbone, or a Segmenter mask head). An
+    mmcv ``MultiheadAttention`` becomes a :class:`MiTAAttention` that takes over its very
+    parameters (keys and weights unchanged), a BEiT/MAE attention its MiTA version
+    (:mod:`mita_seg.models.beit_attention`), each with the MiTA defaults for settings not
+    given; a MiTA module is reconfigured with the settings given (the others keep their
+    values). Either way the module gets the owner's grid
+    (:func:`~mita_seg.models.grid.grid_context`). Other attention modules are left alone.
 
     Args:
         owner (nn.Module): the module with ``layers``.
@@ -322,10 +348,10 @@ def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
     done = 0
     for i in layer_ids:
         layer = owner.layers[i]
-        if isinstance(layer.attn, MiTAAttention):
+        if isinstance(layer.attn, MiTASettingsMixin):
             layer.attn.configure(**{k: v for k, v in settings.items() if k in MITA_KEYS})
-        elif type(layer.attn) is MultiheadAttention:
-            layer.attn = MiTAAttention.from_mmcv(layer.attn, **{**MITA_DEFAULTS, **settings})
+        elif type(layer.attn) in _TO_MITA:
+            layer.attn = _TO_MITA[type(layer.attn)](layer.attn, **{**MITA_DEFAULTS, **settings})
         else:
             continue
         layer.attn.grid = grid_context(owner)

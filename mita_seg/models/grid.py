@@ -5,8 +5,8 @@ shape. Instead of copying the backbones' ``forward``, the owner of the tokens wr
 of the current forward into a :class:`GridContext` shared with its attention modules
 (:func:`grid_context` hooks an owner up):
 
-- a ViT through a hook on its ``patch_embed`` (:class:`PatchEmbedGridHook`, a callable
-  object, not a closure, so ``copy.deepcopy`` of a model rebinds it to the copy);
+- a ViT, BEiT or MAE through a hook on its ``patch_embed`` (:class:`PatchEmbedGridHook`,
+  a callable object, not a closure, so ``copy.deepcopy`` of a model rebinds it to the copy);
 - a Segmenter mask head in its ``forward`` (:class:`GridFromInputsMixin`): mmseg's
   segmentors call ``decode_head.forward(x)`` directly, which skips module hooks.
 
@@ -16,7 +16,32 @@ import math
 from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
-from mmseg.models.backbones import VisionTransformer
+from mmseg.models.backbones import MAE, BEiT, VisionTransformer
+
+# Backbones whose grid is the output of their ``patch_embed`` (BEiT covers MAE); BEiT always
+# has a cls token before the grid.
+PATCH_EMBED_OWNERS = (VisionTransformer, BEiT)
+
+
+class GridMismatchError(ValueError):
+    """The patch grid of an input is not the one grid a BEiT/MAE backbone accepts (that of
+    its relative-position bias table and, for MAE, its position embedding); the message
+    says how to evaluate such a model."""
+
+
+def grid_mismatch_message(what: str, window: Tuple[int, int],
+                          hw_shape: Tuple[int, int]) -> str:
+    """What :class:`GridMismatchError` says: ``what`` was built for ``window``, the input
+    has ``hw_shape``, and how to evaluate at the training crop or another size."""
+    return (f'{what} was built for a {window[0]}x{window[1]} patch grid (the backbone\'s '
+            f'img_size / patch_size, i.e. the training crop), but this input has a '
+            f'{hw_shape[0]}x{hw_shape[1]} grid. BEiT/MAE attention only fits the grid of its '
+            'relative position bias table (mmseg\'s fails on another one too). Evaluate at '
+            "the training crop size: test_cfg=dict(mode='slide', crop_size=<img_size>, "
+            'stride=...) on images at least that large. To run at another size, build the '
+            'backbone with img_size = that size and load the backbone weights through '
+            "init_cfg=dict(type='Pretrained', checkpoint=...), where mmseg's "
+            'BEiT.resize_rel_pos_embed interpolates the table.')
 
 
 class GridContext:
@@ -25,24 +50,40 @@ class GridContext:
     Args:
         num_prefix_tokens (int): tokens before the grid (1 for a ViT cls token).
         hw_shape (tuple[int, int], optional): the patch grid; set by hooks.
+        window (tuple[int, int], optional): the only grid the owner accepts (a BEiT/MAE
+            backbone with a bias table or position embedding of that grid); another one
+            is a :class:`GridMismatchError` as soon as the patch embedding gives it.
+            Default: None (any grid).
     """
 
-    def __init__(self, num_prefix_tokens: int = 0, hw_shape: Optional[Tuple[int, int]] = None):
+    def __init__(self, num_prefix_tokens: int = 0, hw_shape: Optional[Tuple[int, int]] = None,
+                 window: Optional[Tuple[int, int]] = None):
         self.num_prefix_tokens = num_prefix_tokens
         self.hw_shape = hw_shape
+        self.window = window
 
     def __repr__(self):
-        return f'GridContext(hw_shape={self.hw_shape}, num_prefix_tokens={self.num_prefix_tokens})'
+        return (f'GridContext(hw_shape={self.hw_shape}, num_prefix_tokens='
+                f'{self.num_prefix_tokens}, window={self.window})')
 
 
 class PatchEmbedGridHook:
-    """Forward hook for mmcv/mmseg ``PatchEmbed``, which returns ``(tokens, hw_shape)``."""
+    """Forward hook for mmcv/mmseg ``PatchEmbed``, which returns ``(tokens, hw_shape)``.
+
+    Raises:
+        GridMismatchError: the grid is not the context's ``window``.
+    """
 
     def __init__(self, context: GridContext):
         self.context = context
 
     def __call__(self, module, args, output):
-        self.context.hw_shape = tuple(int(s) for s in output[1])
+        hw_shape = tuple(int(s) for s in output[1])
+        window = self.context.window
+        if window is not None and hw_shape != tuple(window):
+            raise GridMismatchError(grid_mismatch_message(
+                'this BEiT/MAE backbone (its relative position bias tables)', window, hw_shape))
+        self.context.hw_shape = hw_shape
 
 
 class GridFromInputsMixin:
@@ -80,21 +121,41 @@ def with_grid_forward(cls: type) -> type:
 
 
 def grid_context(owner: nn.Module) -> GridContext:
-    """The grid context of a token owner (a ViT or a decode head), hooked up on first use.
+    """The grid context of a token owner (a ViT, BEiT or MAE backbone or a decode head),
+    hooked up on first use.
 
-    A ViT's grid is the output of its ``patch_embed`` (a forward hook); a head's class gets
-    :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
+    A backbone's grid is the output of its ``patch_embed`` (a forward hook); a head's class
+    gets :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
+    A BEiT/MAE backbone accepts only the grid of its bias tables (``window``), unless it has
+    neither tables nor a position embedding.
     """
     ctx = getattr(owner, '_mita_grid', None)
     if ctx is None:
-        if isinstance(owner, VisionTransformer):
-            ctx = GridContext(num_prefix_tokens=1 if owner.with_cls_token else 0)
+        if isinstance(owner, PATCH_EMBED_OWNERS):
+            ctx = GridContext(num_prefix_tokens=int(getattr(owner, 'with_cls_token', True)))
+            if isinstance(owner, BEiT) and (isinstance(owner, MAE) or any(
+                    layer.attn.relative_position_bias_table is not None
+                    for layer in owner.layers)):
+                ctx.window = tuple(int(s) for s in owner.patch_shape)
             owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
         else:
             ctx = GridContext(num_prefix_tokens=0)
             owner.__class__ = with_grid_forward(type(owner))
         owner._mita_grid = ctx
     return ctx
+
+
+def guard_grids(model: nn.Module) -> int:
+    """Hook up the grid context of every BEiT/MAE backbone in ``model`` (on MiTA or not),
+    so that an input whose patch grid their bias tables (or MAE's position embedding) do
+    not fit is a :class:`GridMismatchError` saying how to evaluate, not mmseg's
+    broadcasting error deep in the attention.
+
+    Returns:
+        int: the number of BEiT/MAE backbones with a fixed grid.
+    """
+    return sum(grid_context(m).window is not None for m in model.modules()
+               if isinstance(m, BEiT))
 
 
 def resolve_grid(num_tokens: int, num_prefix_tokens: int,
@@ -119,6 +180,7 @@ def resolve_grid(num_tokens: int, num_prefix_tokens: int,
 
 
 __all__ = [
-    'GridContext', 'PatchEmbedGridHook', 'GridFromInputsMixin', 'register_grid_class',
-    'with_grid_forward', 'grid_context', 'resolve_grid'
+    'PATCH_EMBED_OWNERS', 'GridMismatchError', 'grid_mismatch_message', 'GridContext',
+    'PatchEmbedGridHook', 'GridFromInputsMixin', 'register_grid_class', 'with_grid_forward',
+    'grid_context', 'guard_grids', 'resolve_grid'
 ]

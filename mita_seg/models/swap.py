@@ -2,14 +2,14 @@
 from typing import List, Optional, Sequence, Tuple
 
 import torch.nn as nn
-from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.logging import print_log
-from mmseg.models.backbones import VisionTransformer
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
 from mita_seg.utils.modules import is_attention_module
-from .attention import (MITA_KEYS, SETTING_RULES, MiTAAttention, check_settings, layer_indices,
-                        use_mita)
+from .attention import (MITA_KEYS, SETTING_RULES, MiTASettingsMixin, can_use_mita,
+                        check_settings, layer_indices, use_mita)
+from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
+from .grid import PATCH_EMBED_OWNERS
 
 # Attention modules this tool knows it cannot swap, by class name, and why.
 _UNSWAPPABLE = {
@@ -18,7 +18,6 @@ _UNSWAPPABLE = {
     'EfficientMultiheadAttention': 'spatial-reduction attention (SegFormer/PVT)',
     'GlobalSubsampledAttention': 'spatial-reduction attention (Twins)',
     'LocallyGroupedSelfAttention': 'windowed attention (Twins)',
-    'BEiTAttention': 'attention with a dense relative-position bias (BEiT/MAE)',
 }
 
 
@@ -40,10 +39,13 @@ def swap_attention(model: nn.Module,
                    include_head: bool = True,
                    verbose: bool = True,
                    **mita_cfg) -> int:
-    """Replace the global attention of mmseg's ViT family by :class:`MiTAAttention`.
+    """Replace the global attention of mmseg's ViT family by MiTA.
 
-    Covers every ``VisionTransformer`` backbone (ViT, DeiT, Segmenter, SETR, DPT) and, with
-    ``include_head``, Segmenter's mask head. The swapped modules keep the very same
+    Covers every ``VisionTransformer`` backbone (ViT, DeiT, Segmenter, SETR, DPT), whose
+    attention becomes :class:`MiTAAttention`, BEiT and MAE backbones (their attention with
+    a relative position bias becomes :class:`MiTABEiTAttention` /
+    :class:`MiTAMAEAttention`, the bias going into MiTA) and, with ``include_head``,
+    Segmenter's mask head. The swapped modules keep the very same
     parameter objects, so state-dict keys and weights are unchanged
     (:func:`~mita_seg.models.attention.use_mita`). Settings not given are the MiTA
     defaults (``pool_size=7, topk=49``) for modules swapped now, and keep their values in
@@ -74,7 +76,7 @@ def swap_attention(model: nn.Module,
     left_by_choice = {}  # global attention not swapped because of layers= / include_head
     for owner_name, owner in model.named_modules():
         prefix = f'{owner_name}.' if owner_name else ''
-        if isinstance(owner, VisionTransformer):
+        if isinstance(owner, PATCH_EMBED_OWNERS):
             n = len(owner.layers)
             ids = layer_indices(n, layers)
             left_by_choice.update({f'{prefix}layers.{i}.attn': f'not in layers={list(layers)}'
@@ -87,14 +89,13 @@ def swap_attention(model: nn.Module,
                 continue
         else:
             continue
-        ids = [i for i in ids if isinstance(owner.layers[i].attn, MiTAAttention)
-               or type(owner.layers[i].attn) is MultiheadAttention]
+        ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
         use_mita(owner, ids, **mita_cfg)
         swapped += [f'{prefix}layers.{i}.attn' for i in ids]
 
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():
-        if not is_attention_module(m) or isinstance(m, MiTAAttention):
+        if not is_attention_module(m) or isinstance(m, MiTASettingsMixin):
             continue
         if any(name == s or name.startswith(s + '.') for s in swapped):
             continue  # the nn.MultiheadAttention holding a swapped module's weights
@@ -102,7 +103,7 @@ def swap_attention(model: nn.Module,
             continue
         reason = left_by_choice.get(name) or _UNSWAPPABLE.get(
             type(m).__name__, 'not a global self-attention of a supported model (ViT family, '
-            'Segmenter head)')
+            'BEiT/MAE, Segmenter head)')
         skipped.append((name, f'{type(m).__name__}: {reason}'))
 
     if not swapped:

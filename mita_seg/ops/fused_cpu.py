@@ -16,14 +16,24 @@ without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast
 AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
 docs/benchmark.md).
 
+BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
+``Bq [H, M, N]`` and ``Bk [H, N, M]`` and the table itself, whose entries of the routed
+logits it computes from the tokens' positions; never ``N x N``. ``Bq, Bk`` are
+:func:`~.bias.landmark_bias`'s (the same integral-image box means, tested equal), computed
+in C++ (:class:`LandmarkBias`, differentiable in the table): the PyTorch version costs more
+than the whole kernel on CPU. The kernel's backward returns the gradients of ``Bq``
+(scores), ``Bk`` (shared logits) and the table (routed logits, scatter-added); autograd
+carries the first two back to the table through :class:`LandmarkBias`.
+
 The forward and the backward are ``torch.library`` custom ops with fake implementations, so
 tracers (``torch.compile``) see opaque nodes.
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
+from .bias import table_size
 from .flops import mita_flops_per_head
 from .routing import routing_dtype
 
@@ -44,8 +54,9 @@ def unsupported(inp) -> List[str]:
                    'run scripts/setup_env.sh')
     if inp.device.type != 'cpu':
         why.append(f'it runs on CPU tensors, got {inp.device.type}')
-    if inp.bias is not None:
-        why.append('relative position bias: not in the C++ kernel yet')
+    if inp.bias is not None and inp.bias.table.device.type != 'cpu':
+        why.append('the relative position bias table must be on the CPU, got '
+                   f'{inp.bias.table.device.type}')
     return why
 
 
@@ -56,13 +67,16 @@ flops = mita_flops_per_head
 @torch.library.custom_op('mita_seg::fused_fwd', mutates_args=())
 def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
                topk: int, router_topk: int, shared: bool, shared_scale: float,
-               save_probs: bool) -> List[Tensor]:
+               save_probs: bool, bias_q: Optional[Tensor] = None,
+               bias_k: Optional[Tensor] = None, table: Optional[Tensor] = None,
+               window_h: int = 0, window_w: int = 0) -> List[Tensor]:
     return _C.mita_forward(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared,
-                           shared_scale, save_probs)
+                           shared_scale, save_probs, bias_q, bias_k, table, window_h, window_w)
 
 
 @_fused_fwd.register_fake
-def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs):
+def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs,
+      bias_q=None, bias_k=None, table=None, window_h=0, window_w=0):
     BH, N, d = q.shape
     M, r = ph * pw, router_topk
     long, acc = dict(dtype=torch.long), dict(dtype=routing_dtype(q.dtype))
@@ -76,15 +90,78 @@ def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, sa
 
 @torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
 def _fused_bwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
-               shared: bool, shared_scale: float, saved: List[Tensor],
-               grad_out: Tensor) -> List[Tensor]:
+               shared: bool, shared_scale: float, saved: List[Tensor], grad_out: Tensor,
+               table: Optional[Tensor] = None, window_h: int = 0,
+               window_w: int = 0) -> List[Tensor]:
     return _C.mita_backward(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, *saved,
-                            grad_out)
+                            grad_out, table, window_h, window_w)
 
 
 @_fused_bwd.register_fake
-def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out):
-    return [torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)]
+def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out, table=None,
+      window_h=0, window_w=0):
+    # dq, dk, dv; with a bias, in the compute dtype: dbias_q [H, M, N], dbias_k [H, N, M]
+    # (empty without the shared expert) and dtable [H, T]; empty without a bias.
+    N, M = q.shape[1], ph * pw
+    acc = dict(dtype=routing_dtype(q.dtype))
+    if not window_h:
+        return [torch.empty_like(q) for _ in range(3)] + [q.new_empty(0, **acc)
+                                                          for _ in range(3)]
+    H = table.shape[0]
+    return [torch.empty_like(q) for _ in range(3)] + [
+        q.new_empty((H, M, N) if shared else (0, ), **acc),
+        q.new_empty((H, N, M) if shared else (0, ), **acc), q.new_empty(table.shape, **acc)]
+
+
+@torch.library.custom_op('mita_seg::landmark_bias', mutates_args=())
+def _landmark_bias(table: Tensor, window_h: int, window_w: int, ph: int,
+                   pw: int) -> List[Tensor]:
+    return _C.landmark_bias(table, window_h, window_w, ph, pw)
+
+
+@_landmark_bias.register_fake
+def _(table, window_h, window_w, ph, pw):
+    H, N, M = table.shape[0], 1 + window_h * window_w, ph * pw
+    return [table.new_empty(H, M, N), table.new_empty(H, N, M)]
+
+
+@torch.library.custom_op('mita_seg::landmark_bias_bwd', mutates_args=())
+def _landmark_bias_bwd(grad_q: Tensor, grad_k: Tensor, window_h: int, window_w: int, ph: int,
+                       pw: int) -> Tensor:
+    return _C.landmark_bias_backward(grad_q, grad_k, window_h, window_w, ph, pw)
+
+
+@_landmark_bias_bwd.register_fake
+def _(grad_q, grad_k, window_h, window_w, ph, pw):
+    return grad_q.new_empty(grad_q.shape[0], table_size((window_h, window_w)))
+
+
+class LandmarkBias(torch.autograd.Function):
+    """:func:`mita_seg.ops.bias.landmark_bias` in C++ (the same float64 integral image
+    and box means; ``O(T + M N)`` per head, on the CPU).
+
+    ``apply(table, window, pool_size)``: ``table`` ``[H, T]`` float32/float64 ->
+    ``(Bq [H, M, N], Bk [H, N, M])`` in its dtype, differentiable in the table.
+    """
+
+    @staticmethod
+    def forward(ctx, table, window, pool_size):
+        ctx.args = (*window, *pool_size)
+        ctx.set_materialize_grads(False)  # route-only MiTA gives these means no gradient
+        bias_q, bias_k = _landmark_bias(table, *window, *pool_size)
+        return bias_q, bias_k
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q, grad_k):
+        if grad_q is None and grad_k is None:
+            return None, None, None
+        Wh, Ww, ph, pw = ctx.args
+        like = grad_q if grad_q is not None else grad_k
+        H, M, N = like.shape[0], ph * pw, 1 + Wh * Ww
+        grad_q = like.new_zeros(H, M, N) if grad_q is None else grad_q.contiguous()
+        grad_k = like.new_zeros(H, N, M) if grad_k is None else grad_k.contiguous()
+        return _landmark_bias_bwd(grad_q, grad_k, *ctx.args), None, None
 
 
 def profile(enable: bool) -> Dict[str, float]:
@@ -98,31 +175,38 @@ class MiTAFused(torch.autograd.Function):
     """MiTA on ``[BH, N, d]`` CPU tensors (float32/float64, or bf16/fp16 computed in
     float32 inside the kernel), routing included.
 
-    ``apply(q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared, shared_scale)``
-    returns ``[BH, N, d]``; gradients flow to q, k, v (not through the indices).
+    ``apply(q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
+    router_topk, shared, shared_scale)`` returns ``[BH, N, d]``; gradients flow to q, k, v
+    (not through the indices) and, with a relative position bias (``window`` ``(Wh, Ww)``;
+    ``(0, 0)`` and None tensors without), to ``bias_q [H, M, N]``, ``bias_k [H, N, M]`` and
+    ``table [H, T]`` (in the compute dtype: float32, float64 for float64 inputs).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, hw_shape, pool_size, prefix, topk, router_topk, shared,
-                shared_scale):
-        save = any(ctx.needs_input_grad[:3])
+    def forward(ctx, q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
+                router_topk, shared, shared_scale):
+        save = any(ctx.needs_input_grad[:6])
         # out (q.dtype), lse, keys, choice, offsets, order, R, probs, Ls, V_R, and for bf16 /
         # fp16 inputs out in float32 (empty otherwise)
         out, lse, *routing, out_float = _fused_fwd(q, k, v, *hw_shape, *pool_size, prefix,
                                                    topk, router_topk, shared, shared_scale,
-                                                   save)
+                                                   save, bias_q, bias_k, table, *window)
         if save:
-            ctx.save_for_backward(q, k, v, *routing, out_float if out_float.numel() else out,
-                                  lse)
+            ctx.save_for_backward(q, k, v, table, *routing,
+                                  out_float if out_float.numel() else out, lse)
             ctx.args = (*hw_shape, *pool_size, prefix, shared, shared_scale)
+            ctx.window = window
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, *saved = ctx.saved_tensors
-        dq, dk, dv = _fused_bwd(q, k, v, *ctx.args, saved, grad_out.contiguous())
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, table, *saved = ctx.saved_tensors
+        dq, dk, dv, *dbias = _fused_bwd(q, k, v, *ctx.args, saved, grad_out.contiguous(),
+                                        table, *ctx.window)
+        # dbias_q, dbias_k, dtable: empty where there is no such input or no gradient
+        dbias = [g if g.numel() else None for g in dbias]
+        return (dq, dk, dv, *dbias) + (None, ) * 8
 
 
 def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
@@ -132,11 +216,21 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     ``block_size`` is unused).
 
     Returns:
-        Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
+        Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v and
+        the bias table.
     """
     B, H, N, d = q.shape
     shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
     qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
-    out = MiTAFused.apply(qb, kb, vb, tuple(hw_shape), tuple(pool_size), num_prefix_tokens,
-                          topk, router_topk, with_shared_expert, shared_scale)
+    bias_q = bias_k = table = None
+    window = (0, 0)
+    if bias is not None:
+        # In the kernel's compute dtype (float64 for float64 inputs, float32 otherwise), so
+        # that the bias gradients it returns match these tensors.
+        acc = routing_dtype(q.dtype)
+        table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
+        bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
+    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(hw_shape),
+                          tuple(pool_size), num_prefix_tokens, topk, router_topk,
+                          with_shared_expert, shared_scale)
     return out.view(B, H, N, d)

@@ -199,6 +199,14 @@ def check_state_dict(expected: Dict[str, Any],
             if keys:
                 more = f' ... and {len(keys) - 20} more' if len(keys) > 20 else ''
                 lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys[:20]) + more)
+        if any('relative_position_bias_table' in line for line in shapes):
+            lines.append(
+                '  BEiT/MAE: the relative position bias table was built for another patch '
+                'grid (the backbone\'s img_size / patch_size). Set img_size to the crop the '
+                "checkpoint was trained at and evaluate with test_cfg mode='slide' at that "
+                'crop. Backbone weights (a pretrained BEiT/MAE) can instead be loaded through '
+                "the backbone's init_cfg=dict(type='Pretrained', checkpoint=...), where "
+                "mmseg's BEiT.resize_rel_pos_embed interpolates the table (square grids).")
         lines.append(hint or '  Use the config this checkpoint was trained with, or convert '
                      'the checkpoint.')
         raise CheckpointMismatchError('\n'.join(lines))

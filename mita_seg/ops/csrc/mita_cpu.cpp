@@ -26,6 +26,13 @@
 //   C. per bh: scatter-add the per-expert dK, dV into key rows; sum dQ over choices.
 //   D-F. the routing part, through R, S, P, V_R (see scores_backward_phase).
 //
+// Relative position bias (BEiT; optional, see Bias): the landmark means bq, bk (computed by
+// landmark_bias from the table, phase fwd.bias_means) are added to S in phase 2 and to Ls in
+// phase 3; phase 5 (and B, which recomputes the routed logits) adds each routed logit's
+// table entry. The backward returns d(bq) (= dS summed over the batch), d(bk) (= dLs) and
+// the table's routed part (scattered in phase C); landmark_bias_backward (bwd.bias_means)
+// takes d(bq), d(bk) to the table.
+//
 // Built for the baseline ISA (no -march=native, no -ffast-math): the GEMMs are MKL's (which
 // dispatch on the CPU themselves) and the exponentials take an AVX2 path chosen at run time.
 #include <torch/extension.h>
@@ -76,10 +83,11 @@ struct SerialBlas {
 // ---- Phase profile: wall time of each phase, summed over calls (off unless enabled). ----
 enum Phase { kLandmarks, kExperts, kRouter, kGrouping, kRouted, kMerge,
              kBwdShared, kBwdRouted, kBwdReduce, kBwdScores, kBwdRows, kBwdLandmarks,
-             kNumPhases };
+             kBiasMeans, kBwdBiasMeans, kNumPhases };
 const char* const kPhaseNames[kNumPhases] = {
     "fwd.landmarks", "fwd.experts", "fwd.router", "fwd.grouping", "fwd.routed", "fwd.merge",
-    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks"};
+    "bwd.shared", "bwd.routed", "bwd.reduce", "bwd.scores", "bwd.rows", "bwd.landmarks",
+    "fwd.bias_means", "bwd.bias_means"};
 std::atomic<bool> g_profile{false};
 double g_phase_seconds[kNumPhases] = {};
 
@@ -251,6 +259,55 @@ struct Geometry {
   int64_t BH, N, d, h, w, ph, pw, prefix, M, K, R;
 };
 
+// ---- BEiT's relative position bias (mita_seg/ops/bias.py), never formed as N x N. Tokens
+// are [cls, Wh x Ww grid] (prefix 1, grid = window, N = 1 + Wh Ww: checked on entry); the
+// bias of query token i towards key token j is table[h, index(i, j)], h = bh % H, with
+// (NT = (2Wh - 1)(2Ww - 1) + 3 entries per head; mmseg's relative_position_index)
+//   both grid, i at (yi, xi), j at (yj, xj): (yi - yj + Wh - 1)(2Ww - 1) + xi - xj + Ww - 1,
+//   cls query: NT - 3, cls key: NT - 2, both: NT - 1.
+// The grid case is qpart(i) + kpart(j) (in [0, NT - 3) for all tokens of such a geometry),
+// so the keys of an expert are decoded once, not once per query. The landmark means:
+// bq [H, M, N] is added to the scores S (before the top-k and softmax(S)), bk [H, N, M] to
+// the shared logits (before the router's argmax and the merge).
+template <typename T>
+struct Bias {
+  const T* bq = nullptr;     // [H, M, N] (forward only)
+  const T* bk = nullptr;     // [H, N, M] (forward only)
+  const T* table = nullptr;  // [H, NT]; null: no bias
+  int64_t H = 1, Wh = 0, Ww = 0, NT = 0;
+
+  bool on() const { return table != nullptr; }
+  int64_t head(int64_t bh) const { return bh % H; }
+  int64_t qpart(int64_t i) const {  // grid query token i >= 1
+    const int64_t t = i - 1;
+    return (t / Ww + Wh - 1) * (2 * Ww - 1) + t % Ww + Ww - 1;
+  }
+  int64_t kpart(int64_t j) const {  // grid key token j >= 1 (0 for the cls key: unused)
+    const int64_t t = j - 1;
+    return j == 0 ? 0 : -((t / Ww) * (2 * Ww - 1) + t % Ww);
+  }
+  // kp[t] = kpart(keys[t]) for t < K: an expert's keys, decoded once.
+  void key_parts(const int64_t* keys, int64_t K, int64_t* kp) const {
+    for (int64_t t = 0; t < K; ++t) kp[t] = kpart(keys[t]);
+  }
+  // f(t, index(i, keys[t])) for t < K, with kp from key_parts.
+  template <typename F>
+  void for_keys(int64_t i, const int64_t* keys, const int64_t* kp, int64_t K, F&& f) const {
+    if (i == 0) {
+      for (int64_t t = 0; t < K; ++t) f(t, keys[t] == 0 ? NT - 1 : NT - 3);
+      return;
+    }
+    const int64_t qo = qpart(i);
+    for (int64_t t = 0; t < K; ++t) f(t, keys[t] == 0 ? NT - 2 : qo + kp[t]);
+  }
+  // row[t] += table[h, index(i, keys[t])]: the routed logits of query i.
+  void add_routed(T* row, int64_t bh, int64_t i, const int64_t* keys, const int64_t* kp,
+                  int64_t K) const {
+    const T* tab = table + head(bh) * NT;
+    for_keys(i, keys, kp, K, [&](int64_t t, int64_t e) { row[t] += tab[e]; });
+  }
+};
+
 // ---- Forward phase 1: R[bh, m] = mean of q over the grid bin of landmark m. The bins of
 // adaptive_avg_pool2d: rows [floor(i h / Ph), ceil((i + 1) h / Ph)), columns likewise.
 // Summed in row-major order and divided by the count, as ATen does.
@@ -305,9 +362,10 @@ void topk_indices(const T* s, int64_t n, int64_t K, int64_t* out,
 
 // ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values.
 // probs: [BH, M, N] softmax(S) saved for the backward, or null (a local buffer is used).
+// With a bias, S += bq[h] (the landmarks' mean bias) before the top-k and the softmax.
 template <typename T>
 void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, T* vr,
-                   bool shared, const Geometry& g) {
+                   bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kExperts);
   constexpr int64_t LB = 8;
   const int64_t blocks = (g.M + LB - 1) / LB;
@@ -323,6 +381,8 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
       for (int64_t c = 0; c < L * g.d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
       T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();
       gemm(false, true, L, g.N, g.d, rc.data(), g.d, k + bh * g.N * g.d, g.d, s, g.N);
+      if (bias.on())  // S [L, N] += bq[h, m0 .. m0 + L] (contiguous rows)
+        axpy(s, T(1), bias.bq + (bias.head(bh) * g.M + m0) * g.N, L * g.N);
       for (int64_t l = 0; l < L; ++l) {
         topk_indices(s + l * g.N, g.N, g.K, keys + (bh * g.M + m0 + l) * g.K, cand, maxima);
         if (shared) softmax_row(s + l * g.N, g.N);
@@ -334,10 +394,11 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
   });
 }
 
-// ---- Forward phase 3: shared logits Ls = q (R * shared_scale)^T and each query's choices.
+// ---- Forward phase 3: shared logits Ls = q (R * shared_scale)^T (+ bk[h] with a bias) and
+// each query's choices.
 template <typename T>
 void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale,
-                  const Geometry& g) {
+                  const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouter);
   constexpr int64_t CH = 128;
   const int64_t chunks = (g.N + CH - 1) / CH;
@@ -355,6 +416,8 @@ void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale
       }
       T* out = ls + (bh * g.N + n0) * g.M;
       gemm(false, true, G, g.M, g.d, q + (bh * g.N + n0) * g.d, g.d, rs.data(), g.d, out, g.M);
+      if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
+        axpy(out, T(1), bias.bk + (bias.head(bh) * g.N + n0) * g.M, G * g.M);
       for (int64_t n = 0; n < G; ++n) {
         const T* row = out + n * g.M;
         int64_t* ch = choice + (bh * g.N + n0 + n) * g.R;
@@ -403,15 +466,17 @@ inline void gather_rows(T* dst, const T* x, const int64_t* idx, int64_t K, int64
 
 // ---- Forward phase 5: per expert, the softmax over its K keys of each of its items:
 // normalised partial output o_items [BH, N R, d] and log-sum-exp lse_items [BH, N R].
+// With a bias, each logit gets table[h, index(query, key)].
 template <typename T>
 void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
                   const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
-                  T scale, const Geometry& g) {
+                  T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf;
+    std::vector<int64_t> kp(bias.on() ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
@@ -430,6 +495,11 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
         for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
       }
       gemm(false, true, G, K, d, qp, d, kloc.data(), d, lg, K);           // logits [G, K]
+      if (bias.on()) {
+        bias.key_parts(idx, K, kp.data());
+        for (int64_t i = 0; i < G; ++i)
+          bias.add_routed(lg + i * K, bh, ord[i] / R, idx, kp.data(), K);
+      }
       for (int64_t i = 0; i < G; ++i)
         lse_items[bh * NR + ord[i]] = softmax_row(lg + i * K, K);
       T* op = obuf.data();
@@ -531,17 +601,20 @@ void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* l
 }
 
 // ---- Backward phase B: per expert, dQ of its items (dq_items, row = item) and dK, dV of
-// its K keys (dk_exp, dv_exp: [BH, M, K, d]).
+// its K keys (dk_exp, dv_exp: [BH, M, K, d]). With a bias, the recomputed logits get it
+// too, and the logits' gradients are kept for phase C in dl_sorted ([BH, N R, K], row =
+// the item's position in order: expert m's rows are offsets[m] .. offsets[m + 1]).
 template <typename T>
 void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* keys,
                            const int64_t* offsets, const int64_t* order, const T* dout,
                            const T* lse, const T* delta, T* dq_items, T* dk_exp, T* dv_exp,
-                           T scale, const Geometry& g) {
+                           T* dl_sorted, T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kBwdRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     std::vector<T> kloc(K * d), vloc(K * d), qbuf, dobuf, pbuf, dsbuf, dqbuf;
+    std::vector<int64_t> kp(bias.on() ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
@@ -562,6 +635,11 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* ke
         std::copy(dout + row * d, dout + row * d + d, dop + i * d);
       }
       gemm(false, true, G, K, d, qp, d, kloc.data(), d, pp, K);           // logits [G, K]
+      if (bias.on()) {  // the forward's logits: + table[h, index(query, key)]
+        bias.key_parts(idx, K, kp.data());
+        for (int64_t i = 0; i < G; ++i)
+          bias.add_routed(pp + i * K, bh, ord[i] / R, idx, kp.data(), K);
+      }
       gemm(false, true, G, K, d, dop, d, vloc.data(), d, dsp, K);         // dP [G, K]
       for (int64_t i = 0; i < G; ++i) {
         const int64_t row = bh * g.N + ord[i] / R;
@@ -572,6 +650,8 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* ke
 #pragma omp simd
         for (int64_t j = 0; j < K; ++j) dr[j] = pr[j] * (dr[j] - D);
       }
+      if (bias.on())  // d(logits) [G, K]: the gradient of each bias entry read
+        std::copy(dsp, dsp + G * K, dl_sorted + (bh * NR + off[m]) * K);
       // dK = dS^T (q scale) (q already scaled), dV = P^T dout, dQ = dS K (scaled below).
       gemm(true, false, K, d, G, dsp, K, qp, d, dk_exp + t * K * d, d);
       gemm(true, false, K, d, G, pp, K, dop, d, dv_exp + t * K * d, d);
@@ -588,13 +668,33 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* ke
 
 // ---- Backward phase C: dk, dv = sum of the per-expert buffers at the experts' key rows;
 // dq = sum over the r choices of dq_items (R > 1 only: with R = 1 they are the same rows).
+// With a bias, dtab [BH, NT] = the routed logits' gradients (dl_sorted) scatter-added at
+// their table entries, per bh (summed over the batch by the caller): one task per bh and
+// a fixed order, so the sums do not depend on the threads.
 template <typename T>
-void reduce_phase(const int64_t* keys, const int64_t* offsets, const T* dk_exp,
-                  const T* dv_exp, const T* dq_items, T* dk, T* dv, T* dq, const Geometry& g) {
+void reduce_phase(const int64_t* keys, const int64_t* offsets, const int64_t* order,
+                  const T* dk_exp, const T* dv_exp, const T* dq_items, const T* dl_sorted,
+                  T* dk, T* dv, T* dq, T* dtab, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kBwdReduce);
-  const int64_t N = g.N, d = g.d, K = g.K, M = g.M, R = g.R;
+  const int64_t N = g.N, d = g.d, K = g.K, M = g.M, R = g.R, NR = g.N * g.R;
   at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> kp(bias.on() ? K : 0);
     for (int64_t bh = b0; bh < b1; ++bh) {
+      if (bias.on()) {
+        T* dt = dtab + bh * bias.NT;
+        std::fill(dt, dt + bias.NT, T(0));
+        const int64_t* off = offsets + bh * (M + 1);
+        for (int64_t m = 0; m < M; ++m) {
+          if (off[m + 1] == off[m]) continue;
+          const int64_t* idx = keys + (bh * M + m) * K;
+          bias.key_parts(idx, K, kp.data());
+          for (int64_t i = off[m]; i < off[m + 1]; ++i) {
+            const T* gr = dl_sorted + (bh * NR + i) * K;
+            bias.for_keys(order[bh * NR + i] / R, idx, kp.data(), K,
+                          [&](int64_t t, int64_t e) { dt[e] += gr[t]; });
+          }
+        }
+      }
       const int64_t* off = offsets + bh * (M + 1);
       std::fill(dk + bh * N * d, dk + (bh + 1) * N * d, T(0));
       std::fill(dv + bh * N * d, dv + (bh + 1) * N * d, T(0));
@@ -625,13 +725,18 @@ void reduce_phase(const int64_t* keys, const int64_t* offsets, const T* dk_exp,
 //      ([LB, N], c folded in) and dR = dS K [LB, d]; per bh: dR += s dLs^T q.
 //   E. per (bh, chunk of rows): dq += s dLs R, dv += P^T dV_R, dk += dS^T R.
 //   F. per (bh, grid row): the grid rows of dq += the adjoint of the pooling of dR.
+// With a bias (unscaled_ds), ds holds P (dP - rowsum(P dP)) itself, the gradient of the
+// biased scores (that is, of bq: the caller sums it over the batch), and c enters the GEMMs
+// that read ds (here and in rows_backward_phase).
 template <typename T>
 void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, const T* dvr,
-                           const T* dls, T* ds, T* dR, T shared_scale, const Geometry& g) {
+                           const T* dls, T* ds, T* dR, T shared_scale, bool unscaled_ds,
+                           const Geometry& g) {
   PhaseTimer timer(kBwdScores);
   constexpr int64_t LB = 8;
   const int64_t blocks = (g.M + LB - 1) / LB, N = g.N, M = g.M, d = g.d;
   const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T c_in = unscaled_ds ? T(1) : c, c_gemm = unscaled_ds ? c : T(1);
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     for (int64_t t = t0; t < t1; ++t) {
@@ -643,9 +748,10 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
         T* r = dsb + l * N;
         const T D = dot(p, r, N);
 #pragma omp simd
-        for (int64_t j = 0; j < N; ++j) r[j] = c * p[j] * (r[j] - D);
+        for (int64_t j = 0; j < N; ++j) r[j] = c_in * p[j] * (r[j] - D);
       }
-      gemm(false, false, L, d, N, dsb, N, k + bh * N * d, d, dR + (bh * M + m0) * d, d);
+      gemm(false, false, L, d, N, dsb, N, k + bh * N * d, d, dR + (bh * M + m0) * d, d,
+           false, c_gemm);
     }
   });
   at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
@@ -658,7 +764,8 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
 
 template <typename T>
 void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls, const T* ds,
-                         T* dq, T* dk, T* dv, T shared_scale, const Geometry& g) {
+                         T* dq, T* dk, T* dv, T shared_scale, bool unscaled_ds,
+                         const Geometry& g) {
   PhaseTimer timer(kBwdRows);
   constexpr int64_t CH = 128;
   const int64_t chunks = (g.N + CH - 1) / CH, N = g.N, M = g.M, d = g.d;
@@ -672,7 +779,8 @@ void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls,
            shared_scale);                                              // dq += s dLs R
       gemm(true, false, G, d, M, probs + bh * M * N + n0, N, dvr + bh * M * d, d, dv + rows,
            d, true);                                                   // dv += P^T dV_R
-      gemm(true, false, G, d, M, ds + bh * M * N + n0, N, r, d, dk + rows, d, true);
+      const T c = unscaled_ds ? static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))) : 1;
+      gemm(true, false, G, d, M, ds + bh * M * N + n0, N, r, d, dk + rows, d, true, c);
     }
   });
 }
@@ -694,6 +802,119 @@ void landmarks_backward_phase(const T* dR, T* dq, const Geometry& g) {
             axpy(dq + (bh * g.N + g.prefix + r * g.w + c) * g.d, inv, src, g.d);
         }
       }
+    }
+  });
+}
+
+// ---- The landmarks' mean biases (mita_seg.ops.bias.landmark_bias, the same maths), for
+// the relative position bias of the fused backend. Per head, the grid part of the table,
+// t2 [2Wh - 1, 2Ww - 1] = table[:T - 3], gets a float64 integral image ii [2Wh, 2Ww]
+// (ii[a, b] = sum of t2[< a, < b]); each mean is four reads of it over its area: O(T + M N)
+// per head, never N x N. Landmark m = (i, j) covers grid rows [r0, r1) x columns [c0, c1)
+// (adaptive_avg_pool2d's regions); tokens are [cls, Wh x Ww grid]:
+//   bq [H, M, N]: bq[m, 0] = table[T - 2] (token-to-cls); bq[m, 1 + y Ww + x] = mean of t2
+//     over rows [r0 - y, r1 - y) + Wh - 1, columns [c0 - x, c1 - x) + Ww - 1 (landmark m's
+//     queries towards the key at (y, x));
+//   bk [H, N, M]: bk[0, m] = table[T - 3] (cls-to-token); bk[1 + y Ww + x, m] = mean over
+//     rows [y - r1, y - r0) + Wh, columns [x - c1, x - c0) + Ww (the query at (y, x)
+//     towards landmark m's keys).
+// f(row0, row1, col0, col1, area, bq_slot, bk_slot) for every grid mean, both kinds: the
+// forward reads the box, the backward spreads the mean's gradient over its four corners.
+template <typename F>
+void for_each_grid_mean(int64_t Wh, int64_t Ww, int64_t ph, int64_t pw, F&& f) {
+  const int64_t M = ph * pw, N = 1 + Wh * Ww;
+  for (int64_t i = 0; i < ph; ++i) {
+    const int64_t r0 = i * Wh / ph, r1 = ((i + 1) * Wh + ph - 1) / ph;
+    for (int64_t j = 0; j < pw; ++j) {
+      const int64_t c0 = j * Ww / pw, c1 = ((j + 1) * Ww + pw - 1) / pw, m = i * pw + j;
+      const double area = static_cast<double>((r1 - r0) * (c1 - c0));
+      for (int64_t y = 0; y < Wh; ++y)
+        for (int64_t x = 0; x < Ww; ++x) {
+          const int64_t t = 1 + y * Ww + x;
+          f(r0 - y + Wh - 1, r1 - y + Wh - 1, c0 - x + Ww - 1, c1 - x + Ww - 1, area,
+            m * N + t, int64_t(-1));                                     // bq[m, t]
+          f(y - r1 + Wh, y - r0 + Wh, x - c1 + Ww, x - c0 + Ww, area, int64_t(-1),
+            t * M + m);                                                  // bk[t, m]
+        }
+    }
+  }
+}
+
+template <typename T>
+void bias_means_phase(const T* table, T* bq, T* bk, int64_t H, int64_t Wh, int64_t Ww,
+                      int64_t ph, int64_t pw) {
+  PhaseTimer timer(kBiasMeans);
+  const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
+  const int64_t W2 = 2 * Ww;  // row stride of ii
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<double> ii(2 * Wh * W2);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* tab = table + h * NT;
+      T* q = bq + h * M * N;
+      T* k = bk + h * N * M;
+      std::fill(ii.begin(), ii.begin() + W2, 0.0);
+      for (int64_t a = 0; a < 2 * Wh - 1; ++a) {
+        double run = 0;  // ii[a + 1, b + 1] = ii[a, b + 1] + sum of t2[a, <= b]
+        ii[(a + 1) * W2] = 0;
+        for (int64_t b = 0; b < 2 * Ww - 1; ++b) {
+          run += static_cast<double>(tab[a * (2 * Ww - 1) + b]);
+          ii[(a + 1) * W2 + b + 1] = ii[a * W2 + b + 1] + run;
+        }
+      }
+      for_each_grid_mean(Wh, Ww, ph, pw, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                                             double area, int64_t sq, int64_t sk) {
+        const double box = ii[a1 * W2 + b1] - ii[a0 * W2 + b1] - ii[a1 * W2 + b0] +
+                           ii[a0 * W2 + b0];
+        (sq >= 0 ? q[sq] : k[sk]) = static_cast<T>(box / area);
+      });
+      for (int64_t m = 0; m < M; ++m) {
+        q[m * N] = tab[NT - 2];
+        k[m] = tab[NT - 3];
+      }
+    }
+  });
+}
+
+// The adjoint: dtable [H, T] from the gradients gq [H, M, N], gk [H, N, M] of bq, bk.
+template <typename T>
+void bias_means_backward_phase(const T* gq, const T* gk, T* dtable, int64_t H, int64_t Wh,
+                               int64_t Ww, int64_t ph, int64_t pw) {
+  PhaseTimer timer(kBwdBiasMeans);
+  const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
+  const int64_t W2 = 2 * Ww, Ws = 2 * Ww + 1;  // row strides of dii and of its suffix sums
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<double> dii(2 * Wh * W2), suf((2 * Wh + 1) * Ws);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* q = gq + h * M * N;
+      const T* k = gk + h * N * M;
+      T* dt = dtable + h * NT;
+      std::fill(dii.begin(), dii.end(), 0.0);
+      for_each_grid_mean(Wh, Ww, ph, pw, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1,
+                                             double area, int64_t sq, int64_t sk) {
+        const double g = static_cast<double>(sq >= 0 ? q[sq] : k[sk]) / area;
+        dii[a1 * W2 + b1] += g;
+        dii[a0 * W2 + b1] -= g;
+        dii[a1 * W2 + b0] -= g;
+        dii[a0 * W2 + b0] += g;
+      });
+      // t2[a, b] enters ii[a', b'] for every a' > a, b' > b: dt2[a, b] = suf[a + 1, b + 1]
+      // with suf[a, b] = sum of dii[>= a, >= b].
+      std::fill(suf.begin(), suf.end(), 0.0);
+      for (int64_t a = 2 * Wh - 1; a >= 0; --a)
+        for (int64_t b = 2 * Ww - 1; b >= 0; --b)
+          suf[a * Ws + b] = dii[a * W2 + b] + suf[(a + 1) * Ws + b] + suf[a * Ws + b + 1] -
+                            suf[(a + 1) * Ws + b + 1];
+      for (int64_t a = 0; a < 2 * Wh - 1; ++a)
+        for (int64_t b = 0; b < 2 * Ww - 1; ++b)
+          dt[a * (2 * Ww - 1) + b] = static_cast<T>(suf[(a + 1) * Ws + b + 1]);
+      double cls_key = 0, cls_query = 0;  // the cls entries: summed over the landmarks
+      for (int64_t m = 0; m < M; ++m) {
+        cls_key += static_cast<double>(q[m * N]);
+        cls_query += static_cast<double>(k[m]);
+      }
+      dt[NT - 3] = static_cast<T>(cls_query);
+      dt[NT - 2] = static_cast<T>(cls_key);
+      dt[NT - 1] = 0;
     }
   });
 }
@@ -791,8 +1012,74 @@ Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w
   return g;
 }
 
+// The bias operands of a call, checked against the geometry and converted to the compute
+// dtype of `like` (contiguous): window_h = window_w = 0 means no bias (and no tensors);
+// otherwise table [H, NT] with NT = (2 Wh - 1)(2 Ww - 1) + 3, H dividing BH, tokens
+// [cls, Wh x Ww grid] (so that every table index the kernels compute is in [0, NT)), and,
+// in the forward (landmark_means), bq [H, M, N] and bk [H, N, M].
+struct BiasTensors {
+  torch::Tensor bq, bk, table;
+  int64_t H = 1, Wh = 0, Ww = 0, NT = 0;
+  template <typename T>
+  Bias<T> view() const {
+    Bias<T> b;
+    if (!table.defined()) return b;
+    b.table = table.data_ptr<T>();
+    b.bq = bq.defined() ? bq.data_ptr<T>() : nullptr;
+    b.bk = bk.defined() ? bk.data_ptr<T>() : nullptr;
+    b.H = H; b.Wh = Wh; b.Ww = Ww; b.NT = NT;
+    return b;
+  }
+};
+
+BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tensor& like,
+                         const c10::optional<torch::Tensor>& table, int64_t window_h,
+                         int64_t window_w, bool landmark_means,
+                         const c10::optional<torch::Tensor>& bq = c10::nullopt,
+                         const c10::optional<torch::Tensor>& bk = c10::nullopt) {
+  BiasTensors b;
+  const bool given = table.has_value() || bq.has_value() || bk.has_value();
+  if (window_h == 0 && window_w == 0) {
+    TORCH_CHECK(!given, name, ": bias tensors given without a window: pass the grid the "
+                "table was built for as window_h, window_w");
+    return b;
+  }
+  TORCH_CHECK(window_h >= 1 && window_w >= 1, name, ": the bias window must be positive, got ",
+              window_h, "x", window_w);
+  TORCH_CHECK(table.has_value() && (!landmark_means || (bq.has_value() && bk.has_value())),
+              name, ": a ", window_h, "x", window_w, " bias window needs the table",
+              landmark_means ? " and the landmark means bias_q, bias_k" : "");
+  TORCH_CHECK(g.prefix == 1 && g.h == window_h && g.w == window_w &&
+                  g.N == 1 + window_h * window_w, name,
+              ": the relative position bias needs tokens [cls, ", window_h, "x", window_w,
+              " grid] (prefix 1, that grid, N = ", 1 + window_h * window_w, "), got prefix ",
+              g.prefix, ", grid ", g.h, "x", g.w, ", N = ", g.N);
+  b.Wh = window_h;
+  b.Ww = window_w;
+  b.NT = (2 * window_h - 1) * (2 * window_w - 1) + 3;
+  auto floating = [&](const char* what, const torch::Tensor& t, std::vector<int64_t> shape) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_floating_point(), name, ": ", what,
+                " must be a floating point CPU tensor, got ", t.scalar_type(), " on ",
+                t.device());
+    return float_tensor(name, what, t, shape, like);
+  };
+  const torch::Tensor& tab = *table;
+  TORCH_CHECK(tab.dim() == 2 && tab.size(0) >= 1 && g.BH % tab.size(0) == 0, name,
+              ": the bias table must be [H, T] with H dividing BH = ", g.BH, ", got ",
+              tab.sizes());
+  b.H = tab.size(0);
+  b.table = floating("the bias table", tab, {b.H, b.NT});
+  if (landmark_means) {
+    b.bq = floating("bias_q", *bq, {b.H, g.M, g.N});
+    b.bk = floating("bias_k", *bk, {b.H, g.N, g.M});
+  }
+  return b;
+}
+
 // q, k, v: [BH, N, d]; the grid is tokens prefix .. prefix + h w, pooled to ph x pw;
-// topk keys per expert, router_topk experts per query. Returns
+// topk keys per expert, router_topk experts per query; with a relative position bias
+// (window_h, window_w > 0): bias_q [H, M, N] and bias_k [H, N, M] (the landmarks' mean bias,
+// mita_seg.ops.bias.landmark_bias) and the table [H, T] (see bias_tensors). Returns
 //   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
 //   keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
 //   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
@@ -803,7 +1090,11 @@ Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w
 std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                         int64_t h, int64_t w, int64_t ph, int64_t pw,
                                         int64_t prefix, int64_t topk, int64_t router_topk,
-                                        bool shared, double shared_scale, bool save_probs) {
+                                        bool shared, double shared_scale, bool save_probs,
+                                        const c10::optional<torch::Tensor>& bias_q,
+                                        const c10::optional<torch::Tensor>& bias_k,
+                                        const c10::optional<torch::Tensor>& table,
+                                        int64_t window_h, int64_t window_w) {
   const char* name = "mita_forward";
   check_qkv(name, q, k, v);
   const auto in_dtype = q.scalar_type();
@@ -813,6 +1104,8 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
     q = wide[0]; k = wide[1]; v = wide[2];
   }
   const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
+  const BiasTensors bt = bias_tensors(name, g, q, table, window_h, window_w, true, bias_q,
+                                      bias_k);
   const auto opts = q.options();
   const auto lopts = opts.dtype(at::kLong);
   auto out = torch::empty_like(q);
@@ -830,18 +1123,19 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_forward", [&] {
     using T = scalar_t;
     const T* qp = q.data_ptr<T>();
+    const Bias<T> bias = bt.view<T>();
     landmarks_phase<T>(qp, R.data_ptr<T>(), g);
     experts_phase<T>(k.data_ptr<T>(), v.data_ptr<T>(), R.data_ptr<T>(),
                      keys.data_ptr<int64_t>(), probs.numel() ? probs.data_ptr<T>() : nullptr,
-                     shared ? vr.data_ptr<T>() : nullptr, shared, g);
+                     shared ? vr.data_ptr<T>() : nullptr, shared, bias, g);
     router_phase<T>(qp, R.data_ptr<T>(), ls.data_ptr<T>(), choice.data_ptr<int64_t>(),
-                    static_cast<T>(shared_scale), g);
+                    static_cast<T>(shared_scale), bias, g);
     group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
                 offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
     routed_phase<T>(qp, k.data_ptr<T>(), v.data_ptr<T>(), keys.data_ptr<int64_t>(),
                     offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
                     o_items.data_ptr<T>(), lse_items.data_ptr<T>(),
-                    static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), g);
+                    static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g);
     merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), ls.data_ptr<T>(),
                    shared ? vr.data_ptr<T>() : nullptr, out.data_ptr<T>(), lse.data_ptr<T>(),
                    shared, g);
@@ -854,13 +1148,20 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
 
 // Gradients of mita_forward: q, k, v and the geometry as it takes them; what it returned
 // (keys, choice, offsets, order: the routing; R, probs, Ls, V_R: ignored unless shared;
-// the float out, lse); dout. Returns dq, dk, dv in the dtype of q.
+// the float out, lse); dout; the bias table and window as the forward took them (the
+// backward recomputes the routed logits, bias included; the scores and shared logits it
+// reads from probs and Ls). Returns dq, dk, dv in the dtype of q and, with a bias, in the
+// compute dtype (float32, float64 for float64 inputs): dbias_q [H, M, N] and dbias_k
+// [H, N, M] (the scores' and the shared logits' gradients summed over the batch; empty
+// without the shared expert) and dtable [H, T] (the routed logits' gradients scatter-added
+// at their entries); empty tensors without a bias.
 std::vector<torch::Tensor> mita_backward(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t h, int64_t w, int64_t ph,
     int64_t pw, int64_t prefix, bool shared, double shared_scale, torch::Tensor keys,
     torch::Tensor choice, torch::Tensor offsets, torch::Tensor order, torch::Tensor R,
     torch::Tensor probs, torch::Tensor ls, torch::Tensor vr, torch::Tensor out,
-    torch::Tensor lse, torch::Tensor dout) {
+    torch::Tensor lse, torch::Tensor dout, const c10::optional<torch::Tensor>& table,
+    int64_t window_h, int64_t window_w) {
   const char* name = "mita_backward";
   check_qkv(name, q, k, v);
   const auto in_dtype = q.scalar_type();
@@ -899,9 +1200,14 @@ std::vector<torch::Tensor> mita_backward(
     ls = float_tensor(name, "shared logits", ls, {BH, N, M}, q);
     vr = float_tensor(name, "shared values", vr, {BH, M, d}, q);
   }
+  const BiasTensors bt = bias_tensors(name, g, q, table, window_h, window_w, false);
+  const bool has_bias = bt.table.defined();
   const auto opts = q.options();
   auto dq = torch::empty_like(q), dk = torch::empty_like(q), dv = torch::empty_like(q);
   auto dq_items = g.R == 1 ? dq : torch::empty({BH, NR, d}, opts);
+  // with a bias: the routed logits' gradients by position in order, dtable per bh
+  auto dl_sorted = torch::empty({has_bias ? BH : 0, NR, K}, opts);
+  auto dtab = torch::empty({has_bias ? BH : 0, bt.NT}, opts);
   auto dk_exp = torch::empty({BH, M, K, d}, opts);
   auto dv_exp = torch::empty({BH, M, K, d}, opts);
   auto delta = torch::empty({BH, N}, opts);
@@ -910,7 +1216,9 @@ std::vector<torch::Tensor> mita_backward(
   auto ds = torch::empty({S, M, N}, opts), dR = torch::empty({S, M, d}, opts);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_backward", [&] {
     using T = scalar_t;
+    const Bias<T> bias = bt.view<T>();
     auto ptr = [&](torch::Tensor& t) { return shared ? t.data_ptr<T>() : nullptr; };
+    auto bptr = [&](torch::Tensor& t) { return has_bias ? t.data_ptr<T>() : nullptr; };
     shared_backward_phase<T>(dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
                              ptr(ls), ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared,
                              g);
@@ -918,22 +1226,105 @@ std::vector<torch::Tensor> mita_backward(
                              keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                              order.data_ptr<int64_t>(), dout.data_ptr<T>(), lse.data_ptr<T>(),
                              delta.data_ptr<T>(), dq_items.data_ptr<T>(), dk_exp.data_ptr<T>(),
-                             dv_exp.data_ptr<T>(),
-                             static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), g);
+                             dv_exp.data_ptr<T>(), bptr(dl_sorted),
+                             static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), bias, g);
     reduce_phase<T>(keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                    dk_exp.data_ptr<T>(), dv_exp.data_ptr<T>(), dq_items.data_ptr<T>(),
-                    dk.data_ptr<T>(), dv.data_ptr<T>(), dq.data_ptr<T>(), g);
+                    order.data_ptr<int64_t>(), dk_exp.data_ptr<T>(), dv_exp.data_ptr<T>(),
+                    dq_items.data_ptr<T>(), bptr(dl_sorted), dk.data_ptr<T>(),
+                    dv.data_ptr<T>(), dq.data_ptr<T>(), bptr(dtab), bias, g);
     if (!shared) return;
     scores_backward_phase<T>(q.data_ptr<T>(), v.data_ptr<T>(), k.data_ptr<T>(),
                              probs.data_ptr<T>(), dvr.data_ptr<T>(), dls.data_ptr<T>(),
                              ds.data_ptr<T>(), dR.data_ptr<T>(), static_cast<T>(shared_scale),
-                             g);
+                             has_bias, g);
     rows_backward_phase<T>(R.data_ptr<T>(), probs.data_ptr<T>(), dvr.data_ptr<T>(),
                            dls.data_ptr<T>(), ds.data_ptr<T>(), dq.data_ptr<T>(),
-                           dk.data_ptr<T>(), dv.data_ptr<T>(), static_cast<T>(shared_scale), g);
+                           dk.data_ptr<T>(), dv.data_ptr<T>(), static_cast<T>(shared_scale),
+                           has_bias, g);
     landmarks_backward_phase<T>(dR.data_ptr<T>(), dq.data_ptr<T>(), g);
   });
-  return convert({dq, dk, dv}, in_dtype);
+  auto grads = convert({dq, dk, dv}, in_dtype);
+  if (!has_bias) {
+    for (int i = 0; i < 3; ++i) grads.push_back(torch::empty({0}, opts));
+    return grads;
+  }
+  // Sums over the batch (bh = b H + head): the per-bh buffers themselves when B = 1.
+  const int64_t B = BH / bt.H;
+  auto batch_sum = [&](const torch::Tensor& t) {
+    return B == 1 ? t : t.view([&] {
+      std::vector<int64_t> s{B, bt.H};
+      for (int64_t i = 1; i < t.dim(); ++i) s.push_back(t.size(i));
+      return s;
+    }()).sum(0);
+  };
+  grads.push_back(shared ? batch_sum(ds) : torch::empty({0}, opts));   // dbias_q [H, M, N]
+  grads.push_back(shared ? batch_sum(dls) : torch::empty({0}, opts));  // dbias_k [H, N, M]
+  grads.push_back(batch_sum(dtab));                                    // dtable [H, T]
+  return grads;
+}
+
+void check_means_geometry(const char* name, int64_t window_h, int64_t window_w, int64_t ph,
+                          int64_t pw) {
+  TORCH_CHECK(window_h >= 1 && window_w >= 1, name, ": the bias window must be positive, got ",
+              window_h, "x", window_w);
+  TORCH_CHECK(ph >= 1 && pw >= 1 && ph <= window_h && pw <= window_w, name, ": pool ", ph, "x",
+              pw, " must be within the grid ", window_h, "x", window_w);
+}
+
+// table [H, T] (float32 or float64; T = (2 Wh - 1)(2 Ww - 1) + 3) -> bias_q [H, M, N],
+// bias_k [H, N, M] in its dtype (see bias_means_phase).
+std::vector<torch::Tensor> landmark_bias(torch::Tensor table, int64_t window_h,
+                                         int64_t window_w, int64_t ph, int64_t pw) {
+  const char* name = "landmark_bias";
+  check_means_geometry(name, window_h, window_w, ph, pw);
+  const int64_t NT = (2 * window_h - 1) * (2 * window_w - 1) + 3, M = ph * pw;
+  const int64_t N = 1 + window_h * window_w;
+  TORCH_CHECK(table.device().is_cpu() && (table.scalar_type() == at::kFloat ||
+                                          table.scalar_type() == at::kDouble),
+              name, ": the table must be a float32 or float64 CPU tensor, got ",
+              table.scalar_type(), " on ", table.device());
+  TORCH_CHECK(table.dim() == 2 && table.size(0) >= 1 && table.size(1) == NT, name,
+              ": the table must be [H, ", NT, "] for a ", window_h, "x", window_w,
+              " window, got ", table.sizes());
+  table = table.contiguous();
+  const int64_t H = table.size(0);
+  auto bq = torch::empty({H, M, N}, table.options()), bk = torch::empty({H, N, M},
+                                                                         table.options());
+  AT_DISPATCH_FLOATING_TYPES(table.scalar_type(), "landmark_bias", [&] {
+    bias_means_phase<scalar_t>(table.data_ptr<scalar_t>(), bq.data_ptr<scalar_t>(),
+                               bk.data_ptr<scalar_t>(), H, window_h, window_w, ph, pw);
+  });
+  return {bq, bk};
+}
+
+// Gradient of landmark_bias: grad_q [H, M, N], grad_k [H, N, M] -> dtable [H, T] in the
+// dtype of grad_q (grad_k is converted to it).
+torch::Tensor landmark_bias_backward(torch::Tensor grad_q, torch::Tensor grad_k,
+                                     int64_t window_h, int64_t window_w, int64_t ph,
+                                     int64_t pw) {
+  const char* name = "landmark_bias_backward";
+  check_means_geometry(name, window_h, window_w, ph, pw);
+  const int64_t NT = (2 * window_h - 1) * (2 * window_w - 1) + 3, M = ph * pw;
+  const int64_t N = 1 + window_h * window_w;
+  TORCH_CHECK(grad_q.device().is_cpu() && (grad_q.scalar_type() == at::kFloat ||
+                                           grad_q.scalar_type() == at::kDouble),
+              name, ": grad_q must be a float32 or float64 CPU tensor, got ",
+              grad_q.scalar_type(), " on ", grad_q.device());
+  TORCH_CHECK(grad_q.dim() == 3 && grad_q.size(0) >= 1, name, ": grad_q must be [H, ", M,
+              ", ", N, "], got ", grad_q.sizes());
+  const int64_t H = grad_q.size(0);
+  grad_q = float_tensor(name, "grad_q", grad_q, {H, M, N}, grad_q);
+  TORCH_CHECK(grad_k.device().is_cpu() && grad_k.is_floating_point(), name,
+              ": grad_k must be a floating point CPU tensor");
+  grad_k = float_tensor(name, "grad_k", grad_k, {H, N, M}, grad_q);
+  auto dtable = torch::empty({H, NT}, grad_q.options());
+  AT_DISPATCH_FLOATING_TYPES(grad_q.scalar_type(), "landmark_bias_backward", [&] {
+    bias_means_backward_phase<scalar_t>(grad_q.data_ptr<scalar_t>(),
+                                        grad_k.data_ptr<scalar_t>(),
+                                        dtable.data_ptr<scalar_t>(), H, window_h, window_w, ph,
+                                        pw);
+  });
+  return dtable;
 }
 
 // Phase profile: profile(true) zeroes the counters and starts counting, profile(false)
@@ -949,11 +1340,34 @@ std::vector<std::pair<std::string, double>> profile(bool enable) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("mita_forward", &mita_forward,
         "Fused MiTA forward on CPU, routing included: (out, lse, keys, choice, offsets, "
-        "order, landmarks, probs, shared_logits, shared_values)");
+        "order, landmarks, probs, shared_logits, shared_values, out_float); optional "
+        "relative position bias: bias_q [H, M, N], bias_k [H, N, M], table [H, T], window",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("h"), py::arg("w"), py::arg("ph"),
+        py::arg("pw"), py::arg("prefix"), py::arg("topk"), py::arg("router_topk"),
+        py::arg("shared"), py::arg("shared_scale"), py::arg("save_probs"),
+        py::arg("bias_q") = py::none(), py::arg("bias_k") = py::none(),
+        py::arg("table") = py::none(), py::arg("window_h") = 0, py::arg("window_w") = 0);
   m.def("mita_backward", &mita_backward,
-        "Gradients of mita_forward from what it saved (CPU): (dq, dk, dv)");
+        "Gradients of mita_forward from what it saved (CPU): (dq, dk, dv, dbias_q, dbias_k, "
+        "dtable), the last three empty without a bias",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("h"), py::arg("w"), py::arg("ph"),
+        py::arg("pw"), py::arg("prefix"), py::arg("shared"), py::arg("shared_scale"),
+        py::arg("keys"), py::arg("choice"), py::arg("offsets"), py::arg("order"),
+        py::arg("R"), py::arg("probs"), py::arg("ls"), py::arg("vr"), py::arg("out"),
+        py::arg("lse"), py::arg("dout"), py::arg("table") = py::none(),
+        py::arg("window_h") = 0, py::arg("window_w") = 0);
+  m.def("landmark_bias", &landmark_bias,
+        "The landmarks' mean biases (mita_seg.ops.bias.landmark_bias) from the table [H, T]: "
+        "(bias_q [H, M, N], bias_k [H, N, M])",
+        py::arg("table"), py::arg("window_h"), py::arg("window_w"), py::arg("ph"),
+        py::arg("pw"));
+  m.def("landmark_bias_backward", &landmark_bias_backward,
+        "Gradient of landmark_bias: (grad_q, grad_k) -> dtable [H, T]", py::arg("grad_q"),
+        py::arg("grad_k"), py::arg("window_h"), py::arg("window_w"), py::arg("ph"),
+        py::arg("pw"));
   m.def("profile", &profile, "Per-phase wall time of the kernels: profile(enable)");
   m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
         "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
