@@ -226,16 +226,18 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def train(cfg: Config, work_dir: str, verbose: bool = False,
-          reuse: bool = False) -> Tuple[str, float]:
-    """Train ``cfg`` (already :func:`schedule`-d) with the Runner in ``work_dir``.
+          reuse: bool = False) -> Tuple[str, float, bool]:
+    """Train ``cfg`` (already :func:`schedule`-d) with the Runner in ``work_dir``; with
+    ``reuse``, a checkpoint of the last iteration already there is taken as it is.
 
     Returns:
-        tuple[str, float]: the last checkpoint and the training seconds (0 if reused).
+        tuple[str, float, bool]: the last checkpoint, the training seconds (for a reused
+        checkpoint, as its log shows them) and whether it was reused.
     """
     iters = cfg.train_cfg.max_iters
     done = osp.join(work_dir, f'iter_{iters}.pth')
     if reuse and osp.isfile(done):
-        return done, 0.0
+        return done, logged_training_seconds(work_dir, iters), True
     cfg.work_dir = work_dir
     prepare_config(cfg)
     runner = build_runner(cfg, verbose)
@@ -245,7 +247,29 @@ def train(cfg: Config, work_dir: str, verbose: bool = False,
     ckpt = runner.message_hub.get_info('last_ckpt') or done
     del runner
     gc.collect()
-    return ckpt, seconds
+    return ckpt, seconds, False
+
+
+def logged_training_seconds(work_dir: str, iters: int) -> float:
+    """Seconds the Runner's log in ``work_dir`` shows from the start of training to the
+    checkpoint at ``iters`` (for a reused checkpoint); 0.0 if no log shows both."""
+    import datetime
+    import glob
+    import re
+    stamp = re.compile(r'^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) - mmengine')
+    for log in sorted(glob.glob(osp.join(work_dir, '*', '*.log')), reverse=True):
+        start = end = None
+        with open(log) as f:
+            for line in f:
+                m = stamp.match(line)
+                if m and 'Checkpoints will be saved to' in line:
+                    start = m.group(1)
+                elif m and f'Saving checkpoint at {iters} iterations' in line:
+                    end = m.group(1)
+        if start and end:
+            t = [datetime.datetime.strptime(v, '%Y/%m/%d %H:%M:%S') for v in (start, end)]
+            return (t[1] - t[0]).total_seconds()
+    return 0.0
 
 
 def images_per_second(model: nn.Module, batch: dict, min_run_time: float) -> Dict[str, float]:
@@ -377,9 +401,9 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     trained = stage(f'training {s.train_iters} iterations (standard attention)', do_train)
     if trained is None:
         return result
-    ckpt, seconds = trained
+    ckpt, seconds, reused = trained
     result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1), checkpoint=ckpt,
-                           reused=seconds == 0.0)
+                           reused=reused)
 
     # 2. unswapped, the sweep, route-only check
     measure = lambda model, batch: images_per_second(model, batch,  # noqa: E731
@@ -432,7 +456,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                                                osp.join(work_dir, f'finetune_{tag}', 'export'),
                                                dict(pool_size=pool, topk=topk), opts)
             cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
-            ft_ckpt, ft_s = train(cfg, osp.join(work_dir, f'finetune_{tag}', 'train'),
+            ft_ckpt, ft_s, _ = train(cfg, osp.join(work_dir, f'finetune_{tag}', 'train'),
                                   s.verbose, s.reuse)
             values = evaluate(load_config(out_cfg), ft_ckpt,
                               osp.join(work_dir, f'finetune_{tag}', 'test'), s)
@@ -452,7 +476,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
         def do_control():
             cfg = schedule(load_config(config, opts), s.finetune_iters, s.finetune_lr_mult)
             cfg.load_from = ckpt
-            c_ckpt, c_s = train(cfg, osp.join(work_dir, 'control', 'train'), s.verbose,
+            c_ckpt, c_s, _ = train(cfg, osp.join(work_dir, 'control', 'train'), s.verbose,
                                 s.reuse)
             values = evaluate(load_config(config, opts), c_ckpt,
                               osp.join(work_dir, 'control', 'test'), s)
@@ -523,7 +547,8 @@ def markdown(study: dict) -> str:
             patch = res.get('patch_size')
             grid = (f', patch {patch}: a {shape[0] // patch}x{shape[1] // patch} grid'
                     if shape and patch else '')
-            took = ' (checkpoint reused)' if t['reused'] else f" in {t['seconds']:.0f} s"
+            took = f" in {t['seconds']:.0f} s" + (' (an earlier run; checkpoint reused)'
+                                                  if t['reused'] else '')
             out.append(f"Trained {t['iters']} iterations with standard attention{took}; "
                        f"{res.get('test_images', '?')} test images of "
                        f"{shape[0] if shape else '?'}x{shape[1] if shape else '?'}{grid}; "
