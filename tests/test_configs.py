@@ -113,6 +113,23 @@ def test_baseline_configs_are_standard_attention_and_swappable():
         out = model(x, mode='tensor')
     assert base.shape == out.shape == (1, 150, 16, 20) and torch.isfinite(out).all()
 
+    # the tiny Segmenter at 256x256 (tools/swap_study.py): a 32x32 grid, N = 1025 in the
+    # backbone and 1024 + 150 in the mask head
+    path = osp.join(ROOT, 'configs', 'baselines',
+                    'segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py')
+    cfg = Config.fromfile(path)
+    assert cfg.train_dataloader.dataset.data_root == 'data/ade/tiny_ade20k_256'
+    assert cfg.test_dataloader.dataset.pipeline[1].scale == (1024, 256)
+    model = build(cfg)
+    assert num_mita(model) == 0
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        base = model(x, mode='tensor')
+        assert swap_attention(model, pool_size=7, topk=49, verbose=False) == 4 + 2
+        out = model(x, mode='tensor')
+    assert model.backbone._mita_grid.hw_shape == (32, 32)
+    assert base.shape == out.shape == (1, 150, 32, 32) and torch.isfinite(out).all()
+
     # the tiny BEiT UperNet: 256x256 crops, a 32x32 grid of patch 8 plus cls (N = 1025)
     path = osp.join(ROOT, 'configs', 'baselines', 'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
     model = build(Config.fromfile(path))
