@@ -126,7 +126,9 @@ def test_gradcheck_float64_with_bias(backend):
         return mita_attention(q, k, v, (h, w), pool, topk, backend=backend,
                               rel_pos_bias=RelPosBias(table, (h, w)))
 
-    assert torch.autograd.gradcheck(f, tuple(tensors), atol=1e-6)
+    # fast_mode: the Jacobian checked along random directions (the full one costs 30 s
+    # through varlen's padded kernel); a wrong gradient of any input still fails it.
+    assert torch.autograd.gradcheck(f, tuple(tensors), atol=1e-6, fast_mode=True)
 
 
 def test_bias_that_does_not_fit_the_grid_is_refused():
