@@ -154,6 +154,25 @@ def kernel_profile(run, reps=5):
     return f"#   MiTA {total * 1e3:.2f} ms: {', '.join(parts)}, other {other * 1e3:.2f}"
 
 
+def grid_side(num_tokens):
+    """``s`` of ``--tokens`` ``N = 1 + s * s`` (a cls token and an ``s x s`` grid)."""
+    side = int(round((num_tokens - 1) ** 0.5))
+    if side * side + 1 != num_tokens:
+        raise SystemExit(f'--tokens must be 1 + s*s (a cls token and an s x s grid), '
+                         f'got {num_tokens}')
+    return side
+
+
+def random_inputs(H, N, d, device, dtype, requires_grad):
+    """Seeded ``q, k, v`` ``[1, H, N, d]``, an output gradient, and the generator (for
+    further seeded inputs of the same call)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, N, d, generator=g).to(device, dtype).requires_grad_(
+        requires_grad) for _ in range(3))
+    grad = torch.randn(1, H, N, d, generator=g).to(device, dtype)
+    return q, k, v, grad, g
+
+
 def op_level(args):
     H, d = args.heads, args.head_dim
     M = args.pool_size ** 2
@@ -174,17 +193,12 @@ def op_level(args):
     print(header)
     print('-' * len(header))
     for N in args.tokens:
-        side = int(round((N - 1) ** 0.5))
-        if side * side + 1 != N:
-            raise SystemExit(f'--tokens must be 1 + s*s (a cls token and an s x s grid), got {N}')
+        side = grid_side(N)
         macs = attention_flops(1, H, N, d) / mita_flops(1, H, N, d, M, args.topk)
         for dtype in args.dtypes:
             dt = getattr(torch, dtype)
             for pass_ in args.passes:
-                g = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dev, dt).requires_grad_(
-                    pass_ == 'fwd+bwd') for _ in range(3))
-                grad = torch.randn(1, H, N, d, generator=g).to(dev, dt)
+                q, k, v, grad, _ = random_inputs(H, N, d, dev, dt, pass_ == 'fwd+bwd')
                 fns = {
                     'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
                     'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
@@ -240,17 +254,12 @@ def op_bias_level(args):
     print(header)
     print('-' * len(header))
     for N in args.tokens:
-        side = int(round((N - 1) ** 0.5))
-        if side * side + 1 != N:
-            raise SystemExit(f'--tokens must be 1 + s*s (a cls token and an s x s grid), got {N}')
+        side = grid_side(N)
         for dtype in args.dtypes:
             dt = getattr(torch, dtype)
             for pass_ in args.passes:
                 train = pass_ == 'fwd+bwd'
-                g = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(1, H, N, d, generator=g).to(dev, dt).requires_grad_(
-                    train) for _ in range(3))
-                grad = torch.randn(1, H, N, d, generator=g).to(dev, dt)
+                q, k, v, grad, g = random_inputs(H, N, d, dev, dt, train)
                 # float32 as the model's parameter (BEiT's tables train from zero to ~+-1)
                 table = torch.randn(H, table_size((side, side)), generator=g).to(
                     dev).requires_grad_(train)
