@@ -10,9 +10,12 @@ if not os.environ.get('MITA_NO_EXT'):
     from torch.utils.cpp_extension import BuildExtension, CppExtension
     ext_modules.append(
         # Built for the baseline ISA, with IEEE maths (no -march=native, no -ffast-math):
-        # the kernel picks its AVX2 exponential at run time; MKL dispatches its own GEMMs.
+        # the kernel picks its AVX2 code at run time; MKL dispatches its own GEMMs.
+        # -fopenmp: at::parallel_for is inline OpenMP in ATen's headers (without it the
+        # kernel runs on one thread); libgomp.so.1 resolves to the copy torch has loaded.
         CppExtension('mita_seg._C', ['mita_seg/ops/csrc/mita_cpu.cpp'],
-                     extra_compile_args=['-O3', '-fopenmp-simd']))
+                     extra_compile_args=['-O3', '-fopenmp'],
+                     extra_link_args=['-fopenmp']))
     cmdclass['build_ext'] = BuildExtension
 
 # Name, version, dependencies and packages are in pyproject.toml.

@@ -218,6 +218,39 @@ def test_same_bits_with_one_and_two_threads():
         assert torch.equal(a, b)
 
 
+def test_kernel_phases_run_on_every_thread():
+    """The phases' at::parallel_for is inline OpenMP: an extension built without -fopenmp
+    runs them all on one thread, correct and half as fast on two cores."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert _C.parallel_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_kernel_conversions_are_tensor_to(dtype):
+    """bf16/fp16 inputs are widened and outputs narrowed by the kernel's own vector code:
+    bit for bit Tensor.to, ties (to even), infinities, subnormals and overflow included, at
+    every length around the 8-wide vectors; NaN stays NaN (its payload bits may differ)."""
+    info = torch.finfo(dtype)
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 100
+    ulp = torch.tensor([1.0, 3.0, 2.0 ** -10, info.tiny]).to(torch.float32)
+    special = torch.tensor([0.0, -0.0, float('inf'), float('-inf'), float('nan'), info.max,
+                            -info.max, 3.5e38, -3.5e38, 1e-40, info.tiny / 3, 65520.0])
+    # exact ties between two values of dtype: v + ulp(v) / 2
+    ties = ulp + (ulp * info.eps / 2)
+    x = torch.cat([special, ties, -ties, x])
+    for n in (1, 7, 8, 9, 15, 17, x.numel()):
+        for src, to, bits in ((x[:n], dtype, torch.int16), (x[:n].to(dtype), torch.float32,
+                                                              torch.int32)):
+            ours, ref = _C._convert(src, to), src.to(to)
+            assert torch.equal(ours.isnan(), ref.isnan()), n
+            assert torch.equal(ours.nan_to_num(0).view(bits), ref.nan_to_num(0).view(bits)), n
+
+
 def test_profile_counts_every_phase():
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1 + 64, 16))
     bias = _bias(2, 8, 8)
