@@ -362,6 +362,18 @@ void topk_indices(const T* s, int64_t n, int64_t K, int64_t* out,
   for (int64_t j = 0; j < K; ++j) out[j] = cand[j].second;
 }
 
+// Tasks over landmarks (forward phase 2, backward D): (blocks per bh, landmarks per block).
+// Blocks of at most 32 landmarks, of equal size (M = 49: 25 + 24): each block streams K
+// and V once and MKL packs K^T once per block; at N = 16385 the forward's blocks of 8 took
+// 2.2x the time (K, V and the packing repeated 7 times per head). Smaller blocks when there
+// are too few tasks for the threads.
+std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g) {
+  int64_t blocks = (g.M + 31) / 32;
+  while (blocks < g.M && g.BH * blocks < 2 * at::get_num_threads()) ++blocks;
+  const int64_t LB = (g.M + blocks - 1) / blocks;
+  return {(g.M + LB - 1) / LB, LB};  // none empty
+}
+
 // ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values.
 // probs: [BH, M, N] softmax(S) saved for the backward, or null (a local buffer is used).
 // With a bias, S += bq[h] (the landmarks' mean bias) before the top-k and the softmax.
@@ -369,14 +381,7 @@ template <typename T>
 void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, T* vr,
                    bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kExperts);
-  // Blocks of at most 32 landmarks, of equal size (M = 49: 25 + 24): each block streams K
-  // and V once and MKL packs K^T once per block; at N = 16385, 8 landmarks a block took
-  // 2.2x the time (K, V and the packing repeated 7 times per head). Smaller blocks when
-  // there are too few tasks for the threads.
-  int64_t blocks = (g.M + 31) / 32;
-  while (blocks < g.M && g.BH * blocks < 2 * at::get_num_threads()) ++blocks;
-  const int64_t LB = (g.M + blocks - 1) / blocks;
-  blocks = (g.M + LB - 1) / LB;  // none empty
+  const auto [blocks, LB] = landmark_blocks(g);
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d)));
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
@@ -760,8 +765,8 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
                            const T* dls, T* ds, T* dR, T shared_scale, bool unscaled_ds,
                            const Geometry& g) {
   PhaseTimer timer(kBwdScores);
-  constexpr int64_t LB = 8;
-  const int64_t blocks = (g.M + LB - 1) / LB, N = g.N, M = g.M, d = g.d;
+  const auto [blocks, LB] = landmark_blocks(g);
+  const int64_t N = g.N, M = g.M, d = g.d;
   const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   const T c_in = unscaled_ds ? T(1) : c, c_gemm = unscaled_ds ? c : T(1);
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
