@@ -32,6 +32,7 @@ Examples::
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
+    python tools/benchmark.py --level model --profile         # + the kernel's share
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
@@ -137,9 +138,9 @@ def timed_call(f, pass_, inputs, grad):
     return run
 
 
-def kernel_profile(run, reps=5):
-    """One line: the fused CPU kernel's phases (ms per call, summed over threads' wall
-    time of each phase; ``other`` is the rest: Python, dtype conversions, allocation)."""
+def profiled(run, reps=5):
+    """Seconds per call of ``run`` and the fused CPU kernel's phases within it (seconds per
+    call, each phase's wall time)."""
     from mita_seg.ops.fused_cpu import profile
     profile(True)
     try:
@@ -149,8 +150,15 @@ def kernel_profile(run, reps=5):
         total = (time.perf_counter() - t0) / reps
     finally:
         phases = profile(False)
-    parts = [f'{k} {v / reps * 1e3:.2f}' for k, v in phases.items() if v > 0]
-    other = total - sum(phases.values()) / reps
+    return total, {k: v / reps for k, v in phases.items() if v > 0}
+
+
+def kernel_profile(run, reps=5):
+    """One line: the fused CPU kernel's phases (ms per call, summed over threads' wall
+    time of each phase; ``other`` is the rest: Python, dtype conversions, allocation)."""
+    total, phases = profiled(run, reps)
+    parts = [f'{k} {v * 1e3:.2f}' for k, v in phases.items()]
+    other = total - sum(phases.values())
     return f"#   MiTA {total * 1e3:.2f} ms: {', '.join(parts)}, other {other * 1e3:.2f}"
 
 
@@ -338,6 +346,14 @@ def model_level(args):
         print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {res['base'][0]:10.3f} "
               f"{res['MiTA'][0]:10.3f} {res['MiTA'][0] / res['base'][0]:7.2f}x | "
               f"{res['base'][1]:8.0f} {res['MiTA'][1]:8.0f}", flush=True)
+        if args.profile and dev.type == 'cpu':
+            with torch.no_grad():
+                total, phases = profiled(run, reps=2)
+            kernel = sum(phases.values())
+            print(f'#   MiTA {total:.2f} s per image, {kernel:.2f} s of it in the kernel '
+                  f'({100 * kernel / total:.0f}%); the rest alone would run '
+                  f"{(1 / res['base'][0]) / (total - kernel):.2f}x the baseline's images/s",
+                  flush=True)
 
 
 def parse_args():
@@ -365,8 +381,9 @@ def parse_args():
                    help='operator level: with BEiT\'s relative position bias (each MiTA '
                    'backend that takes it and SDPA with the dense bias, with and without it)')
     p.add_argument('--profile', action='store_true',
-                   help='operator level, fused CPU backend: print the time of each phase of '
-                   'the kernel under each row')
+                   help='fused CPU backend: under each row, the time of each phase of the '
+                   'kernel (operator level), or the kernel\'s share of the swapped model\'s '
+                   'time and the speed-up that leaves at most (model level)')
     p.add_argument('--min-run-time', type=float, default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-mmcv-gib', type=float, default=8.0,

@@ -407,25 +407,8 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
   });
 }
 
-// Shared logits of queries n0 .. n0 + G of bh into out [G, M]: q (R * shared_scale)^T
-// (+ bk[h] with a bias); rs holds R[bh] * shared_scale, as ATen computes it (scale_landmarks).
-template <typename T>
-void scale_landmarks(const T* R, int64_t bh, T shared_scale, T* rs, const Geometry& g) {
-  const T* r = R + bh * g.M * g.d;
-  for (int64_t c = 0; c < g.M * g.d; ++c) rs[c] = r[c] * shared_scale;
-}
-
-template <typename T>
-void shared_logits(const T* q, const T* rs, const Bias<T>& bias, int64_t bh, int64_t n0,
-                   int64_t G, T* out, const Geometry& g) {
-  gemm(false, true, G, g.M, g.d, q + (bh * g.N + n0) * g.d, g.d, rs, g.d, out, g.M);
-  if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
-    axpy(out, T(1), bias.bk + (bias.head(bh) * g.N + n0) * g.M, G * g.M);
-}
-
-// ---- Forward phase 3: shared logits Ls (kept in ls [BH, N, M] for phase 6 and the
-// backward when training; else in a local buffer, phase 6 recomputes them: at N = 16385
-// the kept Ls is 38 MiB of fresh memory) and each query's choices.
+// ---- Forward phase 3: shared logits Ls = q (R * shared_scale)^T (+ bk[h] with a bias) and
+// each query's choices.
 template <typename T>
 void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale,
                   const Bias<T>& bias, const Geometry& g) {
@@ -434,14 +417,20 @@ void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale
   const int64_t chunks = (g.N + CH - 1) / CH;
   at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> rs(g.M * g.d), local(ls ? 0 : CH * g.M);
+    std::vector<T> rs(g.M * g.d);
     std::vector<int64_t> ids(g.M);
     int64_t rs_of = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
-      if (rs_of != bh) scale_landmarks(R, rs_of = bh, shared_scale, rs.data(), g);
-      T* out = ls ? ls + (bh * g.N + n0) * g.M : local.data();
-      shared_logits(q, rs.data(), bias, bh, n0, G, out, g);
+      if (rs_of != bh) {  // R * shared_scale, as ATen computes it
+        const T* r = R + bh * g.M * g.d;
+        for (int64_t c = 0; c < g.M * g.d; ++c) rs[c] = r[c] * shared_scale;
+        rs_of = bh;
+      }
+      T* out = ls + (bh * g.N + n0) * g.M;
+      gemm(false, true, G, g.M, g.d, q + (bh * g.N + n0) * g.d, g.d, rs.data(), g.d, out, g.M);
+      if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
+        axpy(out, T(1), bias.bk + (bias.head(bh) * g.N + n0) * g.M, G * g.M);
       for (int64_t n = 0; n < G; ++n) {
         const T* row = out + n * g.M;
         int64_t* ch = choice + (bh * g.N + n0 + n) * g.R;
@@ -539,24 +528,15 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
 // With R = 1, o_items may be out itself (each task reads a row before it writes it).
 template <typename T>
 void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr, T* out,
-                 T* lse_out, bool shared, const T* q, const T* landmarks, T shared_scale,
-                 const Bias<T>& bias, const Geometry& g) {
+                 T* lse_out, bool shared, const Geometry& g) {
   PhaseTimer timer(kMerge);
-  constexpr int64_t CH = 128;  // as phase 3: recomputed Ls are phase 3's bits
+  constexpr int64_t CH = 128;
   const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, R = g.R, d = g.d;
   at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
     std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH), shv(CH * d);
-    std::vector<T> rs(shared && !ls ? M * d : 0);
-    int64_t rs_of = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
-      if (shared && ls) {
-        std::copy(ls + (bh * g.N + n0) * M, ls + (bh * g.N + n0 + G) * M, p.data());
-      } else if (shared) {
-        if (rs_of != bh) scale_landmarks(landmarks, rs_of = bh, shared_scale, rs.data(), g);
-        shared_logits(q, rs.data(), bias, bh, n0, G, p.data(), g);
-      }
       for (int64_t n = 0; n < G; ++n) {
         const int64_t i = bh * g.N + n0 + n;
         T m = -std::numeric_limits<T>::infinity();
@@ -564,6 +544,7 @@ void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr,
         T s = 0;
         if (shared) {  // shared logits enter the softmax directly, relative to m
           T* pr = p.data() + n * M;
+          std::copy(ls + i * M, ls + (i + 1) * M, pr);
           m = std::max(m, row_max(pr, M));
           s = exp_shift(pr, M, m);
         }
@@ -1183,8 +1164,8 @@ BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tenso
 // mita_seg.ops.bias.landmark_bias) and the table [H, T] (see bias_tensors). Returns
 //   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
 //   keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
-//   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S)) and Ls [BH, N, M] (shared
-//   logits), both empty unless shared and save_probs, V_R [BH, M, d] (empty without shared),
+//   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
+//   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared),
 //   and, for bf16/fp16 inputs, out in float32 (what the backward reads; empty otherwise).
 // bf16/fp16 inputs are computed in float32 (routing identical to float32 on the same values);
 // the first out has the inputs' dtype, every other tensor float32/float64.
@@ -1217,7 +1198,7 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   auto order = torch::empty({g.BH, g.N * g.R}, lopts);
   auto R = torch::empty({g.BH, g.M, g.d}, opts);
   auto probs = torch::empty({shared && save_probs ? g.BH : 0, g.M, g.N}, opts);
-  auto ls = torch::empty({shared && save_probs ? g.BH : 0, g.N, g.M}, opts);
+  auto ls = torch::empty({g.BH, g.N, g.M}, opts);
   auto vr = torch::empty({shared ? g.BH : 0, g.M, g.d}, opts);
   auto o_items = g.R == 1 ? out : torch::empty({g.BH, g.N * g.R, g.d}, opts);
   auto lse_items = torch::empty({g.BH, g.N * g.R}, opts);
@@ -1229,8 +1210,7 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
     experts_phase<T>(k.data_ptr<T>(), v.data_ptr<T>(), R.data_ptr<T>(),
                      keys.data_ptr<int64_t>(), probs.numel() ? probs.data_ptr<T>() : nullptr,
                      shared ? vr.data_ptr<T>() : nullptr, shared, bias, g);
-    T* lsp = ls.numel() ? ls.data_ptr<T>() : nullptr;
-    router_phase<T>(qp, R.data_ptr<T>(), lsp, choice.data_ptr<int64_t>(),
+    router_phase<T>(qp, R.data_ptr<T>(), ls.data_ptr<T>(), choice.data_ptr<int64_t>(),
                     static_cast<T>(shared_scale), bias, g);
     group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
                 offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
@@ -1238,9 +1218,9 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
                     offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
                     o_items.data_ptr<T>(), lse_items.data_ptr<T>(),
                     static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g);
-    merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), lsp,
+    merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), ls.data_ptr<T>(),
                    shared ? vr.data_ptr<T>() : nullptr, out.data_ptr<T>(), lse.data_ptr<T>(),
-                   shared, qp, R.data_ptr<T>(), static_cast<T>(shared_scale), bias, g);
+                   shared, g);
   });
   if (in_dtype == acc) return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
                                torch::empty({0}, opts)};  // no aliased returns
