@@ -21,8 +21,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV=.venv
 STAMP=$VENV/.setup-stamp
 
-# Everything that decides the environment's contents goes into the stamp.
-want=$( { echo "$TORCH_SPEC"; cat "$0" requirements.txt setup.py pyproject.toml; } | sha256sum | cut -d' ' -f1)
+# Everything that decides the environment's contents goes into the stamp (the kernel's
+# source too: the editable install builds mita_seg._C once, so a changed kernel rebuilds).
+want=$( { echo "$TORCH_SPEC"; cat "$0" requirements.txt setup.py pyproject.toml mita_seg/ops/csrc/*; } | sha256sum | cut -d' ' -f1)
 if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
     exit 0
 fi
