@@ -35,6 +35,19 @@ def num_mita(module):
     return sum(isinstance(m, MiTASettingsMixin) for m in module.modules())
 
 
+def unswapped_and_swapped(model, x, swapped, **mita_cfg):
+    """``model(x)`` in tensor mode before and after ``swap_attention(model, **mita_cfg)``,
+    which must find no MiTA module before and swap ``swapped`` attention modules."""
+    from mita_seg import swap_attention
+    assert num_mita(model) == 0
+    with torch.no_grad():
+        base = model(x, mode='tensor')
+        assert swap_attention(model, verbose=False, **mita_cfg) == swapped
+        out = model(x, mode='tensor')
+    assert torch.isfinite(out).all()
+    return base, out
+
+
 def test_configs_exist():
     names = [cfg_id(c) for c in CONFIGS]
     assert 'mita_upernet_ade20k' in names
@@ -104,14 +117,9 @@ def test_baseline_configs_are_standard_attention_and_swappable():
     path = osp.join(ROOT, 'configs', 'baselines',
                     'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
     model = build(Config.fromfile(path))
-    assert num_mita(model) == 0
-    x = torch.randn(1, 3, 128, 160)
-    with torch.no_grad():
-        base = model(x, mode='tensor')
-        from mita_seg import swap_attention
-        assert swap_attention(model, pool_size=4, topk=16, verbose=False) == 4 + 2
-        out = model(x, mode='tensor')
-    assert base.shape == out.shape == (1, 150, 16, 20) and torch.isfinite(out).all()
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 128, 160), 4 + 2, pool_size=4,
+                                      topk=16)
+    assert base.shape == out.shape == (1, 150, 16, 20)
 
     # the tiny Segmenter at 256x256 (tools/swap_study.py): a 32x32 grid, N = 1025 in the
     # backbone and 1024 + 150 in the mask head
@@ -121,23 +129,14 @@ def test_baseline_configs_are_standard_attention_and_swappable():
     assert cfg.train_dataloader.dataset.data_root == 'data/ade/tiny_ade20k_256'
     assert cfg.test_dataloader.dataset.pipeline[1].scale == (1024, 256)
     model = build(cfg)
-    assert num_mita(model) == 0
-    x = torch.randn(1, 3, 256, 256)
-    with torch.no_grad():
-        base = model(x, mode='tensor')
-        assert swap_attention(model, pool_size=7, topk=49, verbose=False) == 4 + 2
-        out = model(x, mode='tensor')
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4 + 2, pool_size=7,
+                                      topk=49)
     assert model.backbone._mita_grid.hw_shape == (32, 32)
-    assert base.shape == out.shape == (1, 150, 32, 32) and torch.isfinite(out).all()
+    assert base.shape == out.shape == (1, 150, 32, 32)
 
     # the tiny BEiT UperNet: 256x256 crops, a 32x32 grid of patch 8 plus cls (N = 1025)
     path = osp.join(ROOT, 'configs', 'baselines', 'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
     model = build(Config.fromfile(path))
-    assert num_mita(model) == 0
-    x = torch.randn(1, 3, 256, 256)
-    with torch.no_grad():
-        base = model(x, mode='tensor')
-        assert swap_attention(model, verbose=False) == 4
-        out = model(x, mode='tensor')
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4)
     assert model.backbone._mita_grid.hw_shape == (32, 32)
-    assert base.shape == out.shape == (1, 150, 64, 64) and torch.isfinite(out).all()
+    assert base.shape == out.shape == (1, 150, 64, 64)
