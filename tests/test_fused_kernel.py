@@ -266,13 +266,15 @@ def test_profile_counts_every_phase():
     bias.table.requires_grad_()
     profile(True)
     try:
-        for b in (None, bias):  # the bias means run only with a bias
-            out = mita_attention(q, k, v, (8, 8), 2, 9, backend='fused_cpu', rel_pos_bias=b)
+        # the bias means run only with a bias, the merge phase only with r > 1
+        for b, r in ((None, 2), (bias, 1)):
+            out = mita_attention(q, k, v, (8, 8), 2, 9, router_topk=r, backend='fused_cpu',
+                                 rel_pos_bias=b)
             out.sum().backward()
     finally:
         phases = profile(False)
-    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'bwd.routed', 'bwd.scores',
-                           'fwd.bias_means', 'bwd.bias_means'}
+    assert set(phases) >= {'fwd.experts', 'fwd.routed', 'fwd.merge', 'bwd.routed',
+                           'bwd.scores', 'fwd.bias_means', 'bwd.bias_means'}
     assert all(t > 0 for t in phases.values()), phases
 
 
@@ -332,7 +334,51 @@ def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype):
     res = _C.mita_forward(*flat, h, w, *pool, 1, topk, r, True, 1.0 / d, False, Bq, Bk,
                           bias.table, h, w)
     assert res[7].numel() == 0 and torch.equal(res[2], keys)
-    torch.testing.assert_close(res[0], out, atol=1e-6, rtol=1e-6)
+    # (in float32: the scores in tiles sum in another order, an fp16 output may round apart)
+    res32 = res[0] if dtype == torch.float32 else res[10]
+    torch.testing.assert_close(res32, out32, atol=1e-6, rtol=1e-5)
+
+
+def test_tiled_scores_as_one_tile():
+    """Without a backward the experts work on tiles of 1024 keys (an online softmax for V_R,
+    the top-k fed tile by tile); with one they take whole rows. N = 2305 is three tiles.
+    Scores that are -inf over the first tile and more, a maximum in the last tile, NaN
+    scores (never selected), and queries whose shared logits are all -inf (the routed
+    expert alone, as route-only MiTA) give the same routing and outputs either way."""
+    H, h, w, d, pool, topk = 2, 48, 48, 16, (7, 7), 49
+    N, M = 1 + h * w, pool[0] * pool[1]
+    q, k, v = (t.reshape(H, N, d) for t in _qkv(1, H, N, d, seed=6))
+    bias = _bias(H, h, w)
+    Bq, Bk = (t.clone() for t in landmark_bias(bias, pool))
+    Bq[:, 0, :1500] = float('-inf')                       # nothing in tile 0, part of tile 1
+    Bq[:, 3] += torch.linspace(0, 20, N)                  # the maximum moves to the last tile
+    Bk[:, 5:10] = float('-inf')                           # no shared expert for queries 5-9
+
+    def run(save, Bq=Bq, shared=True):
+        return _C.mita_forward(q, k, v, h, w, *pool, 1, topk, 1, shared, 1.0 / d, save, Bq, Bk,
+                               bias.table, h, w)
+
+    tiled, whole = run(False), run(True)
+    for i in range(2, 6):  # keys, choice, offsets, order
+        assert torch.equal(tiled[i], whole[i])
+    for i in (0, 1, 9):  # out, lse, V_R
+        torch.testing.assert_close(tiled[i], whole[i], atol=1e-5, rtol=1e-5)
+    rt = mita_routing(q[None], k[None], (h, w), pool, topk, 1, 1, landmark_bias=(Bq, Bk))
+    assert torch.equal(tiled[2].sort(-1).values, rt.expert_keys[0].sort(-1).values)
+    assert (tiled[2][:, 0] >= 1500).all()
+    torch.testing.assert_close(tiled[9], torch.softmax(rt.scores[0], -1) @ v, atol=1e-5,
+                               rtol=1e-5)
+    alone = run(False, shared=False)  # route-only: the same choices, no shared expert
+    assert torch.equal(alone[3], tiled[3])
+    torch.testing.assert_close(tiled[0][:, 5:10], alone[0][:, 5:10], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(tiled[0][:, 10:20], alone[0][:, 10:20])
+    # NaN scores: never among the keys while others are available; V_R is NaN (as softmax)
+    nan = Bq.clone()
+    nan[:, 2, 1000:1100] = float('nan')
+    tiled, whole = run(False, nan), run(True, nan)
+    assert torch.equal(tiled[2], whole[2])
+    assert not ((tiled[2][:, 2] >= 1000) & (tiled[2][:, 2] < 1100)).any()
+    assert tiled[9][:, 2].isnan().all() and not tiled[9][:, 3].isnan().any()
 
 
 def _bias_call(case='vit-7x11'):

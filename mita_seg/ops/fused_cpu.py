@@ -84,7 +84,7 @@ def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, sa
             q.new_empty(BH, N, r, **long), q.new_empty(BH, M + 1, **long),
             q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d, **acc),
             q.new_empty(BH if shared and save_probs else 0, M, N, **acc),
-            q.new_empty(BH, N, M, **acc), q.new_empty(BH if shared else 0, M, d, **acc),
+            q.new_empty(BH if shared and save_probs else 0, N, M, **acc), q.new_empty(BH if shared else 0, M, d, **acc),
             q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)]
 
 

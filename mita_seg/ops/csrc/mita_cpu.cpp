@@ -332,111 +332,219 @@ void landmarks_phase(const T* q, T* R, const Geometry& g) {
   });
 }
 
-// The K largest entries of s[0..n) (indices, in no particular order), by selection: the
-// maxima of 2K disjoint runs of s have K of their number >= their K-th largest t, so the K
-// largest entries of s are all >= t; the candidates >= t (typically ~2K of n) go through
-// nth_element. NaN scores are never selected while K others are available.
-template <typename T>
-void topk_indices(const T* s, int64_t n, int64_t K, int64_t* out,
-                  std::vector<std::pair<T, int64_t>>& cand, std::vector<T>& maxima) {
-  auto greater = [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
-    return a.first > b.first;
-  };
-  cand.clear();
-  const int64_t runs = 2 * K;
-  if (runs * 4 <= n) {
-    maxima.resize(runs);
-    for (int64_t r = 0; r < runs; ++r) maxima[r] = row_max(s + r * n / runs,
-                                                           (r + 1) * n / runs - r * n / runs);
-    std::nth_element(maxima.begin(), maxima.begin() + (K - 1), maxima.end(), std::greater<T>());
-    const T t = maxima[K - 1];
-    for (int64_t j = 0; j < n; ++j)
-      if (s[j] >= t) cand.emplace_back(s[j], j);
+// The K largest entries of a row s[0..n), fed in tiles (their indices, ascending), by
+// selection, not sorting. Each tile's entries >= the bound go to the candidates; the bound
+// is the K-th largest candidate once K are kept (an entry below it cannot be among the K
+// largest). Before that, a tile gets a bound of its own: the maxima of 2K disjoint runs of
+// the tile have K of their number >= their K-th largest t, so the tile's K largest entries
+// (all an entry of the tile can be) are >= t; typically ~2K candidates pass. Candidates are
+// pruned to the K largest (nth_element) after the first tile that brings K, and whenever
+// they reach 4K. NaN scores are never selected while K others are available (a tile that
+// leaves fewer than K candidates adds all its entries, NaN as -inf).
+// Appends (s[j], j0 + j) to cand for the entries s[j] >= t (never NaN); in a tile after
+// the first, few entries are. AVX2: 16 compared at a time.
+__attribute__((target("avx2"))) void append_at_least_avx2(
+    const float* s, int64_t n, float t, int64_t j0, std::vector<std::pair<float, int64_t>>& cand) {
+  const __m256 tv = _mm256_set1_ps(t);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(s + j), tv, _CMP_GE_OQ);  // NaN: false
+    const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(s + j + 8), tv, _CMP_GE_OQ);
+    unsigned mask = _mm256_movemask_ps(a) | (_mm256_movemask_ps(b) << 8);
+    for (; mask; mask &= mask - 1) {
+      const int64_t i = j + __builtin_ctz(mask);
+      cand.emplace_back(s[i], j0 + i);
+    }
   }
-  if (static_cast<int64_t>(cand.size()) < K) {  // small n, or NaNs / -inf everywhere
-    cand.clear();
-    for (int64_t j = 0; j < n; ++j)
-      cand.emplace_back(std::isnan(s[j]) ? -std::numeric_limits<T>::infinity() : s[j], j);
-  }
-  std::nth_element(cand.begin(), cand.begin() + (K - 1), cand.end(), greater);
-  for (int64_t j = 0; j < K; ++j) out[j] = cand[j].second;
+  for (; j < n; ++j)
+    if (s[j] >= t) cand.emplace_back(s[j], j0 + j);
 }
 
+template <typename T>
+inline void append_at_least(const T* s, int64_t n, T t, int64_t j0,
+                            std::vector<std::pair<T, int64_t>>& cand) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (g_has_avx2) return append_at_least_avx2(s, n, t, j0, cand);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (s[j] >= t) cand.emplace_back(s[j], j0 + j);
+}
+
+template <typename T>
+struct TopK {
+  std::vector<std::pair<T, int64_t>> cand;
+  std::vector<T> maxima;
+  T bound;
+  bool bounded;
+  int64_t K;
+
+  void start(int64_t k) {
+    cand.clear();
+    bound = -std::numeric_limits<T>::infinity();
+    bounded = false;
+    K = k;
+  }
+
+  void feed(const T* s, int64_t n, int64_t j0) {  // entries s[0..n) are j0 .. j0 + n
+    const size_t before = cand.size();
+    T t = bound;
+    const int64_t runs = 2 * K;
+    if (!bounded && runs * 4 <= n) {
+      maxima.resize(runs);
+      for (int64_t r = 0; r < runs; ++r)
+        maxima[r] = row_max(s + r * n / runs, (r + 1) * n / runs - r * n / runs);
+      std::nth_element(maxima.begin(), maxima.begin() + (K - 1), maxima.end(),
+                       std::greater<T>());
+      t = std::max(t, maxima[K - 1]);
+    }
+    append_at_least(s, n, t, j0, cand);
+    if (static_cast<int64_t>(cand.size()) < K) {  // small tile, or NaNs / -inf everywhere
+      cand.resize(before);
+      for (int64_t j = 0; j < n; ++j)
+        cand.emplace_back(std::isnan(s[j]) ? -std::numeric_limits<T>::infinity() : s[j],
+                          j0 + j);
+    }
+    const int64_t c = cand.size();
+    if (c >= 4 * K || (!bounded && c >= K)) prune();
+  }
+
+  void prune() {  // keep the K largest; the K-th of them is the bound from now on
+    std::nth_element(cand.begin(), cand.begin() + (K - 1), cand.end(),
+                     [](const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
+                       return a.first > b.first;
+                     });
+    cand.resize(K);
+    bound = cand[K - 1].first;
+    bounded = true;
+  }
+
+  void finish(int64_t* out) {  // the K indices, ascending (at least K entries were fed)
+    if (static_cast<int64_t>(cand.size()) > K) prune();
+    for (int64_t j = 0; j < K; ++j) out[j] = cand[j].second;
+    std::sort(out, out + K);  // the same for any tiling; and the gathers read keys in order
+  }
+};
+
 // Tasks over landmarks (forward phase 2, backward D): (blocks per bh, landmarks per block).
-// Blocks of at most 32 landmarks, of equal size (M = 49: 25 + 24): each block streams K
-// and V once and MKL packs K^T once per block; at N = 16385 the forward's blocks of 8 took
-// 2.2x the time (K, V and the packing repeated 7 times per head). Smaller blocks when there
-// are too few tasks for the threads.
-std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g) {
-  int64_t blocks = (g.M + 31) / 32;
+// Blocks of at most `most` landmarks, of equal size; smaller blocks only when there are too
+// few tasks for the threads. Each block streams K and V once (and MKL packs K^T once per
+// block): the forward, whose scores are tiled, takes all M = 49 landmarks in one block (at
+// N = 16385 its GEMMs ran at half their in-cache speed with two blocks of 25 reading K, V
+// from memory twice); the backward's untiled [LB, N] rows take blocks of up to 32 (25 + 24).
+std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g, int64_t most) {
+  int64_t blocks = (g.M + most - 1) / most;
   while (blocks < g.M && g.BH * blocks < 2 * at::get_num_threads()) ++blocks;
   const int64_t LB = (g.M + blocks - 1) / blocks;
   return {(g.M + LB - 1) / LB, LB};  // none empty
 }
 
-// ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values.
-// probs: [BH, M, N] softmax(S) saved for the backward, or null (a local buffer is used).
-// With a bias, S += bq[h] (the landmarks' mean bias) before the top-k and the softmax.
+// ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values, in
+// tiles of TN keys so that the block's scores stay in L2: S_t = (R / sqrt(d)) K_t^T [LB, TN],
+// each row's top-k fed tile by tile, and V_R = softmax(S) V by an online softmax (running
+// max and sum per row, the accumulator rescaled when the max grows; FlashAttention's).
+// probs: [BH, M, N] softmax(S) saved for the backward (one tile: the whole row, normalised
+// at the end), or null. With a bias, S += bq[h] (the landmarks' mean bias) before the top-k
+// and the softmax.
 template <typename T>
 void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, T* vr,
                    bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kExperts);
-  const auto [blocks, LB] = landmark_blocks(g);
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d)));
+  const auto [blocks, LB] = landmark_blocks(g, probs ? 32 : 64);
+  constexpr int64_t kTile = 1024;  // [49, 1024] scores: 200 KB
+  const int64_t TN = probs ? g.N : std::min(g.N, kTile), d = g.d;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> rc(LB * g.d), local(probs ? 0 : LB * g.N);
-    std::vector<std::pair<T, int64_t>> cand;
-    std::vector<T> maxima;
+    std::vector<T> rc(LB * d), local(probs ? 0 : LB * TN), mx(LB), sum(LB), acc(LB * d);
+    std::vector<TopK<T>> top(LB);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
-      const T* r = R + (bh * g.M + m0) * g.d;
-      for (int64_t c = 0; c < L * g.d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
-      T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();
-      gemm(false, true, L, g.N, g.d, rc.data(), g.d, k + bh * g.N * g.d, g.d, s, g.N);
-      if (bias.on())  // S [L, N] += bq[h, m0 .. m0 + L] (contiguous rows)
-        axpy(s, T(1), bias.bq + (bias.head(bh) * g.M + m0) * g.N, L * g.N);
-      for (int64_t l = 0; l < L; ++l) {
-        topk_indices(s + l * g.N, g.N, g.K, keys + (bh * g.M + m0 + l) * g.K, cand, maxima);
-        if (shared) softmax_row(s + l * g.N, g.N);
+      const T* r = R + (bh * g.M + m0) * d;
+      const T* kb = k + bh * g.N * d;
+      const T* vb = v + bh * g.N * d;
+      for (int64_t c = 0; c < L * d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
+      for (int64_t l = 0; l < L; ++l) top[l].start(g.K);
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), T(0));
+      for (int64_t j0 = 0; j0 < g.N; j0 += TN) {
+        const int64_t n = std::min(g.N, j0 + TN) - j0;
+        T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();  // [L, n], row stride n
+        gemm(false, true, L, n, d, rc.data(), d, kb + j0 * d, d, s, n);
+        if (bias.on())  // S [L, n] += bq[h, m0 .. m0 + L, j0 .. j0 + n]
+          for (int64_t l = 0; l < L; ++l)
+            axpy(s + l * n, T(1), bias.bq + (bias.head(bh) * g.M + m0 + l) * g.N + j0, n);
+        for (int64_t l = 0; l < L; ++l) {
+          T* row = s + l * n;
+          top[l].feed(row, n, j0);
+          if (!shared) continue;
+          const T m = std::max(mx[l], row_max(row, n));
+          if (m == neg_inf) {  // no finite score yet: this tile weighs nothing
+            std::fill(row, row + n, T(0));
+            continue;
+          }
+          if (m > mx[l] && j0 > 0) {  // rescale what the earlier tiles summed
+            const T f = std::exp(mx[l] - m);
+            sum[l] *= f;
+            for (int64_t c = 0; c < d; ++c) acc[l * d + c] *= f;
+          }
+          mx[l] = m;
+          sum[l] += exp_shift(row, n, m);
+        }
+        if (shared)  // acc [L, d] (+)= exp(S_t - max) V_t
+          gemm(false, false, L, d, n, s, n, vb + j0 * d, d, acc.data(), d, j0 > 0);
       }
-      if (shared)
-        gemm(false, false, L, g.d, g.N, s, g.N, v + bh * g.N * g.d, g.d,
-             vr + (bh * g.M + m0) * g.d, g.d);
+      for (int64_t l = 0; l < L; ++l) {
+        top[l].finish(keys + (bh * g.M + m0 + l) * g.K);
+        if (!shared) continue;
+        const T inv = T(1) / sum[l];
+        T* o = vr + (bh * g.M + m0 + l) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = acc[l * d + c] * inv;
+        if (probs) {  // the saved softmax(S), normalised
+          T* p = probs + (bh * g.M + m0 + l) * g.N;
+#pragma omp simd
+          for (int64_t j = 0; j < g.N; ++j) p[j] *= inv;
+        }
+      }
     }
   });
 }
 
-// ---- Forward phase 3: shared logits Ls = q (R * shared_scale)^T (+ bk[h] with a bias) and
-// each query's choices.
+// ---- Forward phase 3: per (bh, chunk of CH queries): the shared logits Ls = q (R *
+// shared_scale)^T (+ bk[h] with a bias) [CH, M] (into ls where the backward needs them,
+// else a local buffer), each query's choices, and the shared expert's read-out: out =
+// softmax(Ls) V_R, lse = its log-sum-exp (-inf without the shared expert, or where every
+// shared logit is -inf: out is then not written). Phase 5 (R = 1) or 6 merges the routed
+// partials into out and lse.
 template <typename T>
-void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale,
-                  const Bias<T>& bias, const Geometry& g) {
+void router_phase(const T* q, const T* R, const T* vr, T* ls, int64_t* choice, T* out, T* lse,
+                  T shared_scale, bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouter);
   constexpr int64_t CH = 128;
-  const int64_t chunks = (g.N + CH - 1) / CH;
+  const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, d = g.d;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> rs(g.M * g.d);
-    std::vector<int64_t> ids(g.M);
+    std::vector<T> rs(M * d), local(ls ? 0 : CH * M), p(shared ? CH * M : 0), inv(CH);
+    std::vector<int64_t> ids(M);
     int64_t rs_of = -1;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
       if (rs_of != bh) {  // R * shared_scale, as ATen computes it
-        const T* r = R + bh * g.M * g.d;
-        for (int64_t c = 0; c < g.M * g.d; ++c) rs[c] = r[c] * shared_scale;
+        const T* r = R + bh * M * d;
+        for (int64_t c = 0; c < M * d; ++c) rs[c] = r[c] * shared_scale;
         rs_of = bh;
       }
-      T* out = ls + (bh * g.N + n0) * g.M;
-      gemm(false, true, G, g.M, g.d, q + (bh * g.N + n0) * g.d, g.d, rs.data(), g.d, out, g.M);
+      T* lg = ls ? ls + (bh * g.N + n0) * M : local.data();
+      gemm(false, true, G, M, d, q + (bh * g.N + n0) * d, d, rs.data(), d, lg, M);
       if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
-        axpy(out, T(1), bias.bk + (bias.head(bh) * g.N + n0) * g.M, G * g.M);
+        axpy(lg, T(1), bias.bk + (bias.head(bh) * g.N + n0) * M, G * M);
       for (int64_t n = 0; n < G; ++n) {
-        const T* row = out + n * g.M;
+        const T* row = lg + n * M;
         int64_t* ch = choice + (bh * g.N + n0 + n) * g.R;
         if (g.R == 1) {  // first maximum, as torch.argmax
           int64_t best = 0;
-          for (int64_t m = 1; m < g.M; ++m)
+          for (int64_t m = 1; m < M; ++m)
             if (row[m] > row[best]) best = m;
           ch[0] = best;
         } else {
@@ -445,6 +553,32 @@ void router_phase(const T* q, const T* R, T* ls, int64_t* choice, T shared_scale
                             [&](int64_t a, int64_t b) { return row[a] > row[b]; });
           std::copy(ids.begin(), ids.begin() + g.R, ch);
         }
+      }
+      T* ln = lse + bh * g.N + n0;
+      if (!shared) {
+        std::fill(ln, ln + G, neg_inf);
+        continue;
+      }
+      for (int64_t n = 0; n < G; ++n) {  // P_s = softmax(Ls) (unnormalised; inv = 1 / sum)
+        T* pr = p.data() + n * M;
+        std::copy(lg + n * M, lg + (n + 1) * M, pr);
+        const T m = row_max(pr, M);
+        if (m == neg_inf) {  // no shared logit counts: weight 0 in the merge
+          std::fill(pr, pr + M, T(0));
+          ln[n] = neg_inf;
+          inv[n] = 0;
+          continue;
+        }
+        const T s = exp_shift(pr, M, m);
+        ln[n] = m + std::log(s);
+        inv[n] = T(1) / s;
+      }
+      T* o = out + (bh * g.N + n0) * d;
+      gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, o, d);
+      for (int64_t n = 0; n < G; ++n) {
+        const T f = inv[n];
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) o[n * d + c] *= f;
       }
     }
   });
@@ -471,24 +605,67 @@ void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M, int64
   });
 }
 
+// Asks for the row x[0..d) in cache ahead of its use: rows read in a data-dependent order
+// (an expert's keys, its queries) are cache misses the hardware prefetcher cannot foresee;
+// the gathers below ask kAhead rows ahead.
+constexpr int64_t kAhead = 8;
+template <int kWrite = 0, typename T>
+inline void prefetch_row(const T* x, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(x);
+  for (int64_t c = 0; c < d * static_cast<int64_t>(sizeof(T)); c += 64)
+    __builtin_prefetch(p + c, kWrite);
+}
+
 // Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]).
 template <typename T>
 inline void gather_rows(T* dst, const T* x, const int64_t* idx, int64_t K, int64_t d) {
-  for (int64_t j = 0; j < K; ++j) std::copy(x + idx[j] * d, x + idx[j] * d + d, dst + j * d);
+  for (int64_t j = 0; j < std::min(K, kAhead); ++j) prefetch_row(x + idx[j] * d, d);
+  for (int64_t j = 0; j < K; ++j) {
+    if (j + kAhead < K) prefetch_row(x + idx[j + kAhead] * d, d);
+    std::copy(x + idx[j] * d, x + idx[j] * d + d, dst + j * d);
+  }
 }
 
-// ---- Forward phase 5: per expert, the softmax over its K keys of each of its items:
-// normalised partial output o_items [BH, N R, d] and log-sum-exp lse_items [BH, N R].
-// With a bias, each logit gets table[h, index(query, key)].
+// Merges R routed partials (rows part[c * d ...], normalised, log-sum-exp part_lse[c]) into
+// a query's output o (normalised, log-sum-exp lse; not read where it weighs nothing: lse =
+// -inf): the softmax over all their logits at once. With every logit -inf, NaN as softmax.
+template <typename T>
+inline void merge_partials(T* o, T* lse, const T* part, const T* part_lse, int64_t R,
+                           int64_t d) {
+  T m = *lse;
+  for (int64_t c = 0; c < R; ++c) m = std::max(m, part_lse[c]);
+  const T w0 = std::exp(*lse - m);
+  T s = w0;
+  if (w0 != 0) {
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) o[c] *= w0;
+  } else {
+    std::fill(o, o + d, T(0));
+  }
+  for (int64_t c = 0; c < R; ++c) {
+    const T w = std::exp(part_lse[c] - m);
+    s += w;
+    axpy(o, w, part + c * d, d);
+  }
+  *lse = m + std::log(s);
+  const T inv = T(1) / s;
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) o[c] *= inv;
+}
+
+// ---- Forward phase 5: per expert, the softmax over its K keys of each of its items: a
+// normalised partial output and its log-sum-exp. With R = 1 merged into the query's out and
+// lse at once (each query has one item); with R > 1 written to o_items [BH, N R, d] and
+// lse_items [BH, N R] for phase 6. With a bias, each logit gets table[h, index(query, key)].
 template <typename T>
 void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
                   const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
-                  T scale, const Bias<T>& bias, const Geometry& g) {
+                  T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf;
+    std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf, lsebuf;
     std::vector<int64_t> kp(bias.on() ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / g.M, m = t % g.M;
@@ -499,11 +676,14 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
       gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
       gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
       const int64_t* ord = order + bh * NR + off[m];
-      qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d);
+      qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d); lsebuf.resize(G);
       T* qp = qbuf.data();
       T* lg = lbuf.data();
+      const T* qb = q + bh * g.N * d;
+      for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qb + ord[i] / R * d, d);
       for (int64_t i = 0; i < G; ++i) {
-        const T* src = q + (bh * g.N + ord[i] / R) * d;
+        if (i + kAhead < G) prefetch_row(qb + ord[i + kAhead] / R * d, d);
+        const T* src = qb + ord[i] / R * d;
 #pragma omp simd
         for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
       }
@@ -513,66 +693,34 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
         for (int64_t i = 0; i < G; ++i)
           bias.add_routed(lg + i * K, bh, ord[i] / R, idx, kp.data(), K);
       }
-      for (int64_t i = 0; i < G; ++i)
-        lse_items[bh * NR + ord[i]] = softmax_row(lg + i * K, K);
+      for (int64_t i = 0; i < G; ++i) lsebuf[i] = softmax_row(lg + i * K, K);
       T* op = obuf.data();
       gemm(false, false, G, d, K, lg, K, vloc.data(), d, op, d);          // [G, d]
-      for (int64_t i = 0; i < G; ++i)
-        std::copy(op + i * d, op + i * d + d, o_items + (bh * NR + ord[i]) * d);
+      if (R == 1)
+        for (int64_t i = 0; i < std::min(G, kAhead); ++i)
+          prefetch_row<1>(out + (bh * NR + ord[i]) * d, d);
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t item = bh * NR + ord[i];
+        if (R == 1) {
+          if (i + kAhead < G) prefetch_row<1>(out + (bh * NR + ord[i + kAhead]) * d, d);
+          merge_partials(out + item * d, lse + item, op + i * d, &lsebuf[i], 1, d);
+        } else {
+          std::copy(op + i * d, op + i * d + d, o_items + item * d);
+          lse_items[item] = lsebuf[i];
+        }
+      }
     }
   });
 }
 
-// ---- Forward phase 6: each query's softmax over its M shared logits and its r routed
-// partials (weights exp(lse_c - max)); out [BH, N, d], lse [BH, N] over all M + r K logits.
-// With R = 1, o_items may be out itself (each task reads a row before it writes it).
+// ---- Forward phase 6 (R > 1): each query's R routed partials merged into its output.
 template <typename T>
-void merge_phase(const T* o_items, const T* lse_items, const T* ls, const T* vr, T* out,
-                 T* lse_out, bool shared, const Geometry& g) {
+void merge_phase(const T* o_items, const T* lse_items, T* out, T* lse, const Geometry& g) {
   PhaseTimer timer(kMerge);
-  constexpr int64_t CH = 128;
-  const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, R = g.R, d = g.d;
-  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
-    SerialBlas serial_blas;
-    std::vector<T> p(shared ? CH * M : 1), mx(CH), sum(CH), shv(CH * d);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
-      for (int64_t n = 0; n < G; ++n) {
-        const int64_t i = bh * g.N + n0 + n;
-        T m = -std::numeric_limits<T>::infinity();
-        for (int64_t c = 0; c < R; ++c) m = std::max(m, lse_items[i * R + c]);
-        T s = 0;
-        if (shared) {  // shared logits enter the softmax directly, relative to m
-          T* pr = p.data() + n * M;
-          std::copy(ls + i * M, ls + (i + 1) * M, pr);
-          m = std::max(m, row_max(pr, M));
-          s = exp_shift(pr, M, m);
-        }
-        mx[n] = m;
-        sum[n] = s;
-      }
-      T* sh = shv.data();  // shared expert's unnormalised output [G, d]
-      if (shared) {
-        gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, sh, d);
-      } else {
-        std::fill(sh, sh + G * d, T(0));
-      }
-      for (int64_t n = 0; n < G; ++n) {  // each routed partial has weight exp(lse - m)
-        const int64_t i = bh * g.N + n0 + n;
-        T s = sum[n];
-        T* sn = sh + n * d;
-        for (int64_t c = 0; c < R; ++c) {
-          const T w = std::exp(lse_items[i * R + c] - mx[n]);
-          s += w;
-          axpy(sn, w, o_items + (i * R + c) * d, d);
-        }
-        lse_out[i] = mx[n] + std::log(s);
-        const T inv = T(1) / s;
-        T* oi = out + i * d;  // (with R = 1, o_items is out: row i was read above)
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) oi[c] = sn[c] * inv;
-      }
-    }
+  const int64_t R = g.R, d = g.d;
+  at::parallel_for(0, g.BH * g.N, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      merge_partials(out + i * d, lse + i, o_items + i * R * d, lse_items + i * R, R, d);
   });
 }
 
@@ -746,7 +894,7 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
                            const T* dls, T* ds, T* dR, T shared_scale, bool unscaled_ds,
                            const Geometry& g) {
   PhaseTimer timer(kBwdScores);
-  const auto [blocks, LB] = landmark_blocks(g);
+  const auto [blocks, LB] = landmark_blocks(g, 32);
   const int64_t N = g.N, M = g.M, d = g.d;
   const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   const T c_in = unscaled_ds ? T(1) : c, c_gemm = unscaled_ds ? c : T(1);
@@ -1198,29 +1346,31 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   auto order = torch::empty({g.BH, g.N * g.R}, lopts);
   auto R = torch::empty({g.BH, g.M, g.d}, opts);
   auto probs = torch::empty({shared && save_probs ? g.BH : 0, g.M, g.N}, opts);
-  auto ls = torch::empty({g.BH, g.N, g.M}, opts);
+  auto ls = torch::empty({shared && save_probs ? g.BH : 0, g.N, g.M}, opts);
   auto vr = torch::empty({shared ? g.BH : 0, g.M, g.d}, opts);
-  auto o_items = g.R == 1 ? out : torch::empty({g.BH, g.N * g.R, g.d}, opts);
-  auto lse_items = torch::empty({g.BH, g.N * g.R}, opts);
+  const int64_t items = g.R > 1 ? g.BH : 0;  // the routed partials, merged in phase 6
+  auto o_items = torch::empty({items, g.N * g.R, g.d}, opts);
+  auto lse_items = torch::empty({items, g.N * g.R}, opts);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_forward", [&] {
     using T = scalar_t;
     const T* qp = q.data_ptr<T>();
     const Bias<T> bias = bt.view<T>();
+    auto opt = [](torch::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; };
     landmarks_phase<T>(qp, R.data_ptr<T>(), g);
     experts_phase<T>(k.data_ptr<T>(), v.data_ptr<T>(), R.data_ptr<T>(),
-                     keys.data_ptr<int64_t>(), probs.numel() ? probs.data_ptr<T>() : nullptr,
-                     shared ? vr.data_ptr<T>() : nullptr, shared, bias, g);
-    router_phase<T>(qp, R.data_ptr<T>(), ls.data_ptr<T>(), choice.data_ptr<int64_t>(),
-                    static_cast<T>(shared_scale), bias, g);
+                     keys.data_ptr<int64_t>(), opt(probs), opt(vr), shared, bias, g);
+    router_phase<T>(qp, R.data_ptr<T>(), opt(vr), opt(ls), choice.data_ptr<int64_t>(),
+                    out.data_ptr<T>(), lse.data_ptr<T>(), static_cast<T>(shared_scale), shared,
+                    bias, g);
     group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
                 offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
     routed_phase<T>(qp, k.data_ptr<T>(), v.data_ptr<T>(), keys.data_ptr<int64_t>(),
-                    offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
-                    o_items.data_ptr<T>(), lse_items.data_ptr<T>(),
+                    offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(), opt(o_items),
+                    opt(lse_items), out.data_ptr<T>(), lse.data_ptr<T>(),
                     static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g);
-    merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), ls.data_ptr<T>(),
-                   shared ? vr.data_ptr<T>() : nullptr, out.data_ptr<T>(), lse.data_ptr<T>(),
-                   shared, g);
+    if (g.R > 1)
+      merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), out.data_ptr<T>(),
+                     lse.data_ptr<T>(), g);
   });
   if (in_dtype == acc) return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
                                torch::empty({0}, opts)};  // no aliased returns
