@@ -340,12 +340,12 @@ def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype):
 
 
 def test_tiled_scores_as_one_tile():
-    """Without a backward the experts work on tiles of 1024 keys (an online softmax for V_R,
-    the top-k fed tile by tile); with one they take whole rows. N = 2305 is three tiles.
+    """Without a backward the experts work on tiles of about 1024 keys (an online softmax for
+    V_R, the top-k fed tile by tile); with one they take whole rows. N = 3137: three tiles.
     Scores that are -inf over the first tile and more, a maximum in the last tile, NaN
     scores (never selected), and queries whose shared logits are all -inf (the routed
     expert alone, as route-only MiTA) give the same routing and outputs either way."""
-    H, h, w, d, pool, topk = 2, 48, 48, 16, (7, 7), 49
+    H, h, w, d, pool, topk = 2, 56, 56, 16, (7, 7), 49
     N, M = 1 + h * w, pool[0] * pool[1]
     q, k, v = (t.reshape(H, N, d) for t in _qkv(1, H, N, d, seed=6))
     bias = _bias(H, h, w)

@@ -18,7 +18,8 @@ call (MiTA's landmark means, SDPA's gather), and in fwd+bwd the table gets a gra
 
 Model level (``--level model``): images per second and peak memory of mmseg segmenters
 (``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
-mode (slide) or whole-image at a given size.
+mode (slide) or whole-image at a given size. The two are timed in turn, a call of each per
+round (a call takes seconds; timed one after the other, their ratio carried the host's drift).
 
 Peak memory on CPU is the rise of the process's peak RSS during one call
 (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap
@@ -37,8 +38,10 @@ Examples::
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
 import argparse
+import copy
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -111,6 +114,23 @@ def median_time(fn, min_run_time):
     # It synchronizes the accelerator around each measurement (CUDA time is real time).
     return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
                  ).blocked_autorange(min_run_time=min_run_time).median
+
+
+def interleaved_median_times(fns, min_run_time, device, rounds=3):
+    """Median seconds per call of each of ``fns``, timed in turn (one call of each per round,
+    at least ``rounds`` rounds and ``min_run_time`` seconds each): calls of several seconds
+    on a shared host drift, and a ratio of runs taken minutes apart carries that drift."""
+    times = [[] for _ in fns]
+    while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
+        for fn, t in zip(fns, times):
+            if device.type == 'cuda':
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == 'cuda':
+                torch.cuda.synchronize(device)
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def mmcv_attention_core(q, k, v):
@@ -332,16 +352,20 @@ def model_level(args):
         img = torch.randn(1, 3, h, w, device=dev)
         meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
                                             pad_shape=(h, w)))]
-        run = lambda: model.predict(img, meta)  # noqa
+        swapped = copy.deepcopy(model)
+        swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
+        runs = {variant: (lambda m=m: m.predict(img, meta))  # noqa
+                for variant, m in (('base', model), ('MiTA', swapped))}
         res = {}
-        for variant in ('base', 'MiTA'):
-            if variant == 'MiTA':
-                swap_attention(model, pool_size=args.pool_size, topk=args.topk, verbose=False)
-            with torch.no_grad():
+        with torch.no_grad():
+            for variant, run in runs.items():
                 run()
                 _, mem = peak_memory_rise(run, dev)
-                t = median_time(run, args.min_run_time)
-            res[variant] = (1 / t, mem)
+                res[variant] = [None, mem]
+            times = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
+        for variant, t in zip(runs, times):
+            res[variant][0] = 1 / t
+        run = runs['MiTA']
         mode = cfg.model.test_cfg.get('mode', 'whole')
         print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {res['base'][0]:10.3f} "
               f"{res['MiTA'][0]:10.3f} {res['MiTA'][0] / res['base'][0]:7.2f}x | "

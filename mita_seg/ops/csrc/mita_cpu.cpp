@@ -5,19 +5,20 @@
 //
 // Forward, parallel phases (at::parallel_for; each task holds one BLAS thread, SerialBlas):
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
-//   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T [LB, N] (a local
-//                  buffer; the saved probabilities when training), the K best keys of each
-//                  row by selection (a bound from run maxima, nth_element of the few
-//                  candidates above it; no sort), and with the shared expert
-//                  P = softmax(S), V_R = P V.
-//   3. router      per (bh, chunk of queries): Ls = q (R * shared_scale)^T [CH, M] (the
-//                  shared logits, kept: phase 6 and the backward read them) and each query's
-//                  argmax (top-r for R > 1).
+//   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T, the K best keys of
+//                  each row by selection (a bound from run maxima, nth_element of the few
+//                  candidates above it; no sort), and with the shared expert V_R =
+//                  softmax(S) V. In inference on tiles of ~1024 keys (S_t [LB, TN] in L2,
+//                  an online softmax, the top-k fed tile by tile); when training on whole
+//                  rows, which are the saved probabilities.
+//   3. router      per (bh, chunk of queries): Ls = q (R * shared_scale)^T [CH, M] (kept
+//                  only for the backward), each query's argmax (top-r for R > 1), and the
+//                  shared expert's read-out: out = softmax(Ls) V_R, lse its log-sum-exp.
 //   4. grouping    per bh: counting sort of the items (query n, choice c) by expert.
 //   5. routed      per (bh, expert): gather the expert's K keys and values once, its queries'
-//                  logits [G, K] and partial outputs [G, d]: two small GEMMs, a softmax.
-//   6. merge       per (bh, chunk of queries): shared softmax over Ls, one GEMM with V_R,
-//                  merged with the r routed partials by log-sum-exp; writes out and lse.
+//                  logits [G, K] and partial outputs [G, d]: two small GEMMs, a softmax;
+//                  with R = 1 merged into out and lse by log-sum-exp at once.
+//   6. merge       (R > 1) per query: its r routed partials merged into out and lse.
 // Backward (P = exp(logit - lse); Dl = rowsum(dout * out); dlogit = P (dP - Dl)):
 //   A. per bh, chunks of queries: Dl, and the shared expert: dLs = P_s (dout V_R^T - Dl),
 //      dV_R = P_s^T dout.
@@ -332,15 +333,6 @@ void landmarks_phase(const T* q, T* R, const Geometry& g) {
   });
 }
 
-// The K largest entries of a row s[0..n), fed in tiles (their indices, ascending), by
-// selection, not sorting. Each tile's entries >= the bound go to the candidates; the bound
-// is the K-th largest candidate once K are kept (an entry below it cannot be among the K
-// largest). Before that, a tile gets a bound of its own: the maxima of 2K disjoint runs of
-// the tile have K of their number >= their K-th largest t, so the tile's K largest entries
-// (all an entry of the tile can be) are >= t; typically ~2K candidates pass. Candidates are
-// pruned to the K largest (nth_element) after the first tile that brings K, and whenever
-// they reach 4K. NaN scores are never selected while K others are available (a tile that
-// leaves fewer than K candidates adds all its entries, NaN as -inf).
 // Appends (s[j], j0 + j) to cand for the entries s[j] >= t (never NaN); in a tile after
 // the first, few entries are. AVX2: 16 compared at a time.
 __attribute__((target("avx2"))) void append_at_least_avx2(
@@ -370,6 +362,15 @@ inline void append_at_least(const T* s, int64_t n, T t, int64_t j0,
     if (s[j] >= t) cand.emplace_back(s[j], j0 + j);
 }
 
+// The K largest entries of a row s[0..n), fed in tiles (their indices, ascending), by
+// selection, not sorting. Each tile's entries >= the bound go to the candidates; the bound
+// is the K-th largest candidate once K are kept (an entry below it cannot be among the K
+// largest). Before that, a tile gets a bound of its own: the maxima of 2K disjoint runs of
+// the tile have K of their number >= their K-th largest t, so the tile's K largest entries
+// (all an entry of the tile can be) are >= t; typically ~2K candidates pass. Candidates are
+// pruned to the K largest (nth_element) after the first tile that brings K, and whenever
+// they reach 4K. NaN scores are never selected while K others are available (a tile that
+// leaves fewer than K candidates adds all its entries, NaN as -inf).
 template <typename T>
 struct TopK {
   std::vector<std::pair<T, int64_t>> cand;
@@ -439,7 +440,8 @@ std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g, int64_t most) {
 }
 
 // ---- Forward phase 2: per (bh, block of LB landmarks): scores, top-k, shared values, in
-// tiles of TN keys so that the block's scores stay in L2: S_t = (R / sqrt(d)) K_t^T [LB, TN],
+// tiles of TN keys so that the block's scores stay in L2 (and K, V are read from memory once
+// per head: all 49 landmarks in one block): S_t = (R / sqrt(d)) K_t^T [LB, TN],
 // each row's top-k fed tile by tile, and V_R = softmax(S) V by an online softmax (running
 // max and sum per row, the accumulator rescaled when the max grows; FlashAttention's).
 // probs: [BH, M, N] softmax(S) saved for the backward (one tile: the whole row, normalised
@@ -450,8 +452,9 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
                    bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kExperts);
   const auto [blocks, LB] = landmark_blocks(g, probs ? 32 : 64);
-  constexpr int64_t kTile = 1024;  // [49, 1024] scores: 200 KB
-  const int64_t TN = probs ? g.N : std::min(g.N, kTile), d = g.d;
+  // tiles of about 1024 keys, of equal size ([49, 1024] scores: 200 KB; N = 1025 one tile)
+  const int64_t tiles = probs ? 1 : std::max<int64_t>(1, (g.N + 512) / 1024);
+  const int64_t TN = (g.N + tiles - 1) / tiles, d = g.d;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
