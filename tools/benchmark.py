@@ -21,6 +21,10 @@ Model level (``--level model``): images per second and peak memory of mmseg segm
 mode (slide) or whole-image at a given size. The two are timed in turn, a call of each per
 round (a call takes seconds; timed one after the other, their ratio carried the host's drift).
 
+Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
+``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
+its own speed-up over one thread.
+
 Peak memory on CPU is the rise of the process's peak RSS during one call
 (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap
 threshold lowered so freed buffers go back to the OS (the script re-executes itself to set
@@ -34,6 +38,7 @@ Examples::
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
     python tools/benchmark.py --level model --profile         # + the kernel's share
+    python tools/benchmark.py --level threads --tokens 1025 4097 --dtypes float32
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
@@ -262,6 +267,44 @@ def op_level(args):
                 del q, k, v, grad
 
 
+def thread_scaling(args):
+    """``--level threads``: SDPA and MiTA timed in turn on one thread and on ``--threads``
+    (all of them in each round, so the host's drift falls on every figure alike): whether
+    MiTA's ratio to SDPA holds with more threads."""
+    H, d, dev = args.heads, args.head_dim, torch.device(args.device)
+    most = args.threads or torch.get_num_threads()
+    counts = sorted({1, most})
+    print(f'# thread scaling: B=1, H={H}, d={d}, pool {args.pool_size}x{args.pool_size}, '
+          f'k={args.topk}, forward, no_grad; {dev.type}; SDPA and MiTA at {counts} threads '
+          'timed in turn (a call of each per round)')
+    header = (f"{'N':>6} {'dtype':>8} {'threads':>7} | {'SDPA ms':>9} {'MiTA ms':>9} | "
+              f"{'vs SDPA':>7} {'MiTA x':>7}")
+    print(header)
+    print('-' * len(header))
+    for N in args.tokens:
+        side = grid_side(N)
+        for dtype in args.dtypes:
+            q, k, v, _, _ = random_inputs(H, N, d, dev, getattr(torch, dtype), False)
+            fns = [lambda: F.scaled_dot_product_attention(q, k, v),
+                   lambda: mita_attention(q, k, v, (side, side), args.pool_size, args.topk)]
+
+            def on(threads, fn):
+                def run():
+                    torch.set_num_threads(threads)
+                    fn()
+                return run
+            runs = [on(t, fn) for t in counts for fn in fns]
+            with torch.no_grad():
+                for run in runs:  # warm-up
+                    run()
+                times = interleaved_median_times(runs, args.min_run_time, dev, rounds=5)
+            for i, t in enumerate(counts):
+                sdpa, mita = times[2 * i], times[2 * i + 1]
+                print(f'{N:>6} {dtype:>8} {t:>7} | {sdpa * 1e3:9.2f} {mita * 1e3:9.2f} | '
+                      f'{sdpa / mita:6.2f}x {times[1] / mita:6.2f}x', flush=True)
+            torch.set_num_threads(most)
+
+
 def op_bias_level(args):
     """Operator level with BEiT's relative position bias: the bias's overhead on each
     implementation, and MiTA against SDPA with the dense bias, all measured in one run."""
@@ -381,7 +424,8 @@ def model_level(args):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--level', choices=['op', 'model', 'all'], default='op')
+    p.add_argument('--level', choices=['op', 'model', 'threads', 'all'], default='op',
+                   help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
                    help='where the tensors and models live')
     p.add_argument('--tokens', type=int, nargs='+', default=None,
@@ -431,6 +475,10 @@ def main():
         op_bias_level(args) if args.bias else op_level(args)
     if args.level in ('model', 'all'):
         model_level(args)
+    if args.level == 'threads':
+        if cuda:
+            raise SystemExit('--level threads compares CPU thread counts: use --device cpu')
+        thread_scaling(args)
     print(f'# done in {time.time() - t0:.0f} s')
 
 
