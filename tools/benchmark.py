@@ -281,18 +281,19 @@ def thread_scaling(args):
               f"{'vs SDPA':>7} {'MiTA x':>7}")
     print(header)
     print('-' * len(header))
+
+    def on(threads, fn):
+        def run():
+            torch.set_num_threads(threads)
+            fn()
+        return run
+
     for N in args.tokens:
         side = grid_side(N)
         for dtype in args.dtypes:
             q, k, v, _, _ = random_inputs(H, N, d, dev, getattr(torch, dtype), False)
             fns = [lambda: F.scaled_dot_product_attention(q, k, v),
                    lambda: mita_attention(q, k, v, (side, side), args.pool_size, args.topk)]
-
-            def on(threads, fn):
-                def run():
-                    torch.set_num_threads(threads)
-                    fn()
-                return run
             runs = [on(t, fn) for t in counts for fn in fns]
             with torch.no_grad():
                 for run in runs:  # warm-up
@@ -399,24 +400,18 @@ def model_level(args):
         swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
         runs = {variant: (lambda m=m: m.predict(img, meta))  # noqa
                 for variant, m in (('base', model), ('MiTA', swapped))}
-        res = {}
+        mems = {}
         with torch.no_grad():
             for variant, run in runs.items():
                 run()
-                _, mem = peak_memory_rise(run, dev)
-                res[variant] = [None, mem]
-            times = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
-        for variant, t in zip(runs, times):
-            res[variant][0] = 1 / t
-        run = runs['MiTA']
+                _, mems[variant] = peak_memory_rise(run, dev)
+            base, mita = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
         mode = cfg.model.test_cfg.get('mode', 'whole')
-        print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {res['base'][0]:10.3f} "
-              f"{res['MiTA'][0]:10.3f} {res['MiTA'][0] / res['base'][0]:7.2f}x | "
-              f"{res['base'][1]:8.0f} {res['MiTA'][1]:8.0f}", flush=True)
+        print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} {1 / mita:10.3f} "
+              f"{base / mita:7.2f}x | {mems['base']:8.0f} {mems['MiTA']:8.0f}", flush=True)
         if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
             with torch.no_grad():
-                kernel = sum(profiled(run, reps=2)[1].values())
-            base, mita = 1 / res['base'][0], 1 / res['MiTA'][0]
+                kernel = sum(profiled(runs['MiTA'], reps=2)[1].values())
             print(f'#   MiTA {mita:.2f} s per image, {kernel:.2f} s of it in the kernel '
                   f'({100 * kernel / mita:.0f}%); with the kernel free the speed-up would be '
                   f'{base / (mita - kernel):.2f}x', flush=True)
