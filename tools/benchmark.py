@@ -28,7 +28,9 @@ its own speed-up over one thread.
 Peak memory on CPU is the rise of the process's peak RSS during one call
 (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap
 threshold lowered so freed buffers go back to the OS (the script re-executes itself to set
-that); on CUDA it is the rise of ``torch.cuda.max_memory_allocated``.
+that); on CUDA it is the rise of ``torch.cuda.max_memory_allocated``. Times are taken with
+glibc's thresholds where a running process has them (:func:`steady_allocator`): buffers
+below 32 MiB reused, not page-faulted in afresh on every call.
 
 Examples::
 
@@ -43,7 +45,9 @@ Examples::
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
 """
 import argparse
+import contextlib
 import copy
+import ctypes
 import gc
 import os
 import statistics
@@ -114,11 +118,46 @@ def describe(device):
     return f'{torch.get_num_threads()} threads'
 
 
+# glibc's mallopt parameters and the values of a running process's steady state.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+STEADY_MMAP, STEADY_TRIM = 32 * 2**20, 64 * 2**20
+
+
+@contextlib.contextmanager
+def steady_allocator():
+    """glibc's allocator as a process that runs a model has it, while timing. glibc raises
+    its mmap threshold to the size of each mmapped buffer freed (up to 32 MiB) and its trim
+    threshold to twice that, so after its first calls a process reuses freed buffers below
+    32 MiB instead of mapping (and page-faulting) them afresh. The lowered threshold this
+    script sets for exact memory peaks (``MALLOC_MMAP_THRESHOLD_``) would charge those page
+    faults to every timed call, SDPA's and MiTA's; inside this block the thresholds are at
+    their steady-state values, afterwards back to the low one with the freed memory
+    returned (``malloc_trim``). A no-op where glibc is not the C library."""
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        yield
+        return
+    low = int(os.environ.get(MMAP_ENV, 0))
+    mallopt(M_MMAP_THRESHOLD, STEADY_MMAP)
+    mallopt(M_TRIM_THRESHOLD, STEADY_TRIM)
+    try:
+        yield
+    finally:
+        if low:
+            mallopt(M_MMAP_THRESHOLD, low)
+            mallopt(M_TRIM_THRESHOLD, 128 * 1024)  # glibc's default
+            trim(0)
+
+
 def median_time(fn, min_run_time):
     # Timer runs single-threaded unless told otherwise: use the threads torch would use.
     # It synchronizes the accelerator around each measurement (CUDA time is real time).
-    return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
-                 ).blocked_autorange(min_run_time=min_run_time).median
+    with steady_allocator():
+        fn()  # buffers of the steady state
+        return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
+                     ).blocked_autorange(min_run_time=min_run_time).median
 
 
 def interleaved_median_times(fns, min_run_time, device, rounds=3):
@@ -126,15 +165,18 @@ def interleaved_median_times(fns, min_run_time, device, rounds=3):
     at least ``rounds`` rounds and ``min_run_time`` seconds each): calls of several seconds
     on a shared host drift, and a ratio of runs taken minutes apart carries that drift."""
     times = [[] for _ in fns]
-    while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
-        for fn, t in zip(fns, times):
-            if device.type == 'cuda':
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+    with steady_allocator():
+        for fn in fns:  # buffers of the steady state
             fn()
-            if device.type == 'cuda':
-                torch.cuda.synchronize(device)
-            t.append(time.perf_counter() - t0)
+        while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
+            for fn, t in zip(fns, times):
+                if device.type == 'cuda':
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                fn()
+                if device.type == 'cuda':
+                    torch.cuda.synchronize(device)
+                t.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 
 
@@ -296,8 +338,6 @@ def thread_scaling(args):
                    lambda: mita_attention(q, k, v, (side, side), args.pool_size, args.topk)]
             runs = [on(t, fn) for t in counts for fn in fns]
             with torch.no_grad():
-                for run in runs:  # warm-up
-                    run()
                 times = interleaved_median_times(runs, args.min_run_time, dev, rounds=5)
             for i, t in enumerate(counts):
                 sdpa, mita = times[2 * i], times[2 * i + 1]

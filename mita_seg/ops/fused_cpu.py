@@ -9,12 +9,13 @@ expert offsets and order), the per-query log-sum-exp, the landmarks, ``softmax(S
 and ``V_R``: the backward (C++ too, read-out and routing parts) recomputes nothing of the
 forward (FlashAttention's pattern).
 
-Precision: bfloat16/float16 inputs are converted to float32 inside the kernel and computed
-in float32 (routing decisions identical to the float32 reference's on the same values,
-softmax statistics in float32); outputs and gradients come back in the inputs' dtype. On CPUs
-without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the fast ones: on an
-AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the float32 one (see
-docs/benchmark.md).
+Precision: bfloat16/float16 inputs are computed in float32 (routing decisions identical to
+the float32 reference's on the same values, softmax statistics in float32): the forward's
+phases widen them a tile or a row at a time as they read them (no float32 copies of q, k,
+v), the backward converts them on entry; outputs and gradients come back in the inputs'
+dtype. On CPUs without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the
+fast ones: on an AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the
+float32 one (see docs/benchmark.md).
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
 ``Bq [H, M, N]`` and ``Bk [H, N, M]`` and the table itself, whose entries of the routed

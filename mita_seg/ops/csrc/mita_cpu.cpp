@@ -1,7 +1,8 @@
 // Fused MiTA on CPU: routing and read-out in one forward, and a backward that reuses what the
 // forward saved (FlashAttention's pattern). Shapes: q, k, v [BH, N, d] (float32 or float64;
-// bf16/fp16 are converted to float32 on entry and the results back on exit), M = Ph * Pw
-// experts of K keys, R router choices per query.
+// bf16/fp16 computed in float32: the forward's phases read them a tile or a row at a time
+// through as_compute / widen, the backward converts them on entry), M = Ph * Pw experts of
+// K keys, R router choices per query.
 //
 // Forward, parallel phases (at::parallel_for; each task holds one BLAS thread, SerialBlas):
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
@@ -221,6 +222,88 @@ inline T softmax_row(T* row, int64_t n) {
   return mx + std::log(sum);
 }
 
+// Conversions between float32 and bf16/fp16 on 8 values at a time (AVX2, F16C), with the
+// same results as c10's scalar ones: bf16 widening is a shift, narrowing rounds to nearest
+// even (NaN -> 0x7FC0); fp16 rounds to nearest even (the F16C instructions). c10's scalar
+// conversion, the fallback, is one value at a time.
+bool cpu_has_f16c() {
+  __builtin_cpu_init();
+  return g_has_avx2 && __builtin_cpu_supports("f16c");
+}
+const bool g_has_f16c = cpu_has_f16c();
+
+__attribute__((target("avx2,f16c"))) void widen_avx2(const void* src, at::ScalarType from,
+                                                    float* dst, int64_t n) {
+  const auto* a = static_cast<const uint16_t*>(src);
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + e));
+    const __m256 y = from == at::kBFloat16
+                         ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16))
+                         : _mm256_cvtph_ps(x);
+    _mm256_storeu_ps(dst + e, y);
+  }
+  for (; e < n; ++e)
+    dst[e] = from == at::kBFloat16 ? static_cast<float>(static_cast<const c10::BFloat16*>(src)[e])
+                                   : static_cast<float>(static_cast<const c10::Half*>(src)[e]);
+}
+
+__attribute__((target("avx2,f16c"))) void narrow_avx2(const float* src, void* dst,
+                                                     at::ScalarType to, int64_t n) {
+  auto* b = static_cast<uint16_t*>(dst);
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    const __m256 f = _mm256_loadu_ps(src + e);
+    __m128i y;
+    if (to == at::kBFloat16) {
+      const __m256i u = _mm256_castps_si256(f);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+      __m256i r = _mm256_srli_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                             _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+      y = _mm256_castsi256_si128(packed);
+    } else {
+      y = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + e), y);
+  }
+  for (; e < n; ++e) {
+    if (to == at::kBFloat16)
+      static_cast<c10::BFloat16*>(dst)[e] = c10::BFloat16(src[e]);
+    else
+      static_cast<c10::Half*>(dst)[e] = c10::Half(src[e]);
+  }
+}
+
+
+// n values of src as T in dst: a copy when In = T; bf16/fp16 widened to float32.
+template <typename T, typename In>
+inline void widen(T* __restrict__ dst, const In* __restrict__ src, int64_t n) {
+  if constexpr (std::is_same<In, T>::value) {
+    std::copy(src, src + n, dst);
+  } else {
+    static_assert(std::is_same<T, float>::value, "bf16/fp16 are computed in float32");
+    constexpr bool bf16 = std::is_same<In, c10::BFloat16>::value;
+    if (g_has_f16c) return widen_avx2(src, bf16 ? at::kBFloat16 : at::kHalf, dst, n);
+    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<float>(src[e]);
+  }
+}
+
+// src[0 .. n) as T: src itself when In = T, else widened into buf. The phases read bf16/fp16
+// q, k, v through it a tile or a row at a time (no float32 copies of the whole inputs).
+template <typename T, typename In>
+inline const T* as_compute(const In* src, int64_t n, std::vector<T>& buf) {
+  if constexpr (std::is_same<In, T>::value) {
+    return src;
+  } else {
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    widen(buf.data(), src, n);
+    return buf.data();
+  }
+}
+
 // Set by the tests to run the torch::mm fallback of gemm (used where BLAS is not linked).
 bool g_torch_mm_only = false;
 
@@ -314,19 +397,22 @@ struct Bias {
 // ---- Forward phase 1: R[bh, m] = mean of q over the grid bin of landmark m. The bins of
 // adaptive_avg_pool2d: rows [floor(i h / Ph), ceil((i + 1) h / Ph)), columns likewise.
 // Summed in row-major order and divided by the count, as ATen does.
-template <typename T>
-void landmarks_phase(const T* q, T* R, const Geometry& g) {
+template <typename T, typename In>
+void landmarks_phase(const In* q, T* R, const Geometry& g) {
   PhaseTimer timer(kLandmarks);
   at::parallel_for(0, g.BH * g.M, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<T> row;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / g.M, m = t % g.M, i = m / g.pw, j = m % g.pw;
       const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
       const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
       T* out = R + t * g.d;
       std::fill(out, out + g.d, T(0));
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c)
-          axpy(out, T(1), q + (bh * g.N + g.prefix + r * g.w + c) * g.d, g.d);
+      for (int64_t r = r0; r < r1; ++r) {  // the bin's tokens of grid row r: contiguous
+        const T* x = as_compute(q + (bh * g.N + g.prefix + r * g.w + c0) * g.d,
+                                (c1 - c0) * g.d, row);
+        for (int64_t c = 0; c < c1 - c0; ++c) axpy(out, T(1), x + c * g.d, g.d);
+      }
       const T count = static_cast<T>((r1 - r0) * (c1 - c0));
       for (int64_t c = 0; c < g.d; ++c) out[c] /= count;
     }
@@ -447,8 +533,8 @@ std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g, int64_t most) {
 // probs: [BH, M, N] softmax(S) saved for the backward (one tile: the whole row, normalised
 // at the end), or null. With a bias, S += bq[h] (the landmarks' mean bias) before the top-k
 // and the softmax.
-template <typename T>
-void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, T* vr,
+template <typename T, typename In>
+void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs, T* vr,
                    bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kExperts);
   const auto [blocks, LB] = landmark_blocks(g, probs ? 32 : 64);
@@ -459,13 +545,13 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> rc(LB * d), local(probs ? 0 : LB * TN), mx(LB), sum(LB), acc(LB * d);
+    std::vector<T> rc(LB * d), local(probs ? 0 : LB * TN), mx(LB), sum(LB), acc(LB * d), kv;
     std::vector<TopK<T>> top(LB);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
       const T* r = R + (bh * g.M + m0) * d;
-      const T* kb = k + bh * g.N * d;
-      const T* vb = v + bh * g.N * d;
+      const In* kb = k + bh * g.N * d;
+      const In* vb = v + bh * g.N * d;
       for (int64_t c = 0; c < L * d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
       for (int64_t l = 0; l < L; ++l) top[l].start(g.K);
       std::fill(mx.begin(), mx.end(), neg_inf);
@@ -473,7 +559,7 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
       for (int64_t j0 = 0; j0 < g.N; j0 += TN) {
         const int64_t n = std::min(g.N, j0 + TN) - j0;
         T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();  // [L, n], row stride n
-        gemm(false, true, L, n, d, rc.data(), d, kb + j0 * d, d, s, n);
+        gemm(false, true, L, n, d, rc.data(), d, as_compute(kb + j0 * d, n * d, kv), d, s, n);
         if (bias.on())  // S [L, n] += bq[h, m0 .. m0 + L, j0 .. j0 + n]
           for (int64_t l = 0; l < L; ++l)
             axpy(s + l * n, T(1), bias.bq + (bias.head(bh) * g.M + m0 + l) * g.N + j0, n);
@@ -495,7 +581,8 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
           sum[l] += exp_shift(row, n, m);
         }
         if (shared)  // acc [L, d] (+)= exp(S_t - max) V_t
-          gemm(false, false, L, d, n, s, n, vb + j0 * d, d, acc.data(), d, j0 > 0);
+          gemm(false, false, L, d, n, s, n, as_compute(vb + j0 * d, n * d, kv), d, acc.data(),
+               d, j0 > 0);
       }
       for (int64_t l = 0; l < L; ++l) {
         top[l].finish(keys + (bh * g.M + m0 + l) * g.K);
@@ -519,8 +606,8 @@ void experts_phase(const T* k, const T* v, const T* R, int64_t* keys, T* probs, 
 // softmax(Ls) V_R, lse = its log-sum-exp (-inf without the shared expert, or where every
 // shared logit is -inf: out is then not written). Phase 5 (R = 1) or 6 merges the routed
 // partials into out and lse.
-template <typename T>
-void router_phase(const T* q, const T* R, const T* vr, T* ls, int64_t* choice, T* out, T* lse,
+template <typename T, typename In>
+void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, T* out, T* lse,
                   T shared_scale, bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouter);
   constexpr int64_t CH = 128;
@@ -528,7 +615,7 @@ void router_phase(const T* q, const T* R, const T* vr, T* ls, int64_t* choice, T
   const T neg_inf = -std::numeric_limits<T>::infinity();
   at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
     SerialBlas serial_blas;
-    std::vector<T> rs(M * d), local(ls ? 0 : CH * M), p(shared ? CH * M : 0), inv(CH);
+    std::vector<T> rs(M * d), local(ls ? 0 : CH * M), p(shared ? CH * M : 0), inv(CH), qc;
     std::vector<int64_t> ids(M);
     int64_t rs_of = -1;
     for (int64_t t = t0; t < t1; ++t) {
@@ -539,7 +626,8 @@ void router_phase(const T* q, const T* R, const T* vr, T* ls, int64_t* choice, T
         rs_of = bh;
       }
       T* lg = ls ? ls + (bh * g.N + n0) * M : local.data();
-      gemm(false, true, G, M, d, q + (bh * g.N + n0) * d, d, rs.data(), d, lg, M);
+      gemm(false, true, G, M, d, as_compute(q + (bh * g.N + n0) * d, G * d, qc), d, rs.data(),
+           d, lg, M);
       if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
         axpy(lg, T(1), bias.bk + (bias.head(bh) * g.N + n0) * M, G * M);
       for (int64_t n = 0; n < G; ++n) {
@@ -619,13 +707,13 @@ inline void prefetch_row(const T* x, int64_t d) {
     __builtin_prefetch(p + c, kWrite);
 }
 
-// Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]).
-template <typename T>
-inline void gather_rows(T* dst, const T* x, const int64_t* idx, int64_t K, int64_t d) {
+// Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]), as T.
+template <typename T, typename In>
+inline void gather_rows(T* dst, const In* x, const int64_t* idx, int64_t K, int64_t d) {
   for (int64_t j = 0; j < std::min(K, kAhead); ++j) prefetch_row(x + idx[j] * d, d);
   for (int64_t j = 0; j < K; ++j) {
     if (j + kAhead < K) prefetch_row(x + idx[j + kAhead] * d, d);
-    std::copy(x + idx[j] * d, x + idx[j] * d + d, dst + j * d);
+    widen(dst + j * d, x + idx[j] * d, d);
   }
 }
 
@@ -660,8 +748,8 @@ inline void merge_partials(T* o, T* lse, const T* part, const T* part_lse, int64
 // normalised partial output and its log-sum-exp. With R = 1 merged into the query's out and
 // lse at once (each query has one item); with R > 1 written to o_items [BH, N R, d] and
 // lse_items [BH, N R] for phase 6. With a bias, each logit gets table[h, index(query, key)].
-template <typename T>
-void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
+template <typename T, typename In>
+void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
                   const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
                   T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouted);
@@ -682,13 +770,14 @@ void routed_phase(const T* q, const T* k, const T* v, const int64_t* keys,
       qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d); lsebuf.resize(G);
       T* qp = qbuf.data();
       T* lg = lbuf.data();
-      const T* qb = q + bh * g.N * d;
+      const In* qb = q + bh * g.N * d;
       for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qb + ord[i] / R * d, d);
       for (int64_t i = 0; i < G; ++i) {
         if (i + kAhead < G) prefetch_row(qb + ord[i + kAhead] / R * d, d);
-        const T* src = qb + ord[i] / R * d;
+        T* row = qp + i * d;
+        widen(row, qb + ord[i] / R * d, d);
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
+        for (int64_t c = 0; c < d; ++c) row[c] *= scale;
       }
       gemm(false, true, G, K, d, qp, d, kloc.data(), d, lg, K);           // logits [G, K]
       if (bias.on()) {
@@ -1098,61 +1187,6 @@ void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
               ": q, k, v must have the same dtype");
 }
 
-// Conversions between float32 and bf16/fp16 on 8 values at a time (AVX2, F16C), with the
-// same results as c10's scalar ones: bf16 widening is a shift, narrowing rounds to nearest
-// even (NaN -> 0x7FC0); fp16 rounds to nearest even (the F16C instructions). c10's scalar
-// conversion, the fallback, is one value at a time.
-bool cpu_has_f16c() {
-  __builtin_cpu_init();
-  return g_has_avx2 && __builtin_cpu_supports("f16c");
-}
-const bool g_has_f16c = cpu_has_f16c();
-
-__attribute__((target("avx2,f16c"))) void widen_avx2(const void* src, at::ScalarType from,
-                                                    float* dst, int64_t n) {
-  const auto* a = static_cast<const uint16_t*>(src);
-  int64_t e = 0;
-  for (; e + 8 <= n; e += 8) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + e));
-    const __m256 y = from == at::kBFloat16
-                         ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16))
-                         : _mm256_cvtph_ps(x);
-    _mm256_storeu_ps(dst + e, y);
-  }
-  for (; e < n; ++e)
-    dst[e] = from == at::kBFloat16 ? static_cast<float>(static_cast<const c10::BFloat16*>(src)[e])
-                                   : static_cast<float>(static_cast<const c10::Half*>(src)[e]);
-}
-
-__attribute__((target("avx2,f16c"))) void narrow_avx2(const float* src, void* dst,
-                                                     at::ScalarType to, int64_t n) {
-  auto* b = static_cast<uint16_t*>(dst);
-  int64_t e = 0;
-  for (; e + 8 <= n; e += 8) {
-    const __m256 f = _mm256_loadu_ps(src + e);
-    __m128i y;
-    if (to == at::kBFloat16) {
-      const __m256i u = _mm256_castps_si256(f);
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-      __m256i r = _mm256_srli_epi32(
-          _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
-                             _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-      y = _mm256_castsi256_si128(packed);
-    } else {
-      y = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(b + e), y);
-  }
-  for (; e < n; ++e) {
-    if (to == at::kBFloat16)
-      static_cast<c10::BFloat16*>(dst)[e] = c10::BFloat16(src[e]);
-    else
-      static_cast<c10::Half*>(dst)[e] = c10::Half(src[e]);
-  }
-}
-
 // Elements [e0, e1) of src converted into dst (both contiguous).
 void convert_range(const torch::Tensor& src, torch::Tensor& dst, int64_t e0, int64_t e1) {
   const auto from = src.scalar_type(), to = dst.scalar_type();
@@ -1318,8 +1352,9 @@ BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tenso
 //   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
 //   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared),
 //   and, for bf16/fp16 inputs, out in float32 (what the backward reads; empty otherwise).
-// bf16/fp16 inputs are computed in float32 (routing identical to float32 on the same values);
-// the first out has the inputs' dtype, every other tensor float32/float64.
+// bf16/fp16 inputs are computed in float32, read by the phases a tile or a row at a time
+// (routing identical to float32 on the same values); the first out has the inputs' dtype,
+// every other tensor float32/float64.
 std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                         int64_t h, int64_t w, int64_t ph, int64_t pw,
                                         int64_t prefix, int64_t topk, int64_t router_topk,
@@ -1330,18 +1365,14 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
                                         int64_t window_h, int64_t window_w) {
   const char* name = "mita_forward";
   check_qkv(name, q, k, v);
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   const auto in_dtype = q.scalar_type();
-  const auto acc = in_dtype == at::kDouble ? at::kDouble : at::kFloat;
-  {
-    auto wide = convert({q, k, v}, acc);
-    q = wide[0]; k = wide[1]; v = wide[2];
-  }
-  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
-  const BiasTensors bt = bias_tensors(name, g, q, table, window_h, window_w, true, bias_q,
-                                      bias_k);
-  const auto opts = q.options();
+  const auto opts = q.options().dtype(in_dtype == at::kDouble ? at::kDouble : at::kFloat);
   const auto lopts = opts.dtype(at::kLong);
-  auto out = torch::empty_like(q);
+  const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
+  auto out = torch::empty(q.sizes(), opts);  // in the compute dtype
+  const BiasTensors bt = bias_tensors(name, g, out, table, window_h, window_w, true, bias_q,
+                                      bias_k);
   auto lse = torch::empty({g.BH, g.N}, opts);
   auto keys = torch::empty({g.BH, g.M, g.K}, lopts);
   auto choice = torch::empty({g.BH, g.N, g.R}, lopts);
@@ -1354,29 +1385,33 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   const int64_t items = g.R > 1 ? g.BH : 0;  // the routed partials, merged in phase 6
   auto o_items = torch::empty({items, g.N * g.R, g.d}, opts);
   auto lse_items = torch::empty({items, g.N * g.R}, opts);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mita_forward", [&] {
-    using T = scalar_t;
-    const T* qp = q.data_ptr<T>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in_dtype, "mita_forward", [&] {
+    using In = scalar_t;  // q, k, v; bf16/fp16 read as float32 a tile or a row at a time
+    using T = std::conditional_t<std::is_same<In, double>::value, double, float>;
+    const In* qp = q.data_ptr<In>();
+    const In* kp = k.data_ptr<In>();
+    const In* vp = v.data_ptr<In>();
     const Bias<T> bias = bt.view<T>();
     auto opt = [](torch::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; };
     landmarks_phase<T>(qp, R.data_ptr<T>(), g);
-    experts_phase<T>(k.data_ptr<T>(), v.data_ptr<T>(), R.data_ptr<T>(),
-                     keys.data_ptr<int64_t>(), opt(probs), opt(vr), shared, bias, g);
+    experts_phase<T>(kp, vp, R.data_ptr<T>(), keys.data_ptr<int64_t>(), opt(probs), opt(vr),
+                     shared, bias, g);
     router_phase<T>(qp, R.data_ptr<T>(), opt(vr), opt(ls), choice.data_ptr<int64_t>(),
                     out.data_ptr<T>(), lse.data_ptr<T>(), static_cast<T>(shared_scale), shared,
                     bias, g);
     group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
                 offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
-    routed_phase<T>(qp, k.data_ptr<T>(), v.data_ptr<T>(), keys.data_ptr<int64_t>(),
-                    offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>(), opt(o_items),
-                    opt(lse_items), out.data_ptr<T>(), lse.data_ptr<T>(),
+    routed_phase<T>(qp, kp, vp, keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                    order.data_ptr<int64_t>(), opt(o_items), opt(lse_items), out.data_ptr<T>(),
+                    lse.data_ptr<T>(),
                     static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g);
     if (g.R > 1)
       merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), out.data_ptr<T>(),
                      lse.data_ptr<T>(), g);
   });
-  if (in_dtype == acc) return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
-                               torch::empty({0}, opts)};  // no aliased returns
+  if (in_dtype == out.scalar_type())
+    return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
+            torch::empty({0}, opts)};  // no aliased returns
   return {convert({out}, in_dtype)[0], lse, keys, choice, offsets, order, R, probs, ls, vr,
           out};
 }

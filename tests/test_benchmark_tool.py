@@ -1,0 +1,41 @@
+"""``tools/benchmark.py`` run as users run it, on sizes that take seconds: each level prints
+one row per configuration, with positive times and ratios (the figures themselves are the
+benchmark's to report, never asserted here)."""
+import re
+
+
+def _rows(out, first):
+    """The table rows of ``out`` that start with the value ``first``, split on ``|``."""
+    return [[c.split() for c in line.split('|')] for line in out.splitlines()
+            if re.match(rf'\s*{first}\s', line)]
+
+
+def _ratio(cell):
+    assert cell.endswith('x'), cell
+    value = float(cell[:-1])
+    assert value > 0, cell
+    return value
+
+
+def test_op_level(tools):
+    _, out = tools('tools/benchmark.py', '--level', 'op', '--tokens', 65, '--dtypes',
+                   'float32', '--min-run-time', 0.01, '--profile')
+    rows = _rows(out, 65)
+    assert [r[0][2] for r in rows] == ['fwd', 'fwd+bwd'], out
+    for _, times, ratios, _ in rows:  # N, dtype, pass | times | ratios | memory
+        assert all(float(t) > 0 for t in times if t != 'n/a')
+        for cell in ratios:
+            _ratio(cell)
+    assert 'fwd.routed' in out and 'bwd.routed' in out, out  # --profile: the kernel's phases
+
+
+def test_thread_level(tools):
+    _, out = tools('tools/benchmark.py', '--level', 'threads', '--tokens', 65, '--dtypes',
+                   'float32', 'bfloat16', '--threads', 2, '--min-run-time', 0.01)
+    rows = _rows(out, 65)
+    assert [(r[0][1], r[0][2]) for r in rows] == [('float32', '1'), ('float32', '2'),
+                                                  ('bfloat16', '1'), ('bfloat16', '2')], out
+    for _, times, ratios in rows:  # N, dtype, threads | SDPA, MiTA ms | ratios
+        assert all(float(t) > 0 for t in times)
+        assert len([_ratio(c) for c in ratios]) == 2
+    assert [r[2][1] for r in rows[::2]] == ['1.00x', '1.00x']  # against itself on 1 thread
