@@ -267,6 +267,32 @@ def op_level(args):
               f"{'MiTA MiB':>8} {'blk MiB':>8}")
     print(header)
     print('-' * len(header))
+    # Memory first, every row, before any timing: after a timing's steady state
+    # (steady_allocator) glibc keeps memory resident that later peaks would reuse unseen.
+    peaks = [{name: peak_memory_rise(run, dev)[1] for name, run in runs.items() if run}
+             for *_, runs in op_rows(args, dev)]
+    for (N, dtype, pass_, macs, runs), mems in zip(op_rows(args, dev), peaks):
+        times = {name: median_time(run, args.min_run_time) if run else None
+                 for name, run in runs.items()}
+        fmt = lambda t: f'{t * 1e3:9.2f}' if t else f"{'n/a':>9}"  # noqa
+        ratio = lambda a: f"{times[a] / times['MiTA']:6.2f}x" if times[a] else \
+            f"{'n/a':>7}"  # noqa
+        mem = lambda a: f'{mems[a]:8.0f}' if mems.get(a) is not None else \
+            f"{'n/a':>8}"  # noqa
+        print(f"{N:>6} {dtype:>8} {pass_:>7} | {fmt(times['SDPA'])} "
+              f"{fmt(times['mmcv'])} {fmt(times['MiTA'])} {fmt(times['blocked'])} | "
+              f"{ratio('SDPA')} {ratio('mmcv')} {ratio('blocked')} {macs:5.1f}x | "
+              f"{mem('SDPA')} {mem('mmcv')} {mem('MiTA')} {mem('blocked')}", flush=True)
+        if args.profile and auto == 'fused_cpu':
+            print(kernel_profile(runs['MiTA']), flush=True)
+
+
+def op_rows(args, dev):
+    """The rows of the operator table: ``(N, dtype, pass, MAC ratio, runs)``, ``runs``
+    the warmed-up call of each alternative by name (None where skipped); the inputs live
+    until the next row."""
+    H, d = args.heads, args.head_dim
+    M = args.pool_size ** 2
     for N in args.tokens:
         side = grid_side(N)
         macs = attention_flops(1, H, N, d) / mita_flops(1, H, N, d, M, args.topk)
@@ -284,29 +310,14 @@ def op_level(args):
                 }
                 # the mmcv path holds ~2 H N^2 floats: skip it where that does not fit
                 mmcv_bytes = 2 * H * N * N * dt.itemsize * (3 if pass_ == 'fwd+bwd' else 1)
-                times, mems = {}, {}
+                runs = {}
                 for name, f in fns.items():
-                    if name == 'mmcv' and mmcv_bytes > args.max_mmcv_gib * 2**30:
-                        times[name] = mems[name] = None
-                        continue
-                    run = timed_call(f, pass_, (q, k, v), grad)
-                    run()  # warm-up
-                    _, mems[name] = peak_memory_rise(run, dev)
-                    times[name] = median_time(run, args.min_run_time)
-                fmt = lambda t: f'{t * 1e3:9.2f}' if t else f"{'n/a':>9}"  # noqa
-                ratio = lambda a: f"{times[a] / times['MiTA']:6.2f}x" if times[a] else \
-                    f"{'n/a':>7}"  # noqa
-                mem = lambda a: f'{mems[a]:8.0f}' if mems.get(a) is not None else \
-                    f"{'n/a':>8}"  # noqa
-                print(f"{N:>6} {dtype:>8} {pass_:>7} | {fmt(times['SDPA'])} "
-                      f"{fmt(times['mmcv'])} {fmt(times['MiTA'])} {fmt(times['blocked'])} | "
-                      f"{ratio('SDPA')} {ratio('mmcv')} {ratio('blocked')} {macs:5.1f}x | "
-                      f"{mem('SDPA')} {mem('mmcv')} {mem('MiTA')} {mem('blocked')}",
-                      flush=True)
-                if args.profile and auto == 'fused_cpu':
-                    print(kernel_profile(timed_call(fns['MiTA'], pass_, (q, k, v), grad)),
-                          flush=True)
-                del q, k, v, grad
+                    skip = name == 'mmcv' and mmcv_bytes > args.max_mmcv_gib * 2**30
+                    runs[name] = None if skip else timed_call(f, pass_, (q, k, v), grad)
+                    if runs[name]:
+                        runs[name]()  # warm-up
+                yield N, dtype, pass_, macs, runs
+                del q, k, v, grad, runs
 
 
 def thread_scaling(args):
@@ -422,7 +433,7 @@ def model_level(args):
               f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
     print(header)
     print('-' * len(header))
-    for name in args.models:
+    def build(name):  # (mode, image size, {variant: one predict call})
         cfg_path, size = MODELS[name]
         cfg = get_config(cfg_path)
         cfg.model.pop('pretrained', None)
@@ -440,21 +451,27 @@ def model_level(args):
         swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
         runs = {variant: (lambda m=m: m.predict(img, meta))  # noqa
                 for variant, m in (('base', model), ('MiTA', swapped))}
-        mems = {}
-        with torch.no_grad():
+        return cfg.model.test_cfg.get('mode', 'whole'), (h, w), runs
+
+    models = {name: build(name) for name in args.models}
+    with torch.no_grad():
+        # memory first, every model, before any timing (see op_level)
+        peaks = {name: {} for name in models}
+        for name, (_, _, runs) in models.items():
             for variant, run in runs.items():
-                run()
-                _, mems[variant] = peak_memory_rise(run, dev)
+                run()  # warm-up
+                peaks[name][variant] = peak_memory_rise(run, dev)[1]
+        for name, (mode, (h, w), runs) in models.items():
+            mems = peaks[name]
             base, mita = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
-        mode = cfg.model.test_cfg.get('mode', 'whole')
-        print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} {1 / mita:10.3f} "
-              f"{base / mita:7.2f}x | {mems['base']:8.0f} {mems['MiTA']:8.0f}", flush=True)
-        if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
-            with torch.no_grad():
+            print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} "
+                  f"{1 / mita:10.3f} {base / mita:7.2f}x | {mems['base']:8.0f} "
+                  f"{mems['MiTA']:8.0f}", flush=True)
+            if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
                 kernel = sum(profiled(runs['MiTA'], reps=2)[1].values())
-            print(f'#   MiTA {mita:.2f} s per image, {kernel:.2f} s of it in the kernel '
-                  f'({100 * kernel / mita:.0f}%); with the kernel free the speed-up would be '
-                  f'{base / (mita - kernel):.2f}x', flush=True)
+                print(f'#   MiTA {mita:.2f} s per image, {kernel:.2f} s of it in the kernel '
+                      f'({100 * kernel / mita:.0f}%); with the kernel free the speed-up would '
+                      f'be {base / (mita - kernel):.2f}x', flush=True)
 
 
 def parse_args():
