@@ -207,16 +207,18 @@ def timed_call(f, pass_, inputs, grad):
 
 def profiled(run, reps=5):
     """Seconds per call of ``run`` and the fused CPU kernel's phases within it (seconds per
-    call, each phase's wall time)."""
+    call, each phase's wall time), with the allocator of the timings (steady_allocator)."""
     from mita_seg.ops.fused_cpu import profile
-    profile(True)
-    try:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        total = (time.perf_counter() - t0) / reps
-    finally:
-        phases = profile(False)
+    with steady_allocator():
+        run()  # buffers of the steady state
+        profile(True)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                run()
+            total = (time.perf_counter() - t0) / reps
+        finally:
+            phases = profile(False)
     return total, {k: v / reps for k, v in phases.items() if v > 0}
 
 
