@@ -386,21 +386,23 @@ def test_tiled_scores_as_one_tile():
 def test_low_precision_inputs_are_read_in_place(dtype, save):
     """bf16/fp16 q, k, v are read by the phases a tile or a row at a time (no float32 copies):
     bit for bit the float32 kernel on the widened values (widening is exact), routing and
-    outputs, in tiles (N = 3137: three) and on whole rows, with strided inputs too."""
+    outputs, in tiles (N = 3137: three) and on whole rows, router top-1 and top-2, with
+    strided inputs too."""
     H, h, w, d, pool, topk = 2, 56, 56, 16, (7, 7), 49
     N = 1 + h * w
     q, k, v = (t.reshape(H, N, d).to(dtype) for t in _qkv(1, H, N, d, seed=3))
 
-    def run(q, k, v):
-        return _C.mita_forward(q, k, v, h, w, *pool, 1, topk, 2, True, 1.0 / d, save)
+    def run(q, k, v, r):
+        return _C.mita_forward(q, k, v, h, w, *pool, 1, topk, r, True, 1.0 / d, save)
 
-    wide = run(q.float(), k.float(), v.float())
-    for low in (run(q, k, v), run(*(t.transpose(0, 1).contiguous().transpose(0, 1)
-                                     for t in (q, k, v)))):
-        assert low[0].dtype == dtype and torch.equal(low[0], wide[0].to(dtype))
-        assert torch.equal(low[10], wide[0])  # out in float32
-        for a, b in zip(low[1:10], wide[1:10]):  # lse, routing, R, probs, Ls, V_R
-            assert torch.equal(a, b)
+    for r in (1, 2):  # the routed partial merged in the routed phase (r = 1) or phase 6
+        wide = run(q.float(), k.float(), v.float(), r)
+        strided = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+        for low in (run(q, k, v, r), run(*strided, r)):
+            assert low[0].dtype == dtype and torch.equal(low[0], wide[0].to(dtype))
+            assert torch.equal(low[10], wide[0])  # out in float32
+            for a, b in zip(low[1:10], wide[1:10]):  # lse, routing, R, probs, Ls, V_R
+                assert torch.equal(a, b)
 
 
 def _bias_call(case='vit-7x11'):
