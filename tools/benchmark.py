@@ -84,9 +84,11 @@ MODELS = {
 
 
 def peak_memory_rise(fn, device):
-    """Run ``fn`` once; return its result and the rise of peak memory in MiB: CUDA's peak
-    allocated memory on ``cuda``, the process's peak RSS on CPU (None where
-    /proc/self/clear_refs is not available)."""
+    """Run ``fn`` once to warm up (lazy initialisation, first-call allocations), then once
+    measured; return its result and the rise of peak memory in MiB: CUDA's peak allocated
+    memory on ``cuda``, the process's peak RSS on CPU (None where /proc/self/clear_refs is
+    not available)."""
+    fn()
     gc.collect()
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
@@ -291,8 +293,8 @@ def op_level(args):
 
 def op_rows(args, dev):
     """The rows of the operator table: ``(N, dtype, pass, MAC ratio, runs)``, ``runs``
-    the warmed-up call of each alternative by name (None where skipped); the inputs live
-    until the next row."""
+    the call of each alternative by name (None where skipped); the inputs live until the
+    next row."""
     H, d = args.heads, args.head_dim
     M = args.pool_size ** 2
     for N in args.tokens:
@@ -316,8 +318,6 @@ def op_rows(args, dev):
                 for name, f in fns.items():
                     skip = name == 'mmcv' and mmcv_bytes > args.max_mmcv_gib * 2**30
                     runs[name] = None if skip else timed_call(f, pass_, (q, k, v), grad)
-                    if runs[name]:
-                        runs[name]()  # warm-up
                 yield N, dtype, pass_, macs, runs
                 del q, k, v, grad, runs
 
@@ -461,7 +461,6 @@ def model_level(args):
         peaks = {name: {} for name in models}
         for name, (_, _, runs) in models.items():
             for variant, run in runs.items():
-                run()  # warm-up
                 peaks[name][variant] = peak_memory_rise(run, dev)[1]
         for name, (mode, (h, w), runs) in models.items():
             mems = peaks[name]

@@ -277,7 +277,6 @@ __attribute__((target("avx2,f16c"))) void narrow_avx2(const float* src, void* ds
   }
 }
 
-
 // n values of src as T in dst: a copy when In = T; bf16/fp16 widened to float32.
 template <typename T, typename In>
 inline void widen(T* __restrict__ dst, const In* __restrict__ src, int64_t n) {
