@@ -4,7 +4,7 @@
 // through as_compute / widen, the backward converts them on entry), M = Ph * Pw experts of
 // K keys, R router choices per query.
 //
-// Forward, parallel phases (at::parallel_for; each task holds one BLAS thread, SerialBlas):
+// Forward, parallel phases (parallel_tasks; each thread holds one BLAS thread, SerialBlas):
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
 //   2. experts     per (bh, block of landmarks): S = (R / sqrt(d)) K^T, the K best keys of
 //                  each row by selection (a bound from run maxima, nth_element of the few
@@ -83,6 +83,58 @@ struct SerialBlas {
   SerialBlas(const SerialBlas&) = delete;
   SerialBlas& operator=(const SerialBlas&) = delete;
 };
+
+// ---- The phases' tasks [begin, end), handed out in chunks to the threads as they ask for
+// them (an atomic counter), rather than in at::parallel_for's equal shares fixed up front: a
+// thread that runs slower (a vCPU whose host core is busy, an efficiency core) takes fewer
+// chunks instead of holding up the whole phase at its end. On the 2 vCPUs of a shared host
+// the threads' busy times in one call differed by up to 25%: with equal shares 2-13% of the
+// threads' time went to waiting at the ends of the phases, with chunks taken as they go
+// 1.5-2.6% (N = 1025 to 16385). Chunks are of at least `grain` consecutive tasks, ~16 per
+// thread. A thread walks the chunks it takes with `for (int64_t t : tasks)`; its buffers,
+// set up before that loop, serve all of them. Which thread runs a task never changes a
+// result: no task reads what another writes. ----
+class Tasks {
+ public:
+  Tasks(int64_t begin, int64_t end, int64_t chunk) : next_(begin), end_(end), chunk_(chunk) {}
+  struct End {};
+  class Iterator {  // one thread's walk: the tasks of the chunk it holds, then the next chunk
+   public:
+    explicit Iterator(Tasks& tasks) : tasks_(tasks) { take(); }
+    int64_t operator*() const { return t_; }
+    Iterator& operator++() {
+      if (++t_ == stop_) take();
+      return *this;
+    }
+    bool operator!=(End) const { return t_ < tasks_.end_; }
+
+   private:
+    void take() {
+      t_ = tasks_.next_.fetch_add(tasks_.chunk_, std::memory_order_relaxed);
+      stop_ = std::min(t_ + tasks_.chunk_, tasks_.end_);
+    }
+    Tasks& tasks_;
+    int64_t t_ = 0, stop_ = 0;
+  };
+  Iterator begin() { return Iterator(*this); }
+  End end() const { return {}; }
+
+ private:
+  std::atomic<int64_t> next_;
+  const int64_t end_, chunk_;
+};
+
+// Runs body(tasks) on each thread (once, inline, on one thread or inside a parallel region).
+template <typename F>
+void parallel_tasks(int64_t begin, int64_t end, int64_t grain, const F& body) {
+  if (begin >= end) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t n = end - begin;
+  const int64_t chunk = std::max<int64_t>({1, grain, n / (16 * threads)});
+  Tasks tasks(begin, end, chunk);
+  at::parallel_for(0, std::min(threads, (n + chunk - 1) / chunk), 1,
+                   [&](int64_t, int64_t) { body(tasks); });
+}
 
 // ---- Phase profile: wall time of each phase, summed over calls (off unless enabled). ----
 enum Phase { kLandmarks, kExperts, kRouter, kGrouping, kRouted, kMerge,
@@ -399,9 +451,9 @@ struct Bias {
 template <typename T, typename In>
 void landmarks_phase(const In* q, T* R, const Geometry& g) {
   PhaseTimer timer(kLandmarks);
-  at::parallel_for(0, g.BH * g.M, 4, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * g.M, 4, [&](Tasks& tasks) {
     std::vector<T> row;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M, i = m / g.pw, j = m % g.pw;
       const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
       const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
@@ -542,11 +594,11 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
   const int64_t TN = (g.N + tiles - 1) / tiles, d = g.d;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * blocks, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
     std::vector<T> rc(LB * d), local(probs ? 0 : LB * TN), mx(LB), sum(LB), acc(LB * d), kv;
     std::vector<TopK<T>> top(LB);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
       const T* r = R + (bh * g.M + m0) * d;
       const In* kb = k + bh * g.N * d;
@@ -612,12 +664,12 @@ void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, 
   constexpr int64_t CH = 128;
   const int64_t chunks = (g.N + CH - 1) / CH, M = g.M, d = g.d;
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * chunks, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
     std::vector<T> rs(M * d), local(ls ? 0 : CH * M), p(shared ? CH * M : 0), inv(CH), qc;
     std::vector<int64_t> ids(M);
     int64_t rs_of = -1;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(g.N, n0 + CH) - n0;
       if (rs_of != bh) {  // R * shared_scale, as ATen computes it
         const T* r = R + bh * M * d;
@@ -680,9 +732,9 @@ void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, 
 void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M, int64_t* offsets,
                  int64_t* order) {
   PhaseTimer timer(kGrouping);
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
+  parallel_tasks(0, BH, 1, [&](Tasks& tasks) {
     std::vector<int64_t> pos(M);
-    for (int64_t bh = b0; bh < b1; ++bh) {
+    for (int64_t bh : tasks) {
       int64_t* off = offsets + bh * (M + 1);
       const int64_t* ch = choice + bh * NR;
       std::fill(off, off + M + 1, 0);
@@ -753,11 +805,11 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
                   T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
-  at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * g.M, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
     std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf, lsebuf;
     std::vector<int64_t> kp(bias.on() ? K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
@@ -809,8 +861,8 @@ template <typename T>
 void merge_phase(const T* o_items, const T* lse_items, T* out, T* lse, const Geometry& g) {
   PhaseTimer timer(kMerge);
   const int64_t R = g.R, d = g.d;
-  at::parallel_for(0, g.BH * g.N, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
+  parallel_tasks(0, g.BH * g.N, 256, [&](Tasks& tasks) {
+    for (int64_t i : tasks)
       merge_partials(out + i * d, lse + i, o_items + i * R * d, lse_items + i * R, R, d);
   });
 }
@@ -825,10 +877,10 @@ void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* l
   PhaseTimer timer(kBwdShared);
   constexpr int64_t CH = 128;  // queries per chunk
   const int64_t N = g.N, M = g.M, d = g.d;
-  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+  parallel_tasks(0, g.BH, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
     std::vector<T> p(shared ? CH * M : 1), dp(shared ? CH * M : 1);
-    for (int64_t bh = b0; bh < b1; ++bh) {
+    for (int64_t bh : tasks) {
       for (int64_t n0 = 0; n0 < N; n0 += CH) {
         const int64_t G = std::min(N, n0 + CH) - n0, i0 = bh * N + n0;
         for (int64_t i = i0; i < i0 + G; ++i) delta[i] = dot(dout + i * d, out + i * d, d);
@@ -863,11 +915,11 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* ke
                            T* dl_sorted, T scale, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kBwdRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
-  at::parallel_for(0, g.BH * g.M, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * g.M, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
     std::vector<T> kloc(K * d), vloc(K * d), qbuf, dobuf, pbuf, dsbuf, dqbuf;
     std::vector<int64_t> kp(bias.on() ? K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
@@ -929,9 +981,9 @@ void reduce_phase(const int64_t* keys, const int64_t* offsets, const int64_t* or
                   T* dk, T* dv, T* dq, T* dtab, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kBwdReduce);
   const int64_t N = g.N, d = g.d, K = g.K, M = g.M, R = g.R, NR = g.N * g.R;
-  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+  parallel_tasks(0, g.BH, 1, [&](Tasks& tasks) {
     std::vector<int64_t> kp(bias.on() ? K : 0);
-    for (int64_t bh = b0; bh < b1; ++bh) {
+    for (int64_t bh : tasks) {
       if (bias.on()) {
         T* dt = dtab + bh * bias.NT;
         std::fill(dt, dt + bias.NT, T(0));
@@ -989,9 +1041,9 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
   const int64_t N = g.N, M = g.M, d = g.d;
   const T c = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   const T c_in = unscaled_ds ? T(1) : c, c_gemm = unscaled_ds ? c : T(1);
-  at::parallel_for(0, g.BH * blocks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * blocks, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(M, m0 + LB) - m0;
       T* dsb = ds + (bh * M + m0) * N;
       gemm(false, true, L, N, d, dvr + (bh * M + m0) * d, d, v + bh * N * d, d, dsb, N);
@@ -1006,9 +1058,9 @@ void scores_backward_phase(const T* q, const T* v, const T* k, const T* probs, c
            false, c_gemm);
     }
   });
-  at::parallel_for(0, g.BH, 1, [&](int64_t b0, int64_t b1) {
+  parallel_tasks(0, g.BH, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
-    for (int64_t bh = b0; bh < b1; ++bh)                               // dR += s dLs^T q
+    for (int64_t bh : tasks)  // dR += s dLs^T q
       gemm(true, false, M, d, N, dls + bh * N * M, M, q + bh * N * d, d, dR + bh * M * d, d,
            true, shared_scale);
   });
@@ -1021,9 +1073,9 @@ void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls,
   PhaseTimer timer(kBwdRows);
   constexpr int64_t CH = 128;
   const int64_t chunks = (g.N + CH - 1) / CH, N = g.N, M = g.M, d = g.d;
-  at::parallel_for(0, g.BH * chunks, 1, [&](int64_t t0, int64_t t1) {
+  parallel_tasks(0, g.BH * chunks, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / chunks, n0 = (t % chunks) * CH, G = std::min(N, n0 + CH) - n0;
       const int64_t rows = (bh * N + n0) * d;
       const T* r = R + bh * M * d;
@@ -1040,8 +1092,8 @@ void rows_backward_phase(const T* R, const T* probs, const T* dvr, const T* dls,
 template <typename T>
 void landmarks_backward_phase(const T* dR, T* dq, const Geometry& g) {
   PhaseTimer timer(kBwdLandmarks);
-  at::parallel_for(0, g.BH * g.h, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  parallel_tasks(0, g.BH * g.h, 8, [&](Tasks& tasks) {
+    for (int64_t t : tasks) {
       const int64_t bh = t / g.h, r = t % g.h;
       for (int64_t i = 0; i < g.ph; ++i) {
         const int64_t r0 = i * g.h / g.ph, r1 = ((i + 1) * g.h + g.ph - 1) / g.ph;
@@ -1098,9 +1150,9 @@ void bias_means_phase(const T* table, T* bq, T* bk, int64_t H, int64_t Wh, int64
   PhaseTimer timer(kBiasMeans);
   const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
   const int64_t W2 = 2 * Ww;  // row stride of ii
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  parallel_tasks(0, H, 1, [&](Tasks& tasks) {
     std::vector<double> ii(2 * Wh * W2);
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t h : tasks) {
       const T* tab = table + h * NT;
       T* q = bq + h * M * N;
       T* k = bk + h * N * M;
@@ -1134,9 +1186,9 @@ void bias_means_backward_phase(const T* gq, const T* gk, T* dtable, int64_t H, i
   PhaseTimer timer(kBwdBiasMeans);
   const int64_t NT = (2 * Wh - 1) * (2 * Ww - 1) + 3, M = ph * pw, N = 1 + Wh * Ww;
   const int64_t W2 = 2 * Ww, Ws = 2 * Ww + 1;  // row strides of dii and of its suffix sums
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  parallel_tasks(0, H, 1, [&](Tasks& tasks) {
     std::vector<double> dii(2 * Wh * W2), suf((2 * Wh + 1) * Ws);
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t h : tasks) {
       const T* q = gq + h * M * N;
       const T* k = gk + h * N * M;
       T* dt = dtable + h * NT;
