@@ -1268,7 +1268,7 @@ void convert_range(const torch::Tensor& src, torch::Tensor& dst, int64_t e0, int
 std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType to) {
   constexpr int64_t CHUNK = 1 << 15;
   std::vector<torch::Tensor> out;
-  std::vector<std::pair<size_t, int64_t>> tasks;  // (tensor, first element)
+  std::vector<std::pair<size_t, int64_t>> pieces;  // (tensor, first element)
   for (size_t i = 0; i < ts.size(); ++i) {
     ts[i] = ts[i].contiguous();
     if (ts[i].scalar_type() == to) {
@@ -1276,12 +1276,11 @@ std::vector<torch::Tensor> convert(std::vector<torch::Tensor> ts, at::ScalarType
       continue;
     }
     out.push_back(torch::empty_like(ts[i], ts[i].options().dtype(to)));
-    for (int64_t e = 0; e < ts[i].numel(); e += CHUNK) tasks.emplace_back(i, e);
+    for (int64_t e = 0; e < ts[i].numel(); e += CHUNK) pieces.emplace_back(i, e);
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const size_t i = tasks[t].first;
-      const int64_t e0 = tasks[t].second;
+  parallel_tasks(0, static_cast<int64_t>(pieces.size()), 1, [&](Tasks& tasks) {
+    for (int64_t t : tasks) {
+      const auto [i, e0] = pieces[t];
       convert_range(ts[i], out[i], e0, std::min(ts[i].numel(), e0 + CHUNK));
     }
   });
