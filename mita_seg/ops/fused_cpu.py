@@ -29,6 +29,9 @@ carries the first two back to the table through :class:`LandmarkBias`.
 The forward and the backward are ``torch.library`` custom ops with fake implementations, so
 tracers (``torch.compile``) see opaque nodes.
 """
+import importlib.util
+import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -38,8 +41,26 @@ from .bias import table_size
 from .flops import mita_flops_per_head
 from .routing import routing_dtype
 
+
+
+def _load_extension():
+    """``mita_seg._C``, or the build at the path in ``MITA_C_LIBRARY`` (``make
+    test-sanitize`` loads the sanitizer build from build/sanitize that way)."""
+    path = os.environ.get('MITA_C_LIBRARY')
+    if not path:
+        from mita_seg import _C
+        return _C
+    if not os.path.isfile(path):
+        raise ImportError(f'MITA_C_LIBRARY={path} is not a file')
+    spec = importlib.util.spec_from_file_location('mita_seg._C', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules['mita_seg._C'] = module
+    return module
+
+
 try:
-    from mita_seg import _C
+    _C = _load_extension()
     _IMPORT_ERROR = None
 except ImportError as e:  # not compiled: the blocked backend runs instead
     _C = None

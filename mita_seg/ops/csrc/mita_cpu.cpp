@@ -41,12 +41,14 @@
 // so without it every phase runs on one thread, silently (parallel_threads() checks).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -391,6 +393,130 @@ void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64
   c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t), accumulate ? 1 : 0, alpha);
 }
 
+// ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX) or AVX512-BF16:
+// oneDNN's brgemm micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash
+// attention calls them (B in the VNNI layout: pairs of rows interleaved, [k/2][n][2], made
+// by cpublas::pack where the CPU has AMX, by pack_b here otherwise; k rounded up to even with
+// zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
+// (phase 2) and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the
+// inputs' dtype as FlashAttention does. The GEMMs that decide the routing (S = R K^T, Ls = q
+// R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
+// softmax, log-sum-exp, top-k and the merge. MITA_CPU_BF16_GEMM=1 forces the path on (where
+// oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs
+// it: slow, for testing the path on any CPU), =0 off; unset: on where the CPU has AMX for the
+// dtype (cpublas::could_pack) or, for bf16, AVX512-BF16. ----
+enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpNative = 2 };
+
+template <typename In>
+constexpr bool is_lowp = std::is_same<In, c10::BFloat16>::value ||
+                         std::is_same<In, c10::Half>::value;
+
+// Whether oneDNN's brgemm runs In x In -> float32 (B in the VNNI layout) on this CPU: a
+// [2, 2] x [2, 2] product of ones (cpublas refuses it with an error where it does not).
+template <typename In>
+bool brgemm_native() {
+  const In one(1.f);
+  const In a[4] = {one, one, one, one};
+  float c[4] = {0, 0, 0, 0};
+  try {
+    at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, a, c, true);
+    at::native::cpublas::brgemm_release(true);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  return c[0] == 2 && c[3] == 2;
+}
+
+// The path of this call's GEMMs for inputs of type In (read each call: tests switch it).
+template <typename In>
+LowpPath lowp_path() {
+  if constexpr (!is_lowp<In>) {
+    return kLowpOff;
+  } else {
+    static const bool native = brgemm_native<In>();
+    static const bool fast =
+        at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value) ||
+        (std::is_same<In, c10::BFloat16>::value && native &&
+         __builtin_cpu_supports("avx512bf16"));
+    const char* env = std::getenv("MITA_CPU_BF16_GEMM");
+    const bool on = env && *env ? std::string(env) != "0" : fast;
+    return on ? (native ? kLowpNative : kLowpPlain) : kLowpOff;
+  }
+}
+
+// dst[0 .. n) = src[0 .. n) rounded to In (nearest even, as c10).
+template <typename In>
+inline void narrow(In* dst, const float* src, int64_t n) {
+  if (g_has_f16c)
+    return narrow_avx2(src, dst, c10::CppTypeToScalarType<In>::value, n);
+  for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<In>(src[e]);
+}
+
+// Rows [0, rows) of x [rows, n] (row stride ldx, float32) rounded into dst [rows, np], np = n
+// rounded up to even, the padding column zero: the A operand of lowp_gemm.
+template <typename In>
+void narrow_rows(In* dst, const float* x, int64_t rows, int64_t n, int64_t ldx, int64_t np) {
+  for (int64_t i = 0; i < rows; ++i) {
+    narrow(dst + i * np, x + i * ldx, n);
+    if (np > n) dst[i * np + n] = In(0.f);
+  }
+}
+
+// op(B) [k, n] (b_t: B is stored [n, k], row stride ldb; else [k, n]) as lowp_gemm's B
+// operand in out: k rounded up to even with zero rows, in the VNNI layout for oneDNN's
+// kernel (by cpublas::pack where the CPU has AMX), else row-major [k, n].
+template <typename In>
+void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const In* B, int64_t ldb,
+            std::vector<In>& out, std::vector<In>& tmp) {
+  const int64_t kp = (k + 1) / 2 * 2;
+  if (static_cast<int64_t>(out.size()) < kp * n) out.resize(kp * n);
+  const In zero(0.f);
+  auto at = [&](int64_t r, int64_t c) { return r < k ? (b_t ? B[c * ldb + r] : B[r * ldb + c]) : zero; };
+  static const bool amx = at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
+  if (path == kLowpNative && !amx) {  // [k/2][n][2]
+    In* o = out.data();
+    for (int64_t r = 0; r < kp; r += 2)
+      for (int64_t c = 0; c < n; ++c) {
+        o[r * n + 2 * c] = at(r, c);
+        o[r * n + 2 * c + 1] = at(r + 1, c);
+      }
+    return;
+  }
+  In* plain = out.data();
+  if (path == kLowpNative) {  // cpublas::pack from row-major
+    if (static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
+    plain = tmp.data();
+  }
+  for (int64_t r = 0; r < kp; ++r)
+    for (int64_t c = 0; c < n; ++c) plain[r * n + c] = at(r, c);
+  if (path == kLowpNative)
+    at::native::cpublas::pack(kp, n, n, n, c10::CppTypeToScalarType<In>::value,
+                              c10::CppTypeToScalarType<In>::value, plain, out.data());
+}
+
+// C [m, n] (row stride ldc, float32) (+)= A [m, kp] (row stride lda, In) B, B from pack_b
+// (kp even). In blocks of at most 32 rows: oneDNN generates (and caches, per thread) a
+// kernel per shape, so the shapes stay few however many queries an expert has.
+template <typename In>
+void lowp_gemm(LowpPath path, int64_t m, int64_t n, int64_t kp, const In* A, int64_t lda,
+               const In* B, float* C, int64_t ldc, bool accumulate) {
+  constexpr int64_t kRows = 32;
+  for (int64_t i = 0; i < m; i += kRows)
+    at::native::cpublas::brgemm(std::min(kRows, m - i), n, kp, lda, n, ldc, accumulate,
+                                A + i * lda, B, C + i * ldc, path == kLowpNative);
+}
+
+// Held by a parallel task that calls lowp_gemm: releases the thread's AMX tile state at its end.
+struct BrgemmRelease {
+  bool native;
+  explicit BrgemmRelease(LowpPath path) : native(path == kLowpNative) {}
+  ~BrgemmRelease() {
+    if (native) at::native::cpublas::brgemm_release(true);
+  }
+  BrgemmRelease(const BrgemmRelease&) = delete;
+  BrgemmRelease& operator=(const BrgemmRelease&) = delete;
+};
+
 // Where MiTA's tokens are: N = prefix + h * w + suffix; the pool is Ph x Pw.
 struct Geometry {
   int64_t BH, N, d, h, w, ph, pw, prefix, M, K, R;
@@ -586,7 +712,7 @@ std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g, int64_t most) {
 // and the softmax.
 template <typename T, typename In>
 void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs, T* vr,
-                   bool shared, const Bias<T>& bias, const Geometry& g) {
+                   bool shared, const Bias<T>& bias, const Geometry& g, LowpPath lp) {
   PhaseTimer timer(kExperts);
   const auto [blocks, LB] = landmark_blocks(g, probs ? 32 : 64);
   // tiles of about 1024 keys, of equal size ([49, 1024] scores: 200 KB; N = 1025 one tile)
@@ -598,6 +724,8 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
     SerialBlas serial_blas;
     std::vector<T> rc(LB * d), local(probs ? 0 : LB * TN), mx(LB), sum(LB), acc(LB * d), kv;
     std::vector<TopK<T>> top(LB);
+    std::vector<In> pb, vpk, tmp;  // bf16/fp16 GEMM: exp(S_t - max) rounded, V_t packed
+    BrgemmRelease release(lp);
     for (int64_t t : tasks) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
       const T* r = R + (bh * g.M + m0) * d;
@@ -631,9 +759,19 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
           mx[l] = m;
           sum[l] += exp_shift(row, n, m);
         }
-        if (shared)  // acc [L, d] (+)= exp(S_t - max) V_t
-          gemm(false, false, L, d, n, s, n, as_compute(vb + j0 * d, n * d, kv), d, acc.data(),
-               d, j0 > 0);
+        if (!shared) continue;  // acc [L, d] (+)= exp(S_t - max) V_t
+        if constexpr (is_lowp<In>) {
+          if (lp != kLowpOff) {
+            const int64_t np = (n + 1) / 2 * 2;
+            pb.resize(L * np);
+            narrow_rows(pb.data(), s, L, n, n, np);
+            pack_b(lp, false, n, d, vb + j0 * d, d, vpk, tmp);
+            lowp_gemm(lp, L, d, np, pb.data(), np, vpk.data(), acc.data(), d, j0 > 0);
+            continue;
+          }
+        }
+        gemm(false, false, L, d, n, s, n, as_compute(vb + j0 * d, n * d, kv), d, acc.data(), d,
+             j0 > 0);
       }
       for (int64_t l = 0; l < L; ++l) {
         top[l].finish(keys + (bh * g.M + m0 + l) * g.K);
@@ -802,35 +940,62 @@ inline void merge_partials(T* o, T* lse, const T* part, const T* part_lse, int64
 template <typename T, typename In>
 void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
                   const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
-                  T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g) {
+                  T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g,
+                  LowpPath lp) {
   PhaseTimer timer(kRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   parallel_tasks(0, g.BH * g.M, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
-    std::vector<T> kloc(K * d), vloc(K * d), qbuf, lbuf, obuf, lsebuf;
+    const bool lowp = lp != kLowpOff;
+    std::vector<T> kloc(lowp ? 0 : K * d), vloc(lowp ? 0 : K * d), qbuf, lbuf, obuf, lsebuf;
     std::vector<int64_t> kp(bias.on() ? K : 0);
+    // bf16/fp16 GEMMs: the expert's keys and values as In, packed; its queries; P rounded
+    const int64_t dp = (d + 1) / 2 * 2, Kp = (K + 1) / 2 * 2;
+    std::vector<In> kb(lowp ? K * d : 0), vb(lowp ? K * d : 0), kpk, vpk, tmp, qb, pb;
+    BrgemmRelease release(lp);
     for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
       if (G == 0) continue;
       const int64_t* idx = keys + t * K;
-      gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
-      gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+      if (lowp) {
+        gather_rows(kb.data(), k + bh * g.N * d, idx, K, d);
+        gather_rows(vb.data(), v + bh * g.N * d, idx, K, d);
+        pack_b(lp, true, d, K, kb.data(), d, kpk, tmp);   // K_e^T [d, K]
+        pack_b(lp, false, K, d, vb.data(), d, vpk, tmp);  // V_e [K, d]
+      } else {
+        gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
+        gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+      }
       const int64_t* ord = order + bh * NR + off[m];
-      qbuf.resize(G * d); lbuf.resize(G * K); obuf.resize(G * d); lsebuf.resize(G);
+      qbuf.resize(lowp ? 0 : G * d); lbuf.resize(G * K); obuf.resize(G * d); lsebuf.resize(G);
       T* qp = qbuf.data();
       T* lg = lbuf.data();
-      const In* qb = q + bh * g.N * d;
-      for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qb + ord[i] / R * d, d);
-      for (int64_t i = 0; i < G; ++i) {
-        if (i + kAhead < G) prefetch_row(qb + ord[i + kAhead] / R * d, d);
-        T* row = qp + i * d;
-        widen(row, qb + ord[i] / R * d, d);
+      const In* qs = q + bh * g.N * d;
+      for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qs + ord[i] / R * d, d);
+      if (lowp) {  // the queries' rows as they are (d padded to even), the scale after
+        qb.resize(G * dp);
+        for (int64_t i = 0; i < G; ++i) {
+          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * d, d);
+          std::copy(qs + ord[i] / R * d, qs + ord[i] / R * d + d, qb.data() + i * dp);
+          if (dp > d) qb[i * dp + d] = In(0.f);
+        }
+        if constexpr (is_lowp<In>) {
+          lowp_gemm(lp, G, K, dp, qb.data(), dp, kpk.data(), lg, K, false);  // logits [G, K]
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) row[c] *= scale;
+          for (int64_t e = 0; e < G * K; ++e) lg[e] *= scale;
+        }
+      } else {
+        for (int64_t i = 0; i < G; ++i) {
+          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * d, d);
+          T* row = qp + i * d;
+          widen(row, qs + ord[i] / R * d, d);
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) row[c] *= scale;
+        }
+        gemm(false, true, G, K, d, qp, d, kloc.data(), d, lg, K);         // logits [G, K]
       }
-      gemm(false, true, G, K, d, qp, d, kloc.data(), d, lg, K);           // logits [G, K]
       if (bias.on()) {
         bias.key_parts(idx, K, kp.data());
         for (int64_t i = 0; i < G; ++i)
@@ -838,7 +1003,14 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
       }
       for (int64_t i = 0; i < G; ++i) lsebuf[i] = softmax_row(lg + i * K, K);
       T* op = obuf.data();
-      gemm(false, false, G, d, K, lg, K, vloc.data(), d, op, d);          // [G, d]
+      if constexpr (is_lowp<In>) {
+        if (lowp) {  // P rounded to In
+          pb.resize(G * Kp);
+          narrow_rows(pb.data(), lg, G, K, K, Kp);
+          lowp_gemm(lp, G, d, Kp, pb.data(), Kp, vpk.data(), op, d, false);  // [G, d]
+        }
+      }
+      if (!lowp) gemm(false, false, G, d, K, lg, K, vloc.data(), d, op, d);  // [G, d]
       if (R == 1)
         for (int64_t i = 0; i < std::min(G, kAhead); ++i)
           prefetch_row<1>(out + (bh * NR + ord[i]) * d, d);
@@ -1442,10 +1614,11 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
     const In* kp = k.data_ptr<In>();
     const In* vp = v.data_ptr<In>();
     const Bias<T> bias = bt.view<T>();
+    const LowpPath lp = lowp_path<In>();  // bf16/fp16 read-out GEMMs (see lowp_gemm)
     auto opt = [](torch::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; };
     landmarks_phase<T>(qp, R.data_ptr<T>(), g);
     experts_phase<T>(kp, vp, R.data_ptr<T>(), keys.data_ptr<int64_t>(), opt(probs), opt(vr),
-                     shared, bias, g);
+                     shared, bias, g, lp);
     router_phase<T>(qp, R.data_ptr<T>(), opt(vr), opt(ls), choice.data_ptr<int64_t>(),
                     out.data_ptr<T>(), lse.data_ptr<T>(), static_cast<T>(shared_scale), shared,
                     bias, g);
@@ -1454,7 +1627,7 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
     routed_phase<T>(qp, kp, vp, keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                     order.data_ptr<int64_t>(), opt(o_items), opt(lse_items), out.data_ptr<T>(),
                     lse.data_ptr<T>(),
-                    static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g);
+                    static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g, lp);
     if (g.R > 1)
       merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), out.data_ptr<T>(),
                      lse.data_ptr<T>(), g);
@@ -1702,6 +1875,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
         "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
   m.def("has_avx2", [] { return g_has_avx2; }, "Whether the AVX2 exponential is used");
+  m.def("lowp_gemm_path",
+        [](at::ScalarType dtype) -> std::string {
+          const LowpPath lp = dtype == at::kBFloat16 ? lowp_path<c10::BFloat16>()
+                              : dtype == at::kHalf   ? lowp_path<c10::Half>()
+                                                     : kLowpOff;
+          return lp == kLowpNative ? "brgemm" : lp == kLowpPlain ? "cpublas" : "float32";
+        },
+        "The forward's read-out GEMMs for inputs of this dtype now (MITA_CPU_BF16_GEMM, the "
+        "CPU): 'brgemm' (oneDNN's bf16/fp16 kernel), 'cpublas' (forced where it does not run), "
+        "'float32'");
   m.def("_convert", [](torch::Tensor t, at::ScalarType to) { return convert({t}, to)[0]; },
         "Tests: the kernel's float32 <-> bf16/fp16 conversion (as Tensor.to)");
 }
