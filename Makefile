@@ -1,10 +1,12 @@
 # The two commands of the README: `make demo` (the main job) and `make test`. `make test`
 # skips the long end-to-end runs (marked `slow`); `make test-slow` runs them; CI runs both.
 # `make swap-study`: the swap at the paper's token count (docs/swap_study.md).
+# `make test-sanitize`: the C++ kernel built with AddressSanitizer + UBSan into build/sanitize
+# and its tests run against it (scripts/test_sanitize.sh); CI runs it after `make test`.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-slow swap-study
+.PHONY: setup demo test test-slow test-sanitize swap-study
 
 setup:
 	@bash scripts/setup_env.sh
@@ -17,6 +19,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest tests -m slow
+
+test-sanitize: setup
+	PY=$(PY) bash scripts/test_sanitize.sh
 
 # About 45 minutes on 2 shared cores: trains, sweeps and fine-tunes each model
 # (tools/swap_study.py; --reuse keeps the models already computed in the work dir).

@@ -1,8 +1,13 @@
 """The C++ kernel of the fused CPU backend on its own: its routing against
 :func:`mita_seg.ops.mita_routing` (with and without a relative position bias), the checks of
 its entry points (bad shapes, dtypes, indices and bias operands give a clear error, never a
-crash), its custom ops' fake implementations, infinities and NaNs without -ffast-math, and
-results independent of the thread count. A few seconds on 2 cores."""
+crash), its custom ops' fake implementations, infinities and NaNs without -ffast-math,
+results independent of the thread count, and the bf16/fp16 read-out GEMMs (oneDNN's brgemm,
+MITA_CPU_BF16_GEMM): the float32 path's routing, bit for bit. The tests that hold bf16/fp16
+inputs to the float32 kernel's bits force the float32 GEMMs. A few seconds on 2 cores."""
+import os.path as osp
+import re
+
 import pytest
 import torch
 
@@ -28,6 +33,12 @@ def _qkv(B, H, N, d, seed=0, dtype=torch.float32):
     return [torch.randn(B, H, N, d, generator=g).to(dtype) for _ in range(3)]
 
 
+@pytest.fixture
+def float32_gemms(monkeypatch):
+    """bf16/fp16 inputs through the float32 GEMMs (what the float32 kernel computes)."""
+    monkeypatch.setenv('MITA_CPU_BF16_GEMM', '0')
+
+
 def _forward(q, k, v, h, w, p, pool, topk, r, shared=True, save=True):
     B, H, N, d = q.shape
     flat = (t.reshape(B * H, N, d) for t in (q, k, v))
@@ -37,7 +48,7 @@ def _forward(q, k, v, h, w, p, pool, topk, r, shared=True, save=True):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16],
                          ids=['fp32', 'bf16', 'fp16'])
 @pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))
-def test_kernel_routing_is_the_reference_routing(case, dtype):
+def test_kernel_routing_is_the_reference_routing(case, dtype, float32_gemms):
     """Same landmarks, scores, shared logits and the very same keys and experts as
     mita_routing; for bf16/fp16 inputs, routing in float32 on the rounded values."""
     B, H, h, w, p, s, d, pool, topk, r = case
@@ -308,7 +319,7 @@ def _bias(H, h, w, seed=1):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16],
                          ids=['fp32', 'bf16', 'fp16'])
 @pytest.mark.parametrize('case', list(BIAS_CASES.values()), ids=list(BIAS_CASES))
-def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype):
+def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype, float32_gemms):
     """With a bias: scores + Bq and shared logits + Bk as mita_routing's (the very same keys
     and experts; for bf16/fp16 inputs, routing in float32 on the rounded values), and the
     output of the dense reference with the dense bias."""
@@ -386,7 +397,7 @@ def test_tiled_scores_as_one_tile():
 
 @pytest.mark.parametrize('save', [False, True], ids=['tiled', 'whole-rows'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
-def test_low_precision_inputs_are_read_in_place(dtype, save):
+def test_low_precision_inputs_are_read_in_place(dtype, save, float32_gemms):
     """bf16/fp16 q, k, v are read by the phases a tile or a row at a time (no float32 copies):
     bit for bit the float32 kernel on the widened values (widening is exact), routing and
     outputs, in tiles (N = 3137: three) and on whole rows, router top-1 and top-2, with
@@ -558,3 +569,71 @@ def test_kernel_landmark_means_reject_bad_inputs():
                           test_utils=('test_schema', 'test_faketensor'))
     torch.library.opcheck(fused_cpu._landmark_bias_bwd, (gq, gk, 5, 7, 2, 3),
                           test_utils=('test_schema', 'test_faketensor'))
+
+
+# ---- bf16/fp16 read-out GEMMs (oneDNN's brgemm; forced with MITA_CPU_BF16_GEMM=1: through
+# cpublas's plain bf16/fp16 GEMM where oneDNN's kernel does not run on this CPU).
+LOWP_CASES = {  # (B, H, h, w, prefix, suffix, d, pool, topk, router_topk, bias)
+    'vit-7x11-cls': (2, 3, 7, 11, 1, 0, 16, (3, 3), 10, 1, False),
+    '5x5-odd-d-r3': (3, 1, 5, 5, 2, 3, 5, (2, 3), 5, 3, False),  # odd d and topk: padded
+    '1x9-pool1x2': (1, 2, 1, 9, 1, 0, 4, (1, 2), 3, 1, False),
+    'segmenter-1025': (1, 2, 32, 32, 1, 0, 64, (7, 7), 49, 1, False),
+    '48x48-two-tiles-r2': (1, 1, 48, 48, 1, 0, 32, (7, 7), 49, 2, False),
+    'bias-vit-7x11-r2': (2, 3, 7, 11, 1, 0, 16, (3, 3), 9, 2, True),
+    'bias-segmenter-1025': (1, 2, 32, 32, 1, 0, 64, (7, 7), 49, 1, True),
+}
+
+
+@pytest.mark.parametrize('save', [False, True], ids=['tiled', 'whole-rows'])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+@pytest.mark.parametrize('case', list(LOWP_CASES.values()), ids=list(LOWP_CASES))
+def test_lowp_gemms_keep_the_float32_routing(case, dtype, save, monkeypatch):
+    """With the bf16/fp16 GEMMs forced on: the routing (landmarks, scores' probabilities, shared
+    logits, keys, choices, grouping) bit for bit the float32 path's, and the output within
+    bf16/fp16 rounding of the float32 reference (test_precision holds it to FlashAttention's
+    tolerance); off, the float32 path's bits."""
+    B, H, h, w, p, s, d, pool, topk, r, with_bias = case
+    N, BH = p + h * w + s, B * H
+    q, k, v = (t.reshape(BH, N, d) for t in _qkv(B, H, N, d, seed=5, dtype=dtype))
+    extra = ()
+    bias = None
+    if with_bias:
+        bias = _bias(H, h, w)
+        extra = (*landmark_bias(bias, pool), bias.table, h, w)
+
+    def run(setting):
+        monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
+        path = _C.lowp_gemm_path(dtype)
+        return path, _C.mita_forward(q, k, v, h, w, *pool, p, topk, r, True, 1.0 / d, save,
+                                     *extra)
+
+    path32, f32 = run('0')
+    path, low = run('1')
+    assert path32 == 'float32' and path in ('brgemm', 'cpublas')
+    for name, i in (('keys', 2), ('choice', 3), ('offsets', 4), ('order', 5), ('R', 6),
+                    ('probs', 7), ('Ls', 8)):
+        assert torch.equal(low[i], f32[i]), name
+    assert not torch.equal(low[10], f32[10]), 'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs'
+    ref = mita_attention_reference(*(t.float().reshape(B, H, N, d) for t in (q, k, v)),
+                                   (h, w), pool, topk, r, p, bias=bias).reshape(BH, N, d)
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3  # ~4 ulp of the P, V products' rounding
+    torch.testing.assert_close(low[10], ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(low[9], f32[9], atol=tol, rtol=tol)  # V_R
+    torch.testing.assert_close(low[1], f32[1], atol=tol, rtol=tol)  # lse
+    assert low[0].dtype == dtype and torch.equal(low[0], low[10].to(dtype))
+
+
+def test_lowp_gemm_path_by_cpu_and_setting(monkeypatch):
+    """Unset, the bf16 GEMMs run where oneDNN has AMX or AVX512-BF16 kernels for them; =0 never,
+    and float32/float64 inputs never take them."""
+    if not osp.exists('/proc/cpuinfo'):
+        pytest.skip('reads the CPU flags from /proc/cpuinfo')
+    with open('/proc/cpuinfo') as f:
+        fast = re.search(r'\b(amx_bf16|avx512_bf16)\b', f.read()) is not None
+    monkeypatch.delenv('MITA_CPU_BF16_GEMM', raising=False)
+    assert _C.lowp_gemm_path(torch.bfloat16) == ('brgemm' if fast else 'float32')
+    assert _C.lowp_gemm_path(torch.float32) == 'float32'
+    monkeypatch.setenv('MITA_CPU_BF16_GEMM', '0')
+    assert _C.lowp_gemm_path(torch.bfloat16) == _C.lowp_gemm_path(torch.float16) == 'float32'
+    monkeypatch.setenv('MITA_CPU_BF16_GEMM', '1')
+    assert _C.lowp_gemm_path(torch.float64) == 'float32'

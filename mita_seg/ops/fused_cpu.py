@@ -9,13 +9,20 @@ expert offsets and order), the per-query log-sum-exp, the landmarks, ``softmax(S
 and ``V_R``: the backward (C++ too, read-out and routing parts) recomputes nothing of the
 forward (FlashAttention's pattern).
 
-Precision: bfloat16/float16 inputs are computed in float32 (routing decisions identical to
-the float32 reference's on the same values, softmax statistics in float32): the forward's
-phases widen them a tile or a row at a time as they read them (no float32 copies of q, k,
-v), the backward converts them on entry; outputs and gradients come back in the inputs'
-dtype. On CPUs without bf16 matrix units (AVX2, AVX-512 without AMX) float32 GEMMs are the
-fast ones: on an AMD EPYC with AVX2, a [1025, 64] x [64, 49] bf16 product took 29x the
-float32 one (see docs/benchmark.md).
+Precision: bfloat16/float16 inputs are routed in float32 (routing decisions identical to
+the float32 reference's on the same values, softmax statistics, log-sum-exp, top-k and the
+merge in float32): the forward's phases widen them a tile or a row at a time as they read
+them (no float32 copies of q, k, v), the backward converts them on entry; outputs and
+gradients come back in the inputs' dtype. The forward's read-out GEMMs (``V_R = softmax(S)
+V``, the routed logits and ``P V``) run in bf16/fp16 with float32 accumulation on oneDNN's
+brgemm micro-kernels (``at::native::cpublas::brgemm``, as PyTorch's CPU flash attention; P
+rounded to the inputs' dtype as FlashAttention does) where the CPU has AMX for the dtype or,
+for bf16, AVX512-BF16; elsewhere float32 GEMMs are the fast ones (on an AMD EPYC with AVX2
+a [1025, 64] x [64, 49] bf16 product through MKL took 29x the float32 one, see
+docs/benchmark.md). ``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on (through cpublas's
+plain GEMM where oneDNN's kernel does not run: slow, it tests the path on any CPU), ``=0``
+off; ``_C.lowp_gemm_path(dtype)`` says which runs. The GEMMs that decide the routing (the
+scores, the shared logits) stay float32.
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
 ``Bq [H, M, N]`` and ``Bk [H, N, M]`` and the table itself, whose entries of the routed

@@ -395,9 +395,9 @@ void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64
 
 // ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX) or AVX512-BF16:
 // oneDNN's brgemm micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash
-// attention calls them (B in the VNNI layout: pairs of rows interleaved, [k/2][n][2], made
-// by cpublas::pack where the CPU has AMX, by pack_b here otherwise; k rounded up to even with
-// zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
+// attention calls them (B in the VNNI layout, pairs of rows interleaved, in column blocks of
+// at most 64: made by cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k
+// rounded up to even with zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
 // (phase 2) and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the
 // inputs' dtype as FlashAttention does. The GEMMs that decide the routing (S = R K^T, Ls = q
 // R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
@@ -462,48 +462,66 @@ void narrow_rows(In* dst, const float* x, int64_t rows, int64_t n, int64_t ldx, 
   }
 }
 
+// lowp_gemm's B operand: blocks of kBlockN columns, each [kp][ld] (ld = its width rounded up
+// to 16: the leading dimensions oneDNN's AMX packing takes, 16 to 64), block c0 at kp * c0.
+constexpr int64_t kBlockN = 64;
+inline int64_t packed_ld(int64_t nb) { return (nb + 15) / 16 * 16; }
+
 // op(B) [k, n] (b_t: B is stored [n, k], row stride ldb; else [k, n]) as lowp_gemm's B
-// operand in out: k rounded up to even with zero rows, in the VNNI layout for oneDNN's
-// kernel (by cpublas::pack where the CPU has AMX), else row-major [k, n].
+// operand in out: k rounded up to even (kp) with zero rows, each column block in the VNNI
+// layout ([kp/2][ld][2]) for oneDNN's kernel (by cpublas::pack where the CPU has AMX), else
+// row-major [kp][ld] for cpublas's plain GEMM.
 template <typename In>
 void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const In* B, int64_t ldb,
             std::vector<In>& out, std::vector<In>& tmp) {
   const int64_t kp = (k + 1) / 2 * 2;
-  if (static_cast<int64_t>(out.size()) < kp * n) out.resize(kp * n);
+  const int64_t size = kp * (n - n % kBlockN + (n % kBlockN ? packed_ld(n % kBlockN) : 0));
+  if (static_cast<int64_t>(out.size()) < size) out.resize(size);
   const In zero(0.f);
-  auto at = [&](int64_t r, int64_t c) { return r < k ? (b_t ? B[c * ldb + r] : B[r * ldb + c]) : zero; };
+  auto at = [&](int64_t r, int64_t c) {
+    return r < k ? (b_t ? B[c * ldb + r] : B[r * ldb + c]) : zero;
+  };
   static const bool amx = at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
-  if (path == kLowpNative && !amx) {  // [k/2][n][2]
-    In* o = out.data();
-    for (int64_t r = 0; r < kp; r += 2)
-      for (int64_t c = 0; c < n; ++c) {
-        o[r * n + 2 * c] = at(r, c);
-        o[r * n + 2 * c + 1] = at(r + 1, c);
-      }
+  if (path == kLowpNative && amx) {  // cpublas::pack from row-major [kp, n]
+    if (static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
+    for (int64_t r = 0; r < kp; ++r)
+      for (int64_t c = 0; c < n; ++c) tmp[r * n + c] = at(r, c);
+    for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
+      const int64_t nb = std::min(kBlockN, n - c0);
+      at::native::cpublas::pack(kp, nb, n, packed_ld(nb), c10::CppTypeToScalarType<In>::value,
+                                c10::CppTypeToScalarType<In>::value, tmp.data() + c0,
+                                out.data() + kp * c0);
+    }
     return;
   }
-  In* plain = out.data();
-  if (path == kLowpNative) {  // cpublas::pack from row-major
-    if (static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
-    plain = tmp.data();
+  for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
+    const int64_t nb = std::min(kBlockN, n - c0), ld = packed_ld(nb);
+    In* o = out.data() + kp * c0;
+    for (int64_t r = 0; r < kp; ++r)
+      for (int64_t c = 0; c < ld; ++c) {
+        const In x = c < nb ? at(r, c0 + c) : zero;
+        if (path == kLowpNative)
+          o[(r / 2) * 2 * ld + 2 * c + r % 2] = x;
+        else
+          o[r * ld + c] = x;
+      }
   }
-  for (int64_t r = 0; r < kp; ++r)
-    for (int64_t c = 0; c < n; ++c) plain[r * n + c] = at(r, c);
-  if (path == kLowpNative)
-    at::native::cpublas::pack(kp, n, n, n, c10::CppTypeToScalarType<In>::value,
-                              c10::CppTypeToScalarType<In>::value, plain, out.data());
 }
 
 // C [m, n] (row stride ldc, float32) (+)= A [m, kp] (row stride lda, In) B, B from pack_b
-// (kp even). In blocks of at most 32 rows: oneDNN generates (and caches, per thread) a
-// kernel per shape, so the shapes stay few however many queries an expert has.
+// (kp even): per column block, in blocks of at most 32 rows (oneDNN generates, and caches per
+// thread, a kernel per shape: the shapes stay few however many queries an expert has).
 template <typename In>
 void lowp_gemm(LowpPath path, int64_t m, int64_t n, int64_t kp, const In* A, int64_t lda,
                const In* B, float* C, int64_t ldc, bool accumulate) {
   constexpr int64_t kRows = 32;
-  for (int64_t i = 0; i < m; i += kRows)
-    at::native::cpublas::brgemm(std::min(kRows, m - i), n, kp, lda, n, ldc, accumulate,
-                                A + i * lda, B, C + i * ldc, path == kLowpNative);
+  for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
+    const int64_t nb = std::min(kBlockN, n - c0);
+    for (int64_t i = 0; i < m; i += kRows)
+      at::native::cpublas::brgemm(std::min(kRows, m - i), nb, kp, lda, packed_ld(nb), ldc,
+                                  accumulate, A + i * lda, B + kp * c0, C + i * ldc + c0,
+                                  path == kLowpNative);
+  }
 }
 
 // Held by a parallel task that calls lowp_gemm: releases the thread's AMX tile state at its end.
