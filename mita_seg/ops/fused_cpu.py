@@ -16,9 +16,10 @@ them (no float32 copies of q, k, v), the backward converts them on entry; output
 gradients come back in the inputs' dtype. The forward's read-out GEMMs (``V_R = softmax(S)
 V``, the routed logits and ``P V``) run in bf16/fp16 with float32 accumulation on oneDNN's
 brgemm micro-kernels (``at::native::cpublas::brgemm``, as PyTorch's CPU flash attention; P
-rounded to the inputs' dtype as FlashAttention does) where the CPU has AMX for the dtype or,
-for bf16, AVX512-BF16; elsewhere float32 GEMMs are the fast ones (on an AMD EPYC with AVX2
-a [1025, 64] x [64, 49] bf16 product through MKL took 29x the float32 one, see
+rounded to the inputs' dtype as FlashAttention does) where the CPU has AMX for the dtype;
+elsewhere float32 GEMMs are the fast ones (on an AMD EPYC with AVX2 a [1025, 64] x [64, 49]
+bf16 product through MKL took 29x the float32 one; on an AMD EPYC Zen 4 with AVX512-BF16
+oneDNN's bf16 kernel ran the forward no faster than MKL's float32 GEMMs, see
 docs/benchmark.md). ``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on (through cpublas's
 plain GEMM where oneDNN's kernel does not run: slow, it tests the path on any CPU), ``=0``
 off; ``_C.lowp_gemm_path(dtype)`` says which runs. The GEMMs that decide the routing (the

@@ -49,6 +49,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -393,18 +394,31 @@ void gemm(bool a_t, bool b_t, int64_t m, int64_t n, int64_t k, const T* A, int64
   c.addmm_(blob(A, m, k, lda, a_t), blob(B, k, n, ldb, b_t), accumulate ? 1 : 0, alpha);
 }
 
-// ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX) or AVX512-BF16:
-// oneDNN's brgemm micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash
-// attention calls them (B in the VNNI layout, pairs of rows interleaved, in column blocks of
-// at most 64: made by cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k
-// rounded up to even with zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
+// Asks for the row x[0..d) in cache ahead of its use: rows read in a data-dependent order
+// (an expert's keys, its queries) are cache misses the hardware prefetcher cannot foresee;
+// the gathers below ask kAhead rows ahead.
+constexpr int64_t kAhead = 8;
+template <int kWrite = 0, typename T>
+inline void prefetch_row(const T* x, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(x);
+  for (int64_t c = 0; c < d * static_cast<int64_t>(sizeof(T)); c += 64)
+    __builtin_prefetch(p + c, kWrite);
+}
+
+// ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX): oneDNN's brgemm
+// micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash attention calls
+// them (B in the VNNI layout, pairs of rows interleaved, in column blocks of at most 64: made
+// by cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k rounded up to even
+// with zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
 // (phase 2) and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the
 // inputs' dtype as FlashAttention does. The GEMMs that decide the routing (S = R K^T, Ls = q
 // R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
 // softmax, log-sum-exp, top-k and the merge. MITA_CPU_BF16_GEMM=1 forces the path on (where
 // oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs
 // it: slow, for testing the path on any CPU), =0 off; unset: on where the CPU has AMX for the
-// dtype (cpublas::could_pack) or, for bf16, AVX512-BF16. ----
+// dtype (cpublas::could_pack). With AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel
+// runs too, but no faster than MKL's float32 GEMMs at these small shapes (its per-call cost
+// and the packing eat the gain; see docs/benchmark.md): the float32 path stays there. ----
 enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpNative = 2 };
 
 template <typename In>
@@ -434,12 +448,10 @@ LowpPath lowp_path() {
     return kLowpOff;
   } else {
     static const bool native = brgemm_native<In>();
-    static const bool fast =
-        at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value) ||
-        (std::is_same<In, c10::BFloat16>::value && native &&
-         __builtin_cpu_supports("avx512bf16"));
+    static const bool amx =
+        at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
     const char* env = std::getenv("MITA_CPU_BF16_GEMM");
-    const bool on = env && *env ? std::string(env) != "0" : fast;
+    const bool on = env && *env ? std::string(env) != "0" : amx && native;
     return on ? (native ? kLowpNative : kLowpPlain) : kLowpOff;
   }
 }
@@ -467,45 +479,76 @@ void narrow_rows(In* dst, const float* x, int64_t rows, int64_t n, int64_t ldx, 
 constexpr int64_t kBlockN = 64;
 inline int64_t packed_ld(int64_t nb) { return (nb + 15) / 16 * 16; }
 
-// op(B) [k, n] (b_t: B is stored [n, k], row stride ldb; else [k, n]) as lowp_gemm's B
-// operand in out: k rounded up to even (kp) with zero rows, each column block in the VNNI
-// layout ([kp/2][ld][2]) for oneDNN's kernel (by cpublas::pack where the CPU has AMX), else
-// row-major [kp][ld] for cpublas's plain GEMM.
-template <typename In>
-void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const In* B, int64_t ldb,
-            std::vector<In>& out, std::vector<In>& tmp) {
+// op(B) [k, n] as lowp_gemm's B operand in out: k rounded up to even (kp) with zero rows,
+// each column block in the VNNI layout ([kp/2][ld][2]) for oneDNN's kernel (by cpublas::pack
+// where the CPU has AMX), else row-major [kp][ld] for cpublas's plain GEMM. b_t: row(c) is
+// column c of op(B) (k values: an expert's key c for K_e^T); else row(r) is its row r (n
+// values: a value row). Rows are read through pointers, so the experts' keys and values are
+// gathered and packed in one pass.
+template <typename In, typename Row>
+void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::vector<In>& out,
+            std::vector<In>& tmp) {
+  static_assert(sizeof(In) == 2, "bf16/fp16");
   const int64_t kp = (k + 1) / 2 * 2;
   const int64_t size = kp * (n - n % kBlockN + (n % kBlockN ? packed_ld(n % kBlockN) : 0));
   if (static_cast<int64_t>(out.size()) < size) out.resize(size);
-  const In zero(0.f);
-  auto at = [&](int64_t r, int64_t c) {
-    return r < k ? (b_t ? B[c * ldb + r] : B[r * ldb + c]) : zero;
-  };
   static const bool amx = at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
-  if (path == kLowpNative && amx) {  // cpublas::pack from row-major [kp, n]
-    if (static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
-    for (int64_t r = 0; r < kp; ++r)
-      for (int64_t c = 0; c < n; ++c) tmp[r * n + c] = at(r, c);
+  const bool vnni = path == kLowpNative && !amx;
+  const bool plain_all = path == kLowpNative && amx;  // row-major [kp, n] for cpublas::pack
+  if (plain_all && static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
+  // the 16-bit patterns: copies, no conversions
+  uint16_t* o16 = reinterpret_cast<uint16_t*>(plain_all ? tmp.data() : out.data());
+  for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
+    const int64_t nb = std::min(kBlockN, n - c0);
+    const int64_t ld = plain_all ? n : packed_ld(nb);
+    uint16_t* o = plain_all ? o16 + c0 : o16 + kp * c0;
+    if (!plain_all && ld > nb)  // padding columns
+      for (int64_t r = 0; r < kp; ++r)
+        std::fill(o + (vnni ? (r / 2) * 2 * ld + 2 * nb + r % 2 : r * ld + nb),
+                  o + (vnni ? (r / 2 + 1) * 2 * ld : (r + 1) * ld), 0);
+    if (b_t) {  // column c of op(B) is contiguous
+      for (int64_t c = 0; c < nb; ++c) {
+        if (c + kAhead < nb) prefetch_row(row(c0 + c + kAhead), k);
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(row(c0 + c));
+        if (vnni) {  // a pair of rows is one 32-bit word of the column
+          uint32_t* o32 = reinterpret_cast<uint32_t*>(o) + c;
+          for (int64_t r2 = 0; r2 < k / 2; ++r2) {
+            uint32_t x;
+            std::memcpy(&x, src + 2 * r2, 4);
+            o32[r2 * ld] = x;
+          }
+          if (k % 2) o32[(k / 2) * ld] = src[k - 1];  // little endian: the low half
+        } else {
+          for (int64_t r = 0; r < k; ++r) o[r * ld + c] = src[r];
+          if (k % 2) o[k * ld + c] = 0;
+        }
+      }
+    } else {  // row r of op(B) is contiguous
+      for (int64_t r = 0; r < kp; r += vnni ? 2 : 1) {
+        const uint16_t* a = r < k ? reinterpret_cast<const uint16_t*>(row(r)) + c0 : nullptr;
+        if (vnni) {
+          const uint16_t* b = r + 1 < k ? reinterpret_cast<const uint16_t*>(row(r + 1)) + c0
+                                        : nullptr;
+          uint16_t* dst = o + (r / 2) * 2 * ld;
+          for (int64_t c = 0; c < nb; ++c) {
+            dst[2 * c] = a ? a[c] : 0;
+            dst[2 * c + 1] = b ? b[c] : 0;
+          }
+        } else if (a) {
+          std::copy(a, a + nb, o + r * ld);
+        } else {
+          std::fill(o + r * ld, o + r * ld + nb, 0);
+        }
+      }
+    }
+  }
+  if (plain_all)
     for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
       const int64_t nb = std::min(kBlockN, n - c0);
       at::native::cpublas::pack(kp, nb, n, packed_ld(nb), c10::CppTypeToScalarType<In>::value,
                                 c10::CppTypeToScalarType<In>::value, tmp.data() + c0,
                                 out.data() + kp * c0);
     }
-    return;
-  }
-  for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
-    const int64_t nb = std::min(kBlockN, n - c0), ld = packed_ld(nb);
-    In* o = out.data() + kp * c0;
-    for (int64_t r = 0; r < kp; ++r)
-      for (int64_t c = 0; c < ld; ++c) {
-        const In x = c < nb ? at(r, c0 + c) : zero;
-        if (path == kLowpNative)
-          o[(r / 2) * 2 * ld + 2 * c + r % 2] = x;
-        else
-          o[r * ld + c] = x;
-      }
-  }
 }
 
 // C [m, n] (row stride ldc, float32) (+)= A [m, kp] (row stride lda, In) B, B from pack_b
@@ -783,7 +826,7 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
             const int64_t np = (n + 1) / 2 * 2;
             pb.resize(L * np);
             narrow_rows(pb.data(), s, L, n, n, np);
-            pack_b(lp, false, n, d, vb + j0 * d, d, vpk, tmp);
+            pack_b(lp, false, n, d, [&](int64_t r) { return vb + (j0 + r) * d; }, vpk, tmp);
             lowp_gemm(lp, L, d, np, pb.data(), np, vpk.data(), acc.data(), d, j0 > 0);
             continue;
           }
@@ -903,17 +946,6 @@ void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M, int64
   });
 }
 
-// Asks for the row x[0..d) in cache ahead of its use: rows read in a data-dependent order
-// (an expert's keys, its queries) are cache misses the hardware prefetcher cannot foresee;
-// the gathers below ask kAhead rows ahead.
-constexpr int64_t kAhead = 8;
-template <int kWrite = 0, typename T>
-inline void prefetch_row(const T* x, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(x);
-  for (int64_t c = 0; c < d * static_cast<int64_t>(sizeof(T)); c += 64)
-    __builtin_prefetch(p + c, kWrite);
-}
-
 // Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]), as T.
 template <typename T, typename In>
 inline void gather_rows(T* dst, const In* x, const int64_t* idx, int64_t K, int64_t d) {
@@ -969,7 +1001,7 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
     std::vector<int64_t> kp(bias.on() ? K : 0);
     // bf16/fp16 GEMMs: the expert's keys and values as In, packed; its queries; P rounded
     const int64_t dp = (d + 1) / 2 * 2, Kp = (K + 1) / 2 * 2;
-    std::vector<In> kb(lowp ? K * d : 0), vb(lowp ? K * d : 0), kpk, vpk, tmp, qb, pb;
+    std::vector<In> kpk, vpk, tmp, qb, pb;
     BrgemmRelease release(lp);
     for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M;
@@ -978,10 +1010,12 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
       if (G == 0) continue;
       const int64_t* idx = keys + t * K;
       if (lowp) {
-        gather_rows(kb.data(), k + bh * g.N * d, idx, K, d);
-        gather_rows(vb.data(), v + bh * g.N * d, idx, K, d);
-        pack_b(lp, true, d, K, kb.data(), d, kpk, tmp);   // K_e^T [d, K]
-        pack_b(lp, false, K, d, vb.data(), d, vpk, tmp);  // V_e [K, d]
+        if constexpr (is_lowp<In>) {  // gathered and packed in one pass: K_e^T, V_e
+          const In* kh = k + bh * g.N * d;
+          const In* vh = v + bh * g.N * d;
+          pack_b(lp, true, d, K, [&](int64_t c) { return kh + idx[c] * d; }, kpk, tmp);
+          pack_b(lp, false, K, d, [&](int64_t r) { return vh + idx[r] * d; }, vpk, tmp);
+        }
       } else {
         gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
         gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
