@@ -480,11 +480,12 @@ constexpr int64_t kBlockN = 64;
 inline int64_t packed_ld(int64_t nb) { return (nb + 15) / 16 * 16; }
 
 // op(B) [k, n] as lowp_gemm's B operand in out: k rounded up to even (kp) with zero rows,
-// each column block in the VNNI layout ([kp/2][ld][2]) for oneDNN's kernel (by cpublas::pack
-// where the CPU has AMX), else row-major [kp][ld] for cpublas's plain GEMM. b_t: row(c) is
-// column c of op(B) (k values: an expert's key c for K_e^T); else row(r) is its row r (n
-// values: a value row). Rows are read through pointers, so the experts' keys and values are
-// gathered and packed in one pass.
+// each column block [kp][ld] with zero padding columns, in the VNNI layout ([kp/2][ld][2]) for
+// oneDNN's kernel (by cpublas::pack of the row-major block where the CPU has AMX, as
+// PyTorch's flash attention packs whole blocks), else row-major for cpublas's plain GEMM.
+// b_t: row(c) is column c of op(B) (k values: an expert's key c for K_e^T); else row(r) is
+// its row r (n values: a value row). Rows are read through pointers, so the experts' keys
+// and values are gathered and packed in one pass.
 template <typename In, typename Row>
 void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::vector<In>& out,
             std::vector<In>& tmp) {
@@ -493,16 +494,15 @@ void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::
   const int64_t size = kp * (n - n % kBlockN + (n % kBlockN ? packed_ld(n % kBlockN) : 0));
   if (static_cast<int64_t>(out.size()) < size) out.resize(size);
   static const bool amx = at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
-  const bool vnni = path == kLowpNative && !amx;
-  const bool plain_all = path == kLowpNative && amx;  // row-major [kp, n] for cpublas::pack
-  if (plain_all && static_cast<int64_t>(tmp.size()) < kp * n) tmp.resize(kp * n);
+  const bool vnni = path == kLowpNative && !amx;  // interleaved here
+  const bool repack = path == kLowpNative && amx;  // row-major blocks in tmp, then pack
+  if (repack && static_cast<int64_t>(tmp.size()) < size) tmp.resize(size);
   // the 16-bit patterns: copies, no conversions
-  uint16_t* o16 = reinterpret_cast<uint16_t*>(plain_all ? tmp.data() : out.data());
+  uint16_t* base = reinterpret_cast<uint16_t*>(repack ? tmp.data() : out.data());
   for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
-    const int64_t nb = std::min(kBlockN, n - c0);
-    const int64_t ld = plain_all ? n : packed_ld(nb);
-    uint16_t* o = plain_all ? o16 + c0 : o16 + kp * c0;
-    if (!plain_all && ld > nb)  // padding columns
+    const int64_t nb = std::min(kBlockN, n - c0), ld = packed_ld(nb);
+    uint16_t* o = base + kp * c0;
+    if (ld > nb)  // padding columns
       for (int64_t r = 0; r < kp; ++r)
         std::fill(o + (vnni ? (r / 2) * 2 * ld + 2 * nb + r % 2 : r * ld + nb),
                   o + (vnni ? (r / 2 + 1) * 2 * ld : (r + 1) * ld), 0);
@@ -541,14 +541,11 @@ void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::
         }
       }
     }
-  }
-  if (plain_all)
-    for (int64_t c0 = 0; c0 < n; c0 += kBlockN) {
-      const int64_t nb = std::min(kBlockN, n - c0);
-      at::native::cpublas::pack(kp, nb, n, packed_ld(nb), c10::CppTypeToScalarType<In>::value,
-                                c10::CppTypeToScalarType<In>::value, tmp.data() + c0,
+    if (repack)
+      at::native::cpublas::pack(kp, ld, ld, ld, c10::CppTypeToScalarType<In>::value,
+                                c10::CppTypeToScalarType<In>::value, tmp.data() + kp * c0,
                                 out.data() + kp * c0);
-    }
+  }
 }
 
 // C [m, n] (row stride ldc, float32) (+)= A [m, kp] (row stride lda, In) B, B from pack_b
