@@ -9,9 +9,9 @@ of the inputs; the routing decisions then agree as well. MiTA and softmax attent
 different functions whose outputs and gradients differ in magnitude (the shared expert adds
 a path), so errors are compared relative to the float32 result's largest magnitude; in the
 route-only ``topk >= N`` case they are the same function and the absolute errors are held to
-the same bound as well. On the CPU the fused kernel runs with its bf16/fp16 read-out GEMMs as
-chosen for the CPU, forced on (oneDNN's brgemm, or cpublas's plain GEMM where that does not
-run) and forced off (``MITA_CPU_BF16_GEMM``).
+the same bound as well. The fused CPU kernel is held to it with its bf16/fp16 read-out GEMMs
+as chosen for the CPU, forced on (oneDNN's brgemm, or cpublas's plain GEMM where that does
+not run) and forced off (``MITA_CPU_BF16_GEMM``).
 """
 import os
 import os.path as osp
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mita_seg.ops import mita_attention, mita_attention_reference
+from mita_seg.ops.fused_cpu import _C
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
@@ -63,24 +64,32 @@ def _check(what, mita, mita_ref, sdpa, sdpa_ref, same_function):
         assert err <= 2 * base, f'{what}: MiTA error {err:.3g} > 2 x SDPA error {base:.3g}'
 
 
-# the fused CPU kernel's read-out GEMMs: as chosen for this CPU, and forced on and off
-GEMMS = {'auto': None, 'lowp-gemm': '1', 'float32-gemm': '0'}
-
-
-@pytest.mark.parametrize('gemms', list(GEMMS), ids=list(GEMMS))
 @pytest.mark.parametrize('backend', [None, 'varlen'], ids=['auto', 'varlen'])
 @pytest.mark.parametrize('device', ['cpu', 'cuda'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
 @pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))
-def test_low_precision_within_flash_tolerance(case, dtype, device, backend, gemms,
-                                              monkeypatch):
+def test_low_precision_within_flash_tolerance(case, dtype, device, backend):
     why = _lowp_supported(dtype, device)
     if why:
         pytest.skip(f'{dtype} attention not supported on {device} here: {why}')
-    if GEMMS[gemms] is not None:
-        if device != 'cpu' or backend is not None:
-            pytest.skip('MITA_CPU_BF16_GEMM concerns the fused CPU kernel only')
-        monkeypatch.setenv('MITA_CPU_BF16_GEMM', GEMMS[gemms])
+    _check_low_precision(case, dtype, device, backend)
+
+
+@pytest.mark.parametrize('setting', ['1', '0'], ids=['lowp-gemms', 'float32-gemms'])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+@pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))
+def test_fused_cpu_gemm_settings_within_flash_tolerance(case, dtype, setting, monkeypatch):
+    """The fused CPU kernel with its bf16/fp16 read-out GEMMs forced on (oneDNN's brgemm, or
+    cpublas's plain GEMM where that does not run on this CPU) and off."""
+    if _C is None:
+        pytest.skip('the C++ extension mita_seg._C is not built')
+    monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
+    expected = ('float32', ) if setting == '0' else ('brgemm', 'cpublas')
+    assert _C.lowp_gemm_path(dtype) in expected
+    _check_low_precision(case, dtype, 'cpu', 'fused_cpu')
+
+
+def _check_low_precision(case, dtype, device, backend):
     B, H, h, w, p, s, d, pool, topk, shared = case
     N = p + h * w + s
     g = torch.Generator().manual_seed(0)
