@@ -17,7 +17,7 @@ export MITA_C_LIBRARY=$LIB LD_PRELOAD=$RUNTIME
 # detect_leaks=0: CPython and torch keep their allocations to the end by design
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-"$PY" -c "from mita_seg.ops.fused_cpu import _C; assert _C is not None and _C.__file__ == '$LIB', _C"
+"$PY" -c "from mita_seg.ops.fused_cpu import _C; assert _C.__file__ == '$LIB', _C"
 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_fused_kernel.py \
     tests/test_fused_backward.py tests/test_bias.py tests/test_ops.py tests/test_fuzz.py \
     tests/test_gradients.py tests/test_precision.py "$@"
