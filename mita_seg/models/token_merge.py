@@ -213,13 +213,18 @@ def merge_tokens(model: nn.Module,
             if why:
                 skipped.append((name, why))
     if not patched:
-        found = '\n'.join(f'  {n}: {why}' for n, why in skipped) or (
-            '  none (no VisionTransformer backbone, BEiT/MAE or Segmenter mask head)')
+        reasons: dict = {}   # why -> layers, so the message stays one line
+        for name, why in skipped:
+            reasons.setdefault(why, []).append(name)
+        found = '; '.join(f'{names[0]}' + (f' and {len(names) - 1} more' if len(names) > 1
+                                            else '') + f': {why}'
+                          for why, names in reasons.items()) or (
+            'no VisionTransformer backbone, BEiT/MAE or Segmenter mask head')
         raise NothingToMergeError(
             f'merge_tokens found no encoder layer to merge tokens in, in '
             f'{type(model).__name__}: it merges in the layers of mmseg\'s VisionTransformer '
             '(ViT, DeiT, Segmenter, SETR, DPT) and, with include_head=True, of Segmenter\'s '
-            f'mask head. Layers found:\n{found}')
+            f'mask head. Found: {found}')
     if verbose:
         print_log(f'merge_tokens: ratio={ratio} in {len(patched)} encoder layers',
                   logger='current')
