@@ -324,7 +324,7 @@ def test_flops_of_a_merged_segmentor(tiny_cfg):
         with torch.no_grad(), flop_mode:
             counter.mita(x)
     adds = ours.by_operator['token_merge_adds']
-    assert adds == 2 * 2 * r * C
+    assert adds == 2 * 2 * r * (C + 1)
     assert 2 * ours.macs == pytest.approx(flop_mode.get_total_flops(), rel=0.01)
     # meta device: the same counts
     meta = SegmentorFlops(tiny_cfg, None, device='meta', merge_ratio=0.3)
@@ -336,7 +336,7 @@ def test_flops_of_a_merged_segmentor(tiny_cfg):
 
 def test_merge_flops_formula():
     assert merge_flops(2, 35, 8, 0) == 0
-    assert merge_flops(2, 35, 8, 10) == 2 * (18 * 17 * 8 + 10 * 8)
+    assert merge_flops(2, 35, 8, 10) == 2 * (18 * 17 * 8 + 10 * 9)
     # the matching of one merge is about a quarter of one attention's N^2 C
     assert merge_flops(1, 1024, 192, 307) / attention_flops(1, 3, 1024, 64) == \
         pytest.approx(1 / 8, rel=0.01)
@@ -381,8 +381,9 @@ def test_tools_end_to_end(segmenter_ckpt, tools, tmp_path):
     code, out = tools('tools/test.py', config, ckpt, '--merge-ratio', 0.7, check=False)
     assert code == 2 and 'merge ratio 0.7 is outside [0, 0.5]' in out
     code, out = tools('tools/get_flops.py', BEIT_TINY, '--merge-ratio', 0.3, check=False)
-    assert code == 1 and out.strip().splitlines()[-1].startswith('error: merge_tokens found '
-                                                                  'no encoder layer')
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and last.startswith('error: merge_tokens found no encoder layer')
+    assert 'backbone.layers.0 and 3 more: its attention is BEiTAttention' in last
     assert 'Traceback' not in out
 
 

@@ -10,7 +10,7 @@ included); the q/k/v and output projections are not attention. Element-wise ops
 
 *Token merging* (ToMe, :func:`mita_seg.merge_tokens`) is everything its
 :class:`~mita_seg.models.token_merge.TokenMerger` modules run: the bipartite matching
-(a ``matmul``, MACs) and the merge (``scatter_reduce``, one add = one FLOP); it is reported
+(a ``matmul``, MACs) and the merge (``index_add_``, one add = one FLOP); it is reported
 on its own (``token_merge``), never as attention, even for the merger inside an attention
 module. The attention over the merged tokens (and its proportional ``log(size)`` mask, an
 element-wise add fused in ``baddbmm``, not counted) is attention as usual.

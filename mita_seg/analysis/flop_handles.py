@@ -20,8 +20,8 @@ traced op                                     MACs
                                               bias (``with_bias=True``)
 ``aten::add`` of BEiT/MAE's bias              ``B H N^2`` (``attn + bias`` in mmseg's
                                               ``BEiTAttention``; every other add stays 0)
-``aten::scatter_reduce`` (ToMe's merge)      the adds: ``src`` elements less ``output``
-                                              elements, e.g. ``r C`` per batch item to
+``aten::index_add_`` (ToMe's merge)         the adds: ``source`` elements less
+                                              ``output`` elements, e.g. ``r (C + 1)`` per item to
                                               merge ``n`` tokens into ``n - r`` (one add =
                                               one FLOP, key ``token_merge_adds``)
 ``topk, sort, argsort, gather, scatter, ...`` 0 (memory traffic, no MACs)
@@ -75,7 +75,7 @@ __all__ = [
 
 # Op-count key of the relative-position bias add of unswapped BEiT/MAE attention.
 REL_POS_BIAS = 'rel_pos_bias'
-# Op-count key of the adds of a scatter_reduce (ToMe's merge of tokens).
+# Op-count key of the adds of an index_add (ToMe's merge of tokens).
 MERGE_ADDS = 'token_merge_adds'
 
 CONVENTION = ('one multiply-accumulate (MAC) = one FLOP (mmengine/fvcore convention; '
@@ -134,12 +134,12 @@ def baddbmm_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     return Counter({'baddbmm': b * n * m * p})
 
 
-def scatter_reduce_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
-    """``aten::scatter_reduce(self, dim, index, src, reduce, include_self)``: summing
-    ``src`` into the output takes ``src.numel() - output.numel()`` adds (every output
-    element gets at least one ``src`` element, as in ToMe's merge); one add = one FLOP."""
-    src = prod(_shape(inputs[3], 'scatter_reduce src'))
-    out = prod(_shape(outputs[0], 'scatter_reduce output'))
+def index_add_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``aten::index_add_(self, dim, index, source, alpha)``: summing ``source`` into a
+    zero output takes ``source.numel() - output.numel()`` adds (every output element gets
+    at least one ``source`` element, as in ToMe's merge); one add = one FLOP."""
+    src = prod(_shape(inputs[3], 'index_add source'))
+    out = prod(_shape(outputs[0], 'index_add output'))
     return Counter({MERGE_ADDS: max(src - out, 0)})
 
 
@@ -223,7 +223,8 @@ EXTRA_FLOP_HANDLES = {
     'aten::scaled_dot_product_attention': sdpa_flop_jit,
     'aten::_native_multi_head_attention': native_mha_flop_jit,
     'aten::baddbmm': baddbmm_flop_jit,
-    'aten::scatter_reduce': scatter_reduce_flop_jit,
+    'aten::index_add_': index_add_flop_jit,
+    'aten::index_add': index_add_flop_jit,
     'mita_seg::mita_attention': mita_flop_jit,
 }
 

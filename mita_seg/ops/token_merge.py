@@ -29,8 +29,8 @@ is ``unmerged``, :func:`proportional_attention_bias` is ``size.log()`` shaped as
 additive attention mask. An unmerged token (``size == 1``) comes back bit for bit.
 
 Cost, per merge and batch item (one MAC = one FLOP): the matching ``n_a n_b C`` MACs
-(``~ n^2 C / 4``, traced as ``matmul``) and the merge ``r C`` adds (``n`` rows summed into
-``n - r``, traced as ``scatter_reduce``); the norm, max, argsort, gather and the division
+(``~ n^2 C / 4``, traced as ``matmul``) and the merge ``r (C + 1)`` adds (``n`` rows and
+their counts summed into ``n - r``, traced as ``index_add_``); the norm, max, argsort, gather and the division
 by the size are memory traffic or element-wise (not counted, as in mmengine).
 """
 from typing import NamedTuple, Optional
@@ -157,8 +157,13 @@ def merge(x: Tensor, plan: MergePlan) -> Tensor:
         return x
     pre, grid, suf = _split(x, plan, n)
     B, _, C = grid.shape
-    merged = grid.new_zeros(B, plan.num_merged, C).scatter_reduce(
-        1, plan.slot[..., None].expand(B, n, C), grid, reduce='mean', include_self=False)
+    m = plan.num_merged
+    # one index_add over the flattened batch (scatter_reduce's 'mean' is several times
+    # slower on CPU), then the division by the size; a token alone is x + 0, / 1: exact
+    flat = (plan.slot + torch.arange(B, device=x.device)[:, None] * m).reshape(B * n)
+    summed = grid.new_zeros(B * m, C).index_add_(0, flat, grid.reshape(B * n, C))
+    size = grid.new_zeros(B * m).index_add_(0, flat, grid.new_ones(B * n))
+    merged = (summed / size[:, None]).view(B, m, C)
     return torch.cat([pre, merged, suf], dim=1)
 
 
@@ -218,9 +223,9 @@ def proportional_attention_bias(size: Tensor, num_heads: int,
 def merge_flops(batch: int, num_grid_tokens: int, channels: int, r: int) -> int:
     """MACs of one :func:`bipartite_soft_matching` + :func:`merge` of ``r`` of
     ``num_grid_tokens`` tokens of ``channels`` channels: the matching ``n_a n_b C`` and the
-    merge's ``r C`` adds (one add = one FLOP), per batch item; 0 when ``r == 0`` (nothing
-    runs). Unmerging is a gather (0)."""
+    merge's ``r (C + 1)`` adds (the tokens and their counts; one add = one FLOP), per batch
+    item; 0 when ``r == 0`` (nothing runs). Unmerging is a gather (0)."""
     if r == 0:
         return 0
     n_a, n_b = (num_grid_tokens + 1) // 2, num_grid_tokens // 2
-    return batch * (n_a * n_b * channels + r * channels)
+    return batch * (n_a * n_b * channels + r * (channels + 1))
