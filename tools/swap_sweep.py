@@ -2,8 +2,8 @@
 
 Evaluates the checkpoint unswapped (baseline), with token merging at each ``--merge-ratios``
 (ToMe, ``mita_seg.merge_tokens``, training-free: its peer) and after
-``mita_seg.swap_attention`` with every (pool size, top-k) pair, on the config's test set with mmengine's Runner (the same
-pipeline, whole/slide mode and metric as ``tools/test.py``;
+``mita_seg.swap_attention`` with every (pool size, top-k) pair, on the config's test set
+with mmengine's Runner (the same pipeline, whole/slide mode and metric as ``tools/test.py``;
 :func:`mita_seg.apis.swap_sweep`), and writes a CSV and a markdown table (mIoU and cost per
 setting) and a plot of mIoU against cost.
 

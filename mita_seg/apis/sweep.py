@@ -21,8 +21,9 @@ from .token_merge import merge_label, merge_model
 FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attention layers '
              '(2 N^2 C standard, mita_seg.ops.mita_flops for MiTA; BEiT/MAE: plus the '
              'relative position bias adds, one add = one FLOP; ToMe: 2 N\'^2 C over the N\' '
-             'merged tokens), counted on the calls the model makes; model_GFLOPs: whole model per image (mita_seg.analysis, jit trace '
-             'with attention handles, times the test-mode crops); 1 MAC = 1 FLOP')
+             'merged tokens), counted on the calls the model makes; model_GFLOPs: whole '
+             'model per image (mita_seg.analysis, jit trace with attention handles, times '
+             'the test-mode crops); 1 MAC = 1 FLOP')
 
 
 class AttentionMacCounter:

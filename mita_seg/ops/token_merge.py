@@ -30,8 +30,9 @@ additive attention mask. An unmerged token (``size == 1``) comes back bit for bi
 
 Cost, per merge and batch item (one MAC = one FLOP): the matching ``n_a n_b C`` MACs
 (``~ n^2 C / 4``, traced as ``matmul``) and the merge ``r (C + 1)`` adds (``n`` rows and
-their counts summed into ``n - r``, traced as ``index_add_``); the norm, max, argsort, gather and the division
-by the size are memory traffic or element-wise (not counted, as in mmengine).
+their counts summed into ``n - r``, traced as ``index_add_``); the norm, max, argsort,
+gather and the division by the size are memory traffic or element-wise (not counted, as in
+mmengine).
 """
 from typing import NamedTuple, Optional
 
