@@ -20,6 +20,8 @@ Model level (``--level model``): images per second and peak memory of mmseg segm
 (``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
 mode (slide) or whole-image at a given size. The two are timed in turn, a call of each per
 round (a call takes seconds; timed one after the other, their ratio carried the host's drift).
+With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R is a
+third column, timed in the same rounds.
 
 Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
 ``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
@@ -37,6 +39,7 @@ Examples::
     python tools/benchmark.py --level op
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
+    python tools/benchmark.py --level model --models segmenter-vit-t --merge-ratio 0.3
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
     python tools/benchmark.py --level model --profile         # + the kernel's share
@@ -68,6 +71,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mita_seg.ops import (Inputs, RelPosBias, attention_flops, mita_attention,  # noqa: E402
                           mita_flops, select_backend)
 from mita_seg.ops.bias import bias_index, table_size  # noqa: E402
+from mita_seg.ops.token_merge import check_ratio  # noqa: E402
+
+
+def merge_ratio(text):
+    """``--merge-ratio``: a number in [0, 0.5] (mita_seg.ops.token_merge.check_ratio)."""
+    try:
+        return check_ratio(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 # name -> (config, test size or None for the config's own test mode)
 MODELS = {
@@ -424,7 +436,7 @@ def model_level(args):
     from mmseg.structures import SegDataSample
 
     import mita_seg.models  # noqa: F401
-    from mita_seg import swap_attention
+    from mita_seg import merge_tokens, swap_attention
 
     init_default_scope('mmseg')
     dev = torch.device(args.device)
@@ -433,6 +445,11 @@ def model_level(args):
           'baseline = mmseg as released (mmcv MultiheadAttention)')
     header = (f"{'model':>22} {'image':>10} {'mode':>6} | {'base img/s':>10} "
               f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
+    tome = args.merge_ratio is not None
+    if tome:  # token merging (ToMe) at --merge-ratio, timed in the same rounds
+        print(f'# ToMe: tokens merged at ratio {args.merge_ratio:g} before each attention '
+              'and MLP of the ViT layers (mita_seg.merge_tokens)')
+        header += f" | {'ToMe img/s':>10} {'speed-up':>8} {'ToMe MiB':>8}"
     print(header)
     print('-' * len(header))
     def build(name):  # (mode, image size, {variant: one predict call})
@@ -451,8 +468,13 @@ def model_level(args):
                                             pad_shape=(h, w)))]
         swapped = copy.deepcopy(model)
         swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
+        variants = [('base', model), ('MiTA', swapped)]
+        if tome:
+            merged = copy.deepcopy(model)
+            merge_tokens(merged, args.merge_ratio, verbose=False)
+            variants.append(('ToMe', merged))
         runs = {variant: (lambda m=m: m.predict(img, meta))  # noqa
-                for variant, m in (('base', model), ('MiTA', swapped))}
+                for variant, m in variants}
         return cfg.model.test_cfg.get('mode', 'whole'), (h, w), runs
 
     models = {name: build(name) for name in args.models}
@@ -464,10 +486,14 @@ def model_level(args):
                 peaks[name][variant] = peak_memory_rise(run, dev)[1]
         for name, (mode, (h, w), runs) in models.items():
             mems = peaks[name]
-            base, mita = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
-            print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} "
-                  f"{1 / mita:10.3f} {base / mita:7.2f}x | {mems['base']:8.0f} "
-                  f"{mems['MiTA']:8.0f}", flush=True)
+            times = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
+            base, mita = times[:2]
+            line = (f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} "
+                    f"{1 / mita:10.3f} {base / mita:7.2f}x | {mems['base']:8.0f} "
+                    f"{mems['MiTA']:8.0f}")
+            if tome:
+                line += f" | {1 / times[2]:10.3f} {base / times[2]:7.2f}x {mems['ToMe']:8.0f}"
+            print(line, flush=True)
             if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
                 kernel = sum(profiled(runs['MiTA'], reps=2)[1].values())
                 print(f'#   MiTA {mita:.2f} s per image, {kernel:.2f} s of it in the kernel '
@@ -493,6 +519,9 @@ def parse_args():
     p.add_argument('--head-dim', type=int, default=64)
     p.add_argument('--pool-size', type=int, default=7)
     p.add_argument('--topk', type=int, default=49)
+    p.add_argument('--merge-ratio', type=merge_ratio, default=None, metavar='R',
+                   help='model level: also time token merging (ToMe, mita_seg.merge_tokens) '
+                   'at this ratio of the grid tokens, in [0, 0.5]')
     p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
                                                    'upernet-vit-b'], choices=list(MODELS))
     p.add_argument('--threads', type=int, default=None,

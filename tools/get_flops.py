@@ -1,9 +1,11 @@
-"""FLOPs of an mmseg segmentor, attention included, and what swapping to MiTA saves.
+"""FLOPs of an mmseg segmentor, attention included, and what swapping to MiTA (or merging
+tokens, ToMe) saves.
 
 Usage::
 
     python tools/get_flops.py CONFIG [--shape H [W]] [--image-shape H [W]]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--device {cpu,meta}]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--merge-ratio R]
+        [--device {cpu,meta}]
         [--json OUT.json] [--sweep 512 1024 2048] [--plot OUT.png] [--cfg-options k=v ...]
 
 Like mmseg's ``tools/analysis_tools/get_flops.py`` (one crop, ``mode='tensor'``, auxiliary
@@ -13,12 +15,17 @@ attention: mmcv/torch ``MultiheadAttention`` in any path, SDPA, ``baddbmm`` and 
 ``mmseg::<dir>/<name>.py``. ``--sweep`` counts square inputs of each size on the ``meta``
 device (shapes only: the same trace and counts, no compute, no memory). A model with
 nothing to swap is an error (exit status 1) listing its attention modules.
+``--merge-ratio R`` counts the model with token merging (:func:`mita_seg.merge_tokens`,
+alone or after the MiTA swap): the shorter sequences, and the matching and merging
+themselves (their own row, "token merging").
 """
 import argparse
 import json
 import os.path as osp
 import sys
 import time
+
+import torch.nn as nn
 
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -27,8 +34,8 @@ from mmengine.config import DictAction  # noqa: E402
 
 from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
 from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
-from mita_seg.apis import (add_mita_args, config_name, load_config, run_tool,  # noqa: E402
-                           swap_settings)
+from mita_seg.apis import (add_merge_args, add_mita_args, config_name,  # noqa: E402
+                           load_config, run_tool, swap_settings)
 from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
 
 
@@ -43,6 +50,7 @@ def parse_args(argv=None):
                         help='image shape H [W] for the whole-image cost under the '
                         "config's test_cfg (slide: crops x per-crop cost); default: --shape")
     add_mita_args(parser)
+    add_merge_args(parser)
     parser.add_argument('--device', choices=['cpu', 'meta'], default='cpu',
                         help="'cpu' runs the forward (as mmseg's tool); 'meta' traces "
                         'shapes only (same counts, for large inputs)')
@@ -90,11 +98,11 @@ def sweep(counter: SegmentorFlops, sizes):
     return rows
 
 
-def format_sweep(rows) -> str:
+def format_sweep(rows, label: str = 'MiTA') -> str:
     has_mita = rows[0]['mita'] is not None
     head = f'{"size":>10s}{"baseline":>12s}{"(attn)":>10s}'
     if has_mita:
-        head += f'{"MiTA":>12s}{"(attn)":>10s}{"reduction":>11s}'
+        head += f'{label:>12s}{"(attn)":>10s}{"reduction":>11s}'
     lines = ['GFLOPs against input size (one forward, ' + CONVENTION.split(' (')[0] + ')', head]
     for r in rows:
         line = (f'{r["size"]:>4d}x{r["size"]:<5d}{r["baseline"]:12.1f}'
@@ -144,6 +152,8 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
     rows = [('total', 'total'), ('backbone', 'backbone'),
             ('  attention (QK^T, AV, SDPA, MiTA)', 'backbone_attention'),
             ('  rest (projections, MLP, embed)', 'backbone_rest')]
+    if c.mita is not None and c.mita.token_merge:
+        rows.append(('    of it ToMe (matching, merge)', 'token_merge'))
     if c.baseline.neck or (c.mita and c.mita.neck):
         rows.append(('neck', 'neck'))
     rows.append(('decode head', 'head'))
@@ -157,20 +167,26 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
         lines.append('Relative position bias (BEiT/MAE), in attention: one add = one FLOP; '
                      'N^2 per head for the dense bias, mita_seg.ops.bias_flops_per_head in '
                      'MiTA.')
-    if c.mita is not None:
+    if c.mita is not None and c.num_swapped:
         lines.append(f'MiTA: {c.num_swapped} attention modules swapped, {settings}')
+    if c.merge_ratio is not None:
+        lines.append(f'ToMe: tokens merged at ratio {c.merge_ratio:g} in {c.num_merged} '
+                     'encoder layers (before each attention and MLP, unmerged after); the '
+                     'matching (MACs) and the merge (one add = one FLOP) counted in their '
+                     'own row')
     if c.note:
         lines.append(c.note)
     label = 'as config' if c.note.startswith('note: the config already') else 'baseline'
     head = f'{"":36s}{label:>12s}'
     if c.mita is not None:
-        head += f'{"MiTA":>12s}{"reduction":>11s}'
+        head += f'{c.label:>12s}{"reduction":>11s}'
     lines += ['', head]
     for label, key in rows:
         line = f'{label + " (GFLOPs)" if key == "total" else label:36s}'
         line += f'{getattr(c.baseline, key) / g:12.2f}'
         if c.mita is not None:
-            line += f'{getattr(c.mita, key) / g:12.2f}{c.reduction(key):10.1f}%'
+            line += f'{getattr(c.mita, key) / g:12.2f}'
+            line += f'{c.reduction(key):10.1f}%' if key != 'token_merge' else ''
         lines.append(line)
     line = f'{"params (M)":36s}{c.baseline.params / 1e6:12.2f}'
     if c.mita is not None:
@@ -194,9 +210,10 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
 
 def mita_settings(counter: SegmentorFlops) -> str:
     """The MiTA settings of the swapped model, as ``key=value`` pairs."""
-    if counter.mita is None:
+    attn = next((m for m in (counter.mita or nn.Module()).modules()
+                 if isinstance(m, MiTASettingsMixin)), None)
+    if attn is None:
         return ''
-    attn = next(m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin))
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
 
 
@@ -209,20 +226,22 @@ def main(argv=None) -> dict:
     t0 = time.time()
     print(f'building {name} and tracing {shape[0]}x{shape[1]} on {args.device} ...',
           file=sys.stderr, flush=True)
-    counter = SegmentorFlops(cfg, args.mita, device=args.device, name=name)
+    counter = SegmentorFlops(cfg, args.mita, device=args.device, name=name,
+                             merge_ratio=args.merge_ratio)
     comparison = counter.compare(shape, args.image_shape)
     print(format_comparison(comparison, mita_settings(counter)))
     print(f'({time.time() - t0:.1f}s)', file=sys.stderr)
     result = comparison.to_json()
     if args.sweep:
         if args.device != 'meta':
-            counter = SegmentorFlops(cfg, args.mita, device='meta', name=name)
+            counter = SegmentorFlops(cfg, args.mita, device='meta', name=name,
+                                     merge_ratio=args.merge_ratio)
         result['sweep'] = sweep(counter, args.sweep)
         print()
-        print(format_sweep(result['sweep']))
+        print(format_sweep(result['sweep'], comparison.label))
         if args.plot:
             what = 'baseline' if counter.mita is None else (
-                f'baseline vs MiTA ({mita_settings(counter)})')
+                f'baseline vs {comparison.label} ({mita_settings(counter) or "ToMe"})')
             plot_sweep(result['sweep'], args.plot, f'{name}\n{what}')
             print(f'wrote {args.plot}')
     if args.json:

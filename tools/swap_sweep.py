@@ -1,8 +1,9 @@
 """Sweep MiTA settings on one checkpoint trained with standard attention.
 
-Evaluates the checkpoint unswapped (baseline) and after ``mita_seg.swap_attention`` with every
-(pool size, top-k) pair, on the config's test set with mmengine's Runner (the same
-pipeline, whole/slide mode and metric as ``tools/test.py``;
+Evaluates the checkpoint unswapped (baseline), with token merging at each ``--merge-ratios``
+(ToMe, ``mita_seg.merge_tokens``, training-free: its peer) and after
+``mita_seg.swap_attention`` with every (pool size, top-k) pair, on the config's test set
+with mmengine's Runner (the same pipeline, whole/slide mode and metric as ``tools/test.py``;
 :func:`mita_seg.apis.swap_sweep`), and writes a CSV and a markdown table (mIoU and cost per
 setting) and a plot of mIoU against cost.
 
@@ -15,6 +16,7 @@ Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
         [--mita-cfg router_topk=1 with_shared_expert=True layers=[0,1] include_head=False] \\
+        [--merge-ratios 0.2 0.4] \\
         [--work-dir DIR] [--out DIR/table.md] [--plot DIR/sweep.png] [--cfg-options k=v ...]
 """
 import argparse
@@ -28,8 +30,9 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 
-from mita_seg.apis import (add_mita_args, build_runner, config_name, load_config,  # noqa: E402
-                           prepare_config, run_tool, swap_model, swap_sweep)
+from mita_seg.apis import (add_merge_args, add_mita_args, build_runner,  # noqa: E402
+                           config_name, load_config, merge_model, prepare_config, run_tool,
+                           swap_model, swap_sweep)
 from mita_seg.apis.sweep import FLOP_NOTE  # noqa: E402
 
 
@@ -43,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument('--topks', type=int, nargs='+', default=[25, 49],
                         help='keys per routed expert')
     add_mita_args(parser, swap_flag=False, exclude=('pool_size', 'topk'))
+    add_merge_args(parser, sweep=True)
     parser.add_argument('--flops-images', type=int, default=1,
                         help='test images to count attention MACs on (per-image mean)')
     parser.add_argument('--work-dir', help='directory for logs and outputs (default: '
@@ -86,7 +90,7 @@ def write_tables(rows, out_md, note):
 
 def plot_sweep(rows, out_png, title):
     """mIoU against whole-model GFLOPs and against attention GMACs; one line per pool
-    size, the baseline as a star."""
+    size and one for ToMe's ratios, the baseline as a star."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -96,7 +100,15 @@ def plot_sweep(rows, out_png, title):
                             (axes[1], 'attn_GMACs', 'attention GMACs per image')):
         ax.scatter([base[key]], [base['mIoU']], marker='*', s=200, c='k',
                    label=base['setting'], zorder=3)
-        for m in sorted({r['M'] for r in rows[1:]}):
+        tome = sorted((r for r in rows[1:] if r.get('merge_ratio', '') != ''),
+                      key=lambda r: r[key])
+        if tome:
+            ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome], 'D--', c='C7',
+                    label='ToMe (token merging)')
+            for r in tome:
+                ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
+                            textcoords='offset points', xytext=(3, -9))
+        for m in sorted({r['M'] for r in rows[1:] if r['M'] != ''}):
             sel = sorted((r for r in rows[1:] if r['M'] == m), key=lambda r: r[key])
             ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel], 'o-', label=f'MiTA M={m}')
             for r in sel:
@@ -125,8 +137,11 @@ def main(argv=None):
     runner = build_runner(cfg, args.verbose)
     # nothing to swap is an error before the baseline is evaluated
     swap_model(copy.deepcopy(runner.model), dict(args.mita_cfg or {}), verbose=False)
+    if args.merge_ratios:  # and nothing to merge too
+        merge_model(copy.deepcopy(runner.model), args.merge_ratios[0], verbose=False)
     rows = swap_sweep(runner, args.pool_sizes, args.topks, args.mita_cfg, args.flops_images,
-                      progress=lambda line: print(f'[swap_sweep] {line}', flush=True))
+                      progress=lambda line: print(f'[swap_sweep] {line}', flush=True),
+                      merge_ratios=args.merge_ratios)
 
     batch = next(iter(runner.test_dataloader))
     shape = tuple(batch['inputs'][0].shape[-2:])

@@ -1,16 +1,20 @@
 """Test (and evaluate) a segmentor with MMEngine's Runner: mmseg's ``tools/test.py`` plus
-``--swap-attn``.
+``--swap-attn`` and ``--merge-ratio``.
 
 Usage::
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out DIR] [--show-dir DIR]
         [--tta] [--cfg-options key=value ...] [--launcher {none,pytorch,slurm,mpi}]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--verbose]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--merge-ratio R]
+        [--verbose]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``. ``--swap-attn mita`` (implied by
 ``--mita-cfg``) puts the attention of a standard mmseg ViT/DeiT/Segmenter model on MiTA
 (:func:`mita_seg.swap_attention`) before evaluation, or reconfigures a MiTA model (M and k
-can change at test time). The checkpoint must fit the model exactly and is loaded
+can change at test time). ``--merge-ratio R`` merges that fraction of the grid tokens
+before each attention and MLP of the ViT's layers and unmerges them after each (token
+merging, ToMe, training-free: :func:`mita_seg.merge_tokens`), alone or with MiTA. The
+checkpoint must fit the model exactly and is loaded
 weights-only. The console leaves out the config dump and mmseg's per-class table (the log
 file keeps them; ``--verbose`` shows them). Multi-GPU / multi-node:
 ``tools/dist_test.sh CONFIG CHECKPOINT GPUS [ARGS]``.
@@ -25,8 +29,9 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 
-from mita_seg.apis import (add_mita_args, build_runner, config_name,  # noqa: E402
-                           load_config, prepare_config, run_tool, swap_model, swap_settings)
+from mita_seg.apis import (add_merge_args, add_mita_args, build_runner,  # noqa: E402
+                           config_name, load_config, merge_model, prepare_config, run_tool,
+                           swap_model, swap_settings)
 
 
 def parse_args(argv=None):
@@ -47,6 +52,7 @@ def parse_args(argv=None):
                         default='none', help='job launcher')
     parser.add_argument('--tta', action='store_true', help='test time augmentation')
     add_mita_args(parser)
+    add_merge_args(parser)
     parser.add_argument('--verbose', action='store_true',
                         help="print the config dump and mmseg's per-class table")
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
@@ -82,6 +88,9 @@ def main(argv=None):
     if args.mita is not None:
         # the runner loads the checkpoint in test(); the swap keeps parameter names
         swapped = f', {swap_model(runner.model, args.mita)} attention modules on MiTA'
+    if args.merge_ratio is not None:
+        swapped += (f', tokens merged (ToMe r={args.merge_ratio:g}) in '
+                    f'{merge_model(runner.model, args.merge_ratio)} layers')
     metrics = runner.test()
     images = len(runner.test_dataloader.dataset)
     print(f'{config_name(args.config)} on {images} images{swapped}: ' + '  '.join(

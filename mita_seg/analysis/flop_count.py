@@ -7,17 +7,24 @@ kernels, BEiT/MAE's relative-position bias add (one add = one FLOP,
 :func:`~mita_seg.analysis.flop_handles.rel_pos_bias_add_handle`) and MiTA (its bias
 included); the q/k/v and output projections are not attention. Element-wise ops
 (softmax, add, GELU, scaling) are not counted, as in mmengine.
+
+*Token merging* (ToMe, :func:`mita_seg.merge_tokens`) is everything its
+:class:`~mita_seg.models.token_merge.TokenMerger` modules run: the bipartite matching
+(a ``matmul``, MACs) and the merge (``index_add_``, one add = one FLOP); it is reported
+on its own (``token_merge``), never as attention, even for the merger inside an attention
+module. The attention over the merged tokens (and its proportional ``log(size)`` mask, an
+element-wise add fused in ``baddbmm``, not counted) is attention as usual.
 """
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 from mmengine.analysis import FlopAnalyzer
 
-from mita_seg.utils.modules import is_attention_module
-from .flop_handles import REL_POS_BIAS, flop_analyzer, meta_tracing
+from mita_seg.utils.modules import is_attention_module, is_token_merger
+from .flop_handles import MERGE_ADDS, REL_POS_BIAS, flop_analyzer, meta_tracing
 
 __all__ = ['FlopBreakdown', 'count_flops']
 
@@ -30,7 +37,7 @@ MATMUL_KEYS = ('bmm', 'baddbmm', 'matmul', 'einsum')
 # and BEiT's bias adds (MiTA's bias adds stay inside its 'mita_attention' count).
 NON_MAC_KEYS = ('batch_norm', 'group_norm', 'layer_norm', 'instance_norm',
                 'upsample_nearest2d', 'upsample_bilinear2d', 'adaptive_avg_pool2d',
-                'grid_sampler', REL_POS_BIAS)
+                'grid_sampler', REL_POS_BIAS, MERGE_ADDS)
 
 
 def _attention_roots(model: nn.Module) -> List[str]:
@@ -40,6 +47,11 @@ def _attention_roots(model: nn.Module) -> List[str]:
         if is_attention_module(module) and not any(_under(name, r) for r in roots):
             roots.append(name)
     return roots
+
+
+def _token_mergers(model: nn.Module) -> List[str]:
+    """Names of the token mergers (ToMe) of ``model``."""
+    return [name for name, module in model.named_modules() if is_token_merger(module)]
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -57,6 +69,8 @@ class FlopBreakdown:
         attention (int): the attention core everywhere in the model.
         backbone_attention, head_attention (int): the attention core inside the backbone
             and the decode head.
+        token_merge (int): ToMe's matching and merging everywhere in the model (0 without
+            :func:`mita_seg.merge_tokens`).
         macs (int): matrix-product and convolution MACs only (``total`` minus the
             norm/upsample/pool estimates mmengine adds and BEiT's bias adds), comparable
             with ``FlopCounterMode`` (which reports ``2 * macs``; for MiTA with a bias,
@@ -73,6 +87,7 @@ class FlopBreakdown:
     attention: int = 0
     backbone_attention: int = 0
     head_attention: int = 0
+    token_merge: int = 0
     macs: int = 0
     params: int = 0
     by_operator: Dict[str, int] = field(default_factory=dict)
@@ -84,18 +99,26 @@ class FlopBreakdown:
         return self.backbone - self.backbone_attention
 
     def summary(self, scale: float = 1e9) -> Dict[str, float]:
-        """The main figures divided by ``scale`` (GFLOPs by default; params by 1e6)."""
-        return dict(total=self.total / scale, backbone=self.backbone / scale,
-                    backbone_attention=self.backbone_attention / scale,
-                    head=self.head / scale, params=self.params / 1e6)
+        """The main figures divided by ``scale`` (GFLOPs by default; params by 1e6), and
+        ``token_merge`` where tokens are merged."""
+        out = dict(total=self.total / scale, backbone=self.backbone / scale,
+                   backbone_attention=self.backbone_attention / scale,
+                   head=self.head / scale, params=self.params / 1e6)
+        if self.token_merge:
+            out['token_merge'] = self.token_merge / scale
+        return out
 
 
-def _attention_under(analyzer: FlopAnalyzer, roots: List[str], prefix: str) -> int:
+def _attention_under(analyzer: FlopAnalyzer, roots: List[str], prefix: str,
+                     mergers: Sequence[str] = ()) -> int:
     ops = analyzer.by_module_and_operator()
     inside = [r for r in roots if _under(r, prefix)]
     total = sum(ops[prefix][k] for k in ATTENTION_KEYS)  # wherever they run
     for r in inside:
         total += sum(ops[r][k] for k in MATMUL_KEYS)  # matrix products of attention modules
+        for m in mergers:  # but not ToMe's matching inside them
+            if _under(m, r):
+                total -= sum(ops[m][k] for k in MATMUL_KEYS)
     return total
 
 
@@ -127,22 +150,24 @@ def count_flops(model: nn.Module,
         by_module = analyzer.by_module()
     names = dict(model.named_modules())
     roots = _attention_roots(model)
+    mergers = _token_mergers(model)
     by_op = analyzer.by_operator()
 
     def part(name: str) -> int:
         return int(by_module[name]) if name in names else 0
 
     def attention(name: str) -> int:
-        return int(_attention_under(analyzer, roots, name)) if name in names else 0
+        return int(_attention_under(analyzer, roots, name, mergers)) if name in names else 0
 
     return FlopBreakdown(
         total=int(analyzer.total()),
         backbone=part(backbone),
         neck=part(neck),
         head=part(head),
-        attention=int(_attention_under(analyzer, roots, '')),
+        attention=int(_attention_under(analyzer, roots, '', mergers)),
         backbone_attention=attention(backbone),
         head_attention=attention(head),
+        token_merge=sum(int(by_module[m]) for m in mergers),
         macs=int(sum(v for k, v in by_op.items() if k not in NON_MAC_KEYS)),
         params=sum(p.numel() for p in model.parameters()),
         by_operator={k: int(v) for k, v in by_op.items()},

@@ -20,6 +20,10 @@ traced op                                     MACs
                                               bias (``with_bias=True``)
 ``aten::add`` of BEiT/MAE's bias              ``B H N^2`` (``attn + bias`` in mmseg's
                                               ``BEiTAttention``; every other add stays 0)
+``aten::index_add_`` (ToMe's merge)         the adds: ``source`` elements less
+                                              ``output`` elements, e.g. ``r (C + 1)`` per item to
+                                              merge ``n`` tokens into ``n - r`` (one add =
+                                              one FLOP, key ``token_merge_adds``)
 ``topk, sort, argsort, gather, scatter, ...`` 0 (memory traffic, no MACs)
 ============================================  ==============================================
 
@@ -64,12 +68,15 @@ from mmengine.analysis import FlopAnalyzer
 from mmengine.analysis.jit_handles import get_shape
 
 __all__ = [
-    'CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'REL_POS_BIAS', 'flop_analyzer',
+    'CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'REL_POS_BIAS', 'MERGE_ADDS',
+    'flop_analyzer',
     'meta_tracing', 'rel_pos_bias_add_handle'
 ]
 
 # Op-count key of the relative-position bias add of unswapped BEiT/MAE attention.
 REL_POS_BIAS = 'rel_pos_bias'
+# Op-count key of the adds of an index_add (ToMe's merge of tokens).
+MERGE_ADDS = 'token_merge_adds'
 
 CONVENTION = ('one multiply-accumulate (MAC) = one FLOP (mmengine/fvcore convention; '
               'FlopCounterMode and "2 FLOPs per MAC" papers report twice these numbers)')
@@ -125,6 +132,15 @@ def baddbmm_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     b, n, m = _shape(inputs[1], 'baddbmm batch1')
     p = _shape(inputs[2], 'baddbmm batch2')[-1]
     return Counter({'baddbmm': b * n * m * p})
+
+
+def index_add_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
+    """``aten::index_add_(self, dim, index, source, alpha)``: summing ``source`` into a
+    zero output takes ``source.numel() - output.numel()`` adds (every output element gets
+    at least one ``source`` element, as in ToMe's merge); one add = one FLOP."""
+    src = prod(_shape(inputs[3], 'index_add source'))
+    out = prod(_shape(outputs[0], 'index_add output'))
+    return Counter({MERGE_ADDS: max(src - out, 0)})
 
 
 def _mita_arg_names() -> List[str]:
@@ -207,6 +223,8 @@ EXTRA_FLOP_HANDLES = {
     'aten::scaled_dot_product_attention': sdpa_flop_jit,
     'aten::_native_multi_head_attention': native_mha_flop_jit,
     'aten::baddbmm': baddbmm_flop_jit,
+    'aten::index_add_': index_add_flop_jit,
+    'aten::index_add': index_add_flop_jit,
     'mita_seg::mita_attention': mita_flop_jit,
 }
 

@@ -1,4 +1,5 @@
-"""What a segmentor built from a config costs: baseline and MiTA side by side, per crop and
+"""What a segmentor built from a config costs: baseline and MiTA (and/or token merging,
+ToMe) side by side, per crop and
 per image under the config's test mode (whole or slide), on CPU or the ``meta`` device."""
 import contextlib
 import copy
@@ -121,6 +122,9 @@ class FlopComparison:
         mita_cfg (dict): the MiTA settings.
         num_swapped (int): attention modules on MiTA.
         note (str): why there is no MiTA column, or other remarks.
+        merge_ratio (float, optional): the ToMe ratio of the second model
+            (:func:`mita_seg.merge_tokens`), alone or with MiTA; None for MiTA only.
+        num_merged (int): encoder layers with merged tokens.
         image (dict, optional): whole-image cost under the model's ``test_cfg``: ``shape``,
             ``mode``, ``crops``, ``crop_shape``, ``baseline`` and ``mita`` (FLOPs).
     """
@@ -132,6 +136,16 @@ class FlopComparison:
     num_swapped: int = 0
     note: str = ''
     image: Optional[Dict[str, Any]] = None
+    merge_ratio: Optional[float] = None
+    num_merged: int = 0
+
+    @property
+    def label(self) -> str:
+        """What the second column ran: ``'MiTA'``, ``'ToMe r=0.3'`` or both."""
+        tome = None if self.merge_ratio is None else f'ToMe r={self.merge_ratio:g}'
+        if tome is None:
+            return 'MiTA'
+        return f'MiTA+{tome}' if self.num_swapped else tome
 
     def reduction(self, key: str) -> Optional[float]:
         """Percent fewer FLOPs of MiTA in ``key`` (``'total'``, ``'backbone'``...)."""
@@ -142,8 +156,9 @@ class FlopComparison:
 
     def to_json(self) -> Dict[str, Any]:
         """The figures for scripts: GFLOPs, params in millions; ``image``: the whole-image
-        cost under the test mode (GFLOPs)."""
-        return {
+        cost under the test mode (GFLOPs). With token merging, ``merge_ratio`` and
+        ``label`` too, and the second model (under ``mita``) has ``token_merge``."""
+        out = {
             'convention': CONVENTION + '; FLOPs in GFLOPs (1e9), params in M (1e6)',
             'shape': list(self.shape),
             'baseline': self.baseline.summary(),
@@ -157,10 +172,14 @@ class FlopComparison:
                 crop_shape=list(self.image['crop_shape']), baseline=self.image['baseline'] / 1e9,
                 mita=None if self.image.get('mita') is None else self.image['mita'] / 1e9),
         }
+        if self.merge_ratio is not None:
+            out.update(merge_ratio=self.merge_ratio, label=self.label)
+        return out
 
 
 class SegmentorFlops:
-    """Counts a config's segmentor, and the same segmentor swapped to MiTA, at any shape.
+    """Counts a config's segmentor, and the same segmentor swapped to MiTA and/or with
+    token merging (ToMe), at any shape.
 
     Args:
         cfg (Config): an mmseg config (:func:`load_config`).
@@ -170,10 +189,13 @@ class SegmentorFlops:
             ``'meta'`` traces with shape-only tensors, same graph and counts without the
             compute or memory (for large inputs). Default: ``'cpu'``.
         name (str): how the model is named in the output. Default: ``'segmentor'``.
+        merge_ratio (float, optional): token merging (:func:`mita_seg.merge_tokens`) at
+            this ratio in the second model (after the MiTA swap, if any); None for none.
+            Default: None.
     """
 
     def __init__(self, cfg, mita_cfg: Optional[dict] = None, device: str = 'cpu',
-                 name: str = 'segmentor'):
+                 name: str = 'segmentor', merge_ratio: Optional[float] = None):
         if device not in ('cpu', 'meta'):
             raise ValueError(f"device must be 'cpu' or 'meta', got {device!r}")
         self.name, self.device = name, device
@@ -186,12 +208,16 @@ class SegmentorFlops:
         if any(isinstance(m, MiTASettingsMixin) for m in self.baseline.modules()):
             self.note = 'note: the config already uses MiTA; "baseline" is the model as configured'
         self.baseline.to(device)
-        self.mita, self.num_swapped = None, 0
-        if mita_cfg is not None:
-            from mita_seg.models import swap_attention
+        self.mita, self.num_swapped, self.num_merged = None, 0, 0
+        self.merge_ratio = merge_ratio
+        if mita_cfg is not None or merge_ratio is not None:
+            from mita_seg.models import merge_tokens, swap_attention
             model = copy.deepcopy(self.baseline)
-            self.num_swapped = swap_attention(model, verbose=False, **self.mita_cfg)
-            self.mita = model
+            if mita_cfg is not None:
+                self.num_swapped = swap_attention(model, verbose=False, **self.mita_cfg)
+            if merge_ratio is not None:
+                self.num_merged = merge_tokens(model, merge_ratio, verbose=False)
+            self.mita = model   # the second model: MiTA and/or ToMe
 
     def inputs(self, shape: Sequence[int]) -> torch.Tensor:
         """Preprocessed inputs ``[1, 3, H', W']`` for an image of ``shape`` (as mmseg's
@@ -229,4 +255,4 @@ class SegmentorFlops:
                      baseline=crops * cbase.total,
                      mita=None if cmita is None else crops * cmita.total)
         return FlopComparison(self.name, shape, base, mita, self.mita_cfg, self.num_swapped,
-                              self.note, image)
+                              self.note, image, self.merge_ratio, self.num_merged)

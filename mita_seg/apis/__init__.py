@@ -6,6 +6,7 @@
   MiTA), :func:`swap_model`, :func:`inference_model`, :class:`MiTASegInferencer`;
 - ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
+- token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
   (:class:`StudySettings`);
 - :func:`run_tool`: user errors end a tool with a message, exit status 1.
@@ -20,10 +21,12 @@ from .model import init_model, swap_model
 from .runner import QuietRunner, build_runner, prepare_config
 from .sweep import swap_sweep
 from .swap_study import StudySettings, run_swap_study
+from .token_merge import add_merge_args, merge_model
 
 __all__ = [
     'load_config', 'config_name', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
-    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS'
+    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'add_merge_args', 'merge_model'
 ]

@@ -3,13 +3,14 @@ short message and exit status 1 instead of a traceback."""
 import sys
 from typing import Callable
 
-from mita_seg.models import GridMismatchError, NothingToSwapError
+from mita_seg.models import GridMismatchError, NothingToMergeError, NothingToSwapError
 from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        UnsafeCheckpointError)
 
 # What a user fixes by changing the command line, the config or the checkpoint.
 USER_ERRORS = (FileNotFoundError, UnreadableCheckpointError, UnsafeCheckpointError,
-               CheckpointMismatchError, NothingToSwapError, GridMismatchError)
+               CheckpointMismatchError, NothingToSwapError, GridMismatchError,
+               NothingToMergeError)
 
 
 def run_tool(main: Callable[[], object]) -> None:

@@ -1,5 +1,6 @@
-"""Evaluate one standard-attention checkpoint unswapped and on MiTA with several (pool size,
-top-k) settings (``tools/swap_sweep.py``): mIoU and cost of each setting."""
+"""Evaluate one standard-attention checkpoint unswapped, with token merging (ToMe) at
+several ratios and on MiTA with several (pool size, top-k) settings
+(``tools/swap_sweep.py``): mIoU and cost of each setting."""
 import itertools
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -12,25 +13,28 @@ from mmengine.runner import Runner
 
 from mmseg.models.backbones.beit import BEiTAttention
 
-from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin
+from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, ToMeAttention
 from mita_seg.ops import attention_flops, mita_flops
 from .model import swap_model
+from .token_merge import merge_label, merge_model
 
 FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attention layers '
              '(2 N^2 C standard, mita_seg.ops.mita_flops for MiTA; BEiT/MAE: plus the '
-             'relative position bias adds, one add = one FLOP), counted on the calls the '
-             'model makes; model_GFLOPs: whole model per image (mita_seg.analysis, jit trace '
-             'with attention handles, times the test-mode crops); 1 MAC = 1 FLOP')
+             'relative position bias adds, one add = one FLOP; ToMe: 2 N\'^2 C over the N\' '
+             'merged tokens), counted on the calls the model makes; model_GFLOPs: whole '
+             'model per image (mita_seg.analysis, jit trace with attention handles, times '
+             'the test-mode crops); 1 MAC = 1 FLOP')
 
 
 class AttentionMacCounter:
     """Counts, while active, the analytic MACs of every global attention call (mmcv
     ``MultiheadAttention``, :class:`MiTAAttention`, BEiT/MAE attention and
-    :class:`MiTABEiTAttention`, their bias adds included) in ``model``."""
+    :class:`MiTABEiTAttention`, their bias adds included, and ToMe's
+    :class:`ToMeAttention` over its merged tokens) in ``model``."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
-                        if type(m) in (MultiheadAttention, MiTAAttention)
+                        if type(m) in (MultiheadAttention, MiTAAttention, ToMeAttention)
                         or isinstance(m, BEiTAttention)]
         self.macs = 0
         self._handles = []
@@ -49,6 +53,9 @@ class AttentionMacCounter:
         batch_first = getattr(module, 'batch_first', True)   # BEiT: always [B, N, C]
         N = query.shape[1] if batch_first else query.shape[0]
         B = query.shape[0] if batch_first else query.shape[1]
+        if isinstance(module, ToMeAttention) and len(args) < 2 and not any(
+                kwargs.get(k) is not None for k in ('key', 'value', 'query_pos')):
+            N = module.token_merger.num_merged(N)   # self-attention over merged tokens
         H = module.num_heads
         d = module.embed_dims // H
         with_bias = getattr(module, 'relative_position_bias_table', None) is not None
@@ -91,9 +98,11 @@ def swap_sweep(runner: Runner,
                mita_cfg: Optional[dict] = None,
                flops_images: int = 1,
                progress: Optional[Callable[[str], None]] = None,
-               measure: Optional[Callable[[nn.Module, dict], Dict]] = None) -> List[Dict]:
-    """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, then on
-    MiTA with every ``(pool size, top-k)``.
+               measure: Optional[Callable[[nn.Module, dict], Dict]] = None,
+               merge_ratios: Sequence[float] = ()) -> List[Dict]:
+    """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, with
+    token merging (ToMe, :func:`mita_seg.merge_tokens`) at every ratio of
+    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``.
 
     Args:
         runner (Runner): a built runner with a test loop and ``load_from``.
@@ -113,7 +122,8 @@ def swap_sweep(runner: Runner,
         and ``measure``'s columns.
     """
     progress = progress or (lambda line: None)
-    settings: List[Optional[Tuple[int, int]]] = [None]
+    settings: List[Optional[Tuple]] = [None]
+    settings += [('tome', r) for r in merge_ratios]
     settings += list(itertools.product(pool_sizes, topks))
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
@@ -123,7 +133,12 @@ def swap_sweep(runner: Runner,
         if setting is None:
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
+        elif setting[0] == 'tome':
+            merge_model(model, setting[1], verbose=(i == 1))
+            label = merge_label(setting[1])
         else:
+            if merge_ratios and i == len(merge_ratios) + 1:
+                merge_model(model, 0.0, verbose=False)  # exactly the unmerged model again
             pool, topk = setting
             swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
                        verbose=(i == 1))
@@ -131,8 +146,12 @@ def swap_sweep(runner: Runner,
         progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
-        row = dict(setting=label, M=setting[0]**2 if setting else '',
-                   topk=setting[1] if setting else '', mIoU=float(metrics['mIoU']),
+        mita = setting is not None and setting[0] != 'tome'
+        row = dict(setting=label, M=setting[0]**2 if mita else '',
+                   topk=setting[1] if mita else '')
+        if merge_ratios:
+            row['merge_ratio'] = setting[1] if setting and not mita else ''
+        row.update(mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
                    attn_GMACs=attention_gmacs(model, batches),
                    model_GFLOPs=model_gflops(model, batches[0]))

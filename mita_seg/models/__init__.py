@@ -3,7 +3,7 @@ mmengine load local checkpoints weights-only with mmengine's few safe globals al
 (:func:`mita_seg.utils.checkpoint.register_safe_globals`).
 
 Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
-<- ``swap``
+<- ``swap`` <- ``token_merge``
 (the high-level swap depends on the modules, never the reverse).
 """
 from mita_seg.utils.checkpoint import register_safe_globals
@@ -14,6 +14,7 @@ from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .swap import SWAP_RULES, NothingToSwapError, swap_attention
+from .token_merge import NothingToMergeError, ToMeAttention, ToMeFFN, TokenMerger, merge_tokens
 
 register_safe_globals()
 
@@ -22,5 +23,6 @@ __all__ = [
     'MiTAVisionTransformer', 'MiTABEiT', 'MiTAMAE', 'MiTASegmenterMaskTransformerHead',
     'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
-    'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError'
+    'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
+    'TokenMerger', 'ToMeAttention', 'ToMeFFN'
 ]

@@ -1,4 +1,5 @@
-"""What counts as an attention module, for the swap report and the FLOP breakdown."""
+"""What counts as an attention module (for the swap report and the FLOP breakdown) and
+as a token merger (for the FLOP breakdown)."""
 import torch.nn as nn
 
 
@@ -9,3 +10,10 @@ def is_attention_module(module: nn.Module) -> bool:
     name = type(module).__name__
     return (isinstance(module, nn.MultiheadAttention) or name.endswith('Attention')
             or name.endswith('MSA'))
+
+
+def is_token_merger(module: nn.Module) -> bool:
+    """Whether ``module`` matches and merges tokens (ToMe's
+    :class:`~mita_seg.models.token_merge.TokenMerger`): its cost is reported on its own,
+    not as attention, by the FLOP breakdown."""
+    return bool(getattr(type(module), 'merges_tokens', False))
