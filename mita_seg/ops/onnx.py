@@ -122,9 +122,13 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
     def const(arr, dtype=np.int64):
         return op.Constant(value=ir.tensor(np.asarray(arr, dtype=dtype)))
 
-    def gather_rows(data, index):
-        """``data[b, index[b, ...]]`` for ``data`` ``[BH, X, ...]``, ``index`` ``[BH, ...]``."""
-        return op.GatherND(data, op.Unsqueeze(index, const([-1])), batch_dims=1)
+    def gather_rows(data, index, BH, X, rest):
+        """``data[b, index[b, i]]`` for ``data`` ``[BH, X, *rest]``, ``index`` ``[BH, I]``:
+        one Gather on the flattened ``[BH X, *rest]`` (ONNX Runtime copies whole slices;
+        GatherND with batch_dims is much slower)."""
+        offset = const((np.arange(BH) * X).reshape(BH, 1))
+        flat = op.Reshape(data, const([BH * X] + list(rest)))
+        return op.Gather(flat, op.Add(index, offset), axis=0)
 
     def bias_index(qi, kj, Wh, Ww):
         """mmseg's ``relative_position_index[qi, kj]`` (:func:`~.bias.bias_index`)."""
@@ -188,9 +192,10 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             return op.Gather(dense_flat, flat, axis=0)
 
         if formulation == 'gather':
-            qkeys = op.Reshape(gather_rows(keys, items_e), const([BH, N * r * topk]))
-            Kq = op.Reshape(gather_rows(k3, qkeys), const([BH, N, r * topk, d]))
-            Vq = op.Reshape(gather_rows(v3, qkeys), const([BH, N, r * topk, d]))
+            qkeys = op.Reshape(gather_rows(keys, items_e, BH, M, [topk]),
+                               const([BH, N * r * topk]))
+            Kq = op.Reshape(gather_rows(k3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
+            Vq = op.Reshape(gather_rows(v3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
             logits = op.MatMul(op.Unsqueeze(q3, const([2])),
                                op.Transpose(Kq, perm=[0, 1, 3, 2]))          # [BH,N,1,rk]
             logits = op.Mul(logits, const(scale, np.float32))
@@ -216,17 +221,23 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         T = tile_size or onnx_block_size(N, r, M)
         NT = num_tiles(NR, M, T)
         L = NT * T
-        onehot = op.Cast(op.Equal(op.Unsqueeze(items_e, const([2])),
-                                  const(np.arange(M).reshape(1, 1, M))), to=7)  # [BH, NR, M]
-        count = op.ReduceSum(onehot, const([1]), keepdims=0)                 # [BH, M]
-        rank = op.ReduceSum(op.Mul(op.CumSum(onehot, const(1), exclusive=1), onehot),
-                            const([2]), keepdims=0)                          # [BH, NR]
+        # Sort the items by expert (TopK on the unique key e * NR + item): an item's rank
+        # within its expert is its sorted position less the expert's start.
+        items = op.Expand(const(np.arange(NR).reshape(1, NR)), const([BH, NR]))
+        _, order = op.TopK(op.Add(op.Mul(items_e, const(NR)), items), const([NR]), axis=-1,
+                           largest=0, sorted=1)                              # [BH, NR]
+        position = op.ScatterElements(items, order, items, axis=1)          # inverse
+        count = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
+                                             const([BH, M])), items_e,
+                                   op.Expand(const(np.ones((1, 1), np.int64)),
+                                             const([BH, NR])), axis=1, reduction='add')
+        first = op.CumSum(count, const(1), exclusive=1)                      # [BH, M]
+        rank = op.Sub(position, op.GatherElements(first, items_e, axis=1))   # [BH, NR]
         ntile = op.Div(op.Add(count, const(T - 1)), const(T))
         tile_start = op.CumSum(ntile, const(1), exclusive=1)                 # [BH, M]
         tile_end = op.Add(tile_start, ntile)
         item_slot = op.Add(op.Mul(op.GatherElements(tile_start, items_e, axis=1), const(T)),
                            rank)                                             # [BH, NR]
-        items = op.Expand(const(np.arange(NR).reshape(1, NR)), const([BH, NR]))
         slot_item = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
                                                  const([BH, L])),
                                        item_slot, items, axis=1)             # [BH, L]
@@ -235,14 +246,17 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             op.Cast(op.LessOrEqual(op.Unsqueeze(tile_end, const([1])),
                                    const(np.arange(NT).reshape(1, NT, 1))), to=7),
             const([2]), keepdims=0), const(M - 1))                           # [BH, NT]
-        tile_keys = gather_rows(keys, tile_expert)                           # [BH, NT, k]
-        flat_keys = op.Reshape(tile_keys, const([BH, NT * topk]))
-        Kt = op.Reshape(gather_rows(k3, flat_keys), const([BH, NT, topk, d]))
-        Vt = op.Reshape(gather_rows(v3, flat_keys), const([BH, NT, topk, d]))
-        Qs = op.Reshape(gather_rows(q3, slot_query), const([BH, NT, T, d]))
+        # Each expert's keys and values once ([BH, M, k, d]), then one slice per tile.
+        flat_keys = op.Reshape(keys, const([BH, M * topk]))
+        K_e = gather_rows(k3, flat_keys, BH, N, [d])                         # [BH, Mk, d]
+        V_e = gather_rows(v3, flat_keys, BH, N, [d])
+        Kt = gather_rows(K_e, tile_expert, BH, M, [topk, d])                 # [BH,NT,k,d]
+        Vt = gather_rows(V_e, tile_expert, BH, M, [topk, d])
+        Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, NT, T, d]))
         logits = op.Mul(op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2])),
                         const(scale, np.float32))                            # [BH,NT,T,k]
         if dense_flat is not None:
+            tile_keys = gather_rows(keys, tile_expert, BH, M, [topk])        # [BH, NT, k]
             logits = op.Add(logits, routed_bias(
                 op.Reshape(slot_query, const([BH, NT, T, 1])),
                 op.Reshape(tile_keys, const([BH, NT, 1, topk])), 4))
@@ -253,7 +267,8 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         # Back to the items, then to the queries: [BH, N, r, .].
         packed = op.Concat(op.Reshape(mx, const([BH, L, 1])), op.Reshape(sm, const([BH, L, 1])),
                            op.Reshape(ov, const([BH, L, d])), axis=-1)       # [BH, L, d+2]
-        per_item = op.Reshape(gather_rows(packed, item_slot), const([BH, N, r, d + 2]))
+        per_item = op.Reshape(gather_rows(packed, item_slot, BH, L, [d + 2]),
+                              const([BH, N, r, d + 2]))
         m_r = op.Slice(per_item, const([0]), const([1]), const([3]))         # [BH,N,r,1]
         l_r = op.Slice(per_item, const([1]), const([2]), const([3]))
         o_r = op.Slice(per_item, const([2]), const([d + 2]), const([3]))
