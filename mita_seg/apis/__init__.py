@@ -8,6 +8,7 @@
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
   (:class:`StudySettings`);
+- deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
 - :func:`run_tool`: user errors end a tool with a message, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
@@ -17,6 +18,7 @@ from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
 from .mita_cfg import add_mita_args, check_mita_cfg, swap_settings
 from .model import init_model, swap_model
+from .onnx_export import MIN_OPSET, OnnxExportError, OnnxReport, check_onnx, export_onnx
 from .runner import QuietRunner, build_runner, prepare_config
 from .sweep import swap_sweep
 from .swap_study import StudySettings, run_swap_study
@@ -25,5 +27,6 @@ __all__ = [
     'load_config', 'config_name', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
-    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS'
+    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET'
 ]

@@ -36,13 +36,13 @@ import torch
 from .blocked import default_block_size, num_tiles
 from .bias import table_size
 
-__all__ = ['OnnxTranslationError', 'FORMULATIONS', 'pool_matrix', 'mita_translation_table',
+__all__ = ['OnnxExportError', 'FORMULATIONS', 'pool_matrix', 'mita_translation_table',
            'onnx_unsupported', 'onnx_block_size']
 
 FORMULATIONS = ('tiles', 'gather')
 
 
-class OnnxTranslationError(ValueError):
+class OnnxExportError(ValueError):
     """A MiTA call (or an environment) the ONNX translation cannot export; the message says
     what to change."""
 
@@ -86,7 +86,7 @@ def _static_shape(value) -> Tuple[int, ...]:
     why = onnx_unsupported(torch.float32 if str(dtype).upper().endswith('FLOAT') else dtype,
                            dims)
     if why:
-        raise OnnxTranslationError('; '.join(why))
+        raise OnnxExportError('; '.join(why))
     return dims
 
 
@@ -104,17 +104,17 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         dict: ``{torch.ops.mita_seg.mita_attention.default: translation}``.
 
     Raises:
-        OnnxTranslationError: ``onnxscript`` is not installed, or an unknown formulation.
+        OnnxExportError: ``onnxscript`` is not installed, or an unknown formulation.
     """
     if formulation not in FORMULATIONS:
-        raise OnnxTranslationError(f'unknown formulation {formulation!r}; choose one of '
+        raise OnnxExportError(f'unknown formulation {formulation!r}; choose one of '
                                    f'{FORMULATIONS}')
     try:
         import onnx_ir as ir
         from onnxscript import FLOAT
         from onnxscript import opset18 as op
     except ImportError as e:
-        raise OnnxTranslationError(
+        raise OnnxExportError(
             f'exporting MiTA to ONNX needs onnxscript ({e}): pip install the versions '
             'pinned in requirements.txt (onnx, onnxruntime, onnxscript)') from None
     from . import mita  # noqa: F401  (registers torch.ops.mita_seg.mita_attention)
