@@ -23,12 +23,13 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from mita_seg.models import GridMismatchError
 from mita_seg.ops.onnx import OnnxExportError, mita_translation_table
 from .config import load_config
 from .model import init_model
 
 __all__ = ['OnnxExportError', 'OnnxReport', 'SegLogits', 'export_onnx', 'check_onnx',
-           'export_shape', 'onnx_session', 'MIN_OPSET']
+           'write_onnx', 'export_shape', 'onnx_session', 'MIN_OPSET']
 
 # The translation of mita_seg::mita_attention uses opset 18 operators (ReduceMax's axes
 # input, ScatterElements' reduction).
@@ -154,6 +155,35 @@ def check_onnx(path: str, module: nn.Module, shape: Tuple[int, int], seed: int =
     return ((out - ref).abs().max().item(), ref.abs().max().item(), agree, ref.shape[1])
 
 
+def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int = MIN_OPSET,
+               formulation: str = 'tiles') -> None:
+    """``torch.onnx.export(..., dynamo=True)`` of ``module`` (``img`` ``[1, 3, H, W]`` ->
+    ``seg_logits``) to ``path``, MiTA through :func:`mita_seg.ops.onnx.mita_translation_table`.
+
+    Raises:
+        OnnxExportError: the exporter failed (its first line of the cause).
+    """
+    img = torch.zeros(1, 3, *shape)
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(
+                module, (img, ), dynamo=True, opset_version=opset, verbose=False,
+                input_names=['img'], output_names=['seg_logits'],
+                custom_translation_table=mita_translation_table(formulation))
+    except OnnxExportError:
+        raise
+    except Exception as e:  # the exporter wraps every failure in its own errors
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, OnnxExportError):
+            raise cause from None
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ''
+        raise OnnxExportError(f'torch.onnx.export failed at shape {shape[0]}x{shape[1]}: '
+                              f'{type(cause).__name__}: {first}') from None
+    program.save(path)
+
+
 def export_onnx(config: str, checkpoint: str, out: str,
                 shape: Optional[Sequence[int]] = None,
                 mita_cfg: Optional[dict] = None,
@@ -197,9 +227,9 @@ def export_onnx(config: str, checkpoint: str, out: str,
     try:
         with torch.no_grad():
             module(img)
+    except GridMismatchError:
+        raise
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
-        if type(e).__name__ == 'GridMismatchError':
-            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f'the model does not run at --shape {h} {w}: {first}') from None
     mean = (cfg.model.get('data_preprocessor') or {}).get('mean')
@@ -211,24 +241,7 @@ def export_onnx(config: str, checkpoint: str, out: str,
     fd, tmp = tempfile.mkstemp(suffix='.onnx.part', dir=out_dir)
     os.close(fd)
     try:
-        try:
-            with torch.no_grad():
-                program = torch.onnx.export(
-                    module, (img, ), dynamo=True, opset_version=opset, verbose=False,
-                    input_names=['img'], output_names=['seg_logits'],
-                    custom_translation_table=mita_translation_table(formulation))
-        except OnnxExportError:
-            raise
-        except Exception as e:  # the exporter wraps every failure in its own errors
-            cause = e
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            if isinstance(cause, OnnxExportError):
-                raise cause from None
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ''
-            raise OnnxExportError(f'torch.onnx.export failed at --shape {h} {w}: '
-                                  f'{type(cause).__name__}: {first}') from None
-        program.save(tmp)
+        write_onnx(module, (h, w), tmp, opset, formulation)
         seconds = time.perf_counter() - t0
         max_diff, max_ref, agree, classes = check_onnx(tmp, module, (h, w), seed)
         report = OnnxReport(out, (h, w), classes, _mita_layers(model), max_diff, max_ref,
