@@ -125,9 +125,12 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
     def gather_rows(data, index, BH, X, rest):
         """``data[b, index[b, i]]`` for ``data`` ``[BH, X, *rest]``, ``index`` ``[BH, I]``:
         one Gather on the flattened ``[BH X, *rest]`` (ONNX Runtime copies whole slices;
-        GatherND with batch_dims is much slower)."""
-        offset = const((np.arange(BH) * X).reshape(BH, 1))
-        flat = op.Reshape(data, const([BH * X] + list(rest)))
+        GatherND with batch_dims is much slower). ``X``: an int or a ``[1]`` int64 value."""
+        if isinstance(X, int):
+            offset = const((np.arange(BH) * X).reshape(BH, 1))
+        else:
+            offset = op.Mul(const(np.arange(BH).reshape(BH, 1)), X)
+        flat = op.Reshape(data, const([-1] + list(rest)))
         return op.Gather(flat, op.Add(index, offset), axis=0)
 
     def bias_index(qi, kj, Wh, Ww):
@@ -157,8 +160,10 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         q3, k3, v3 = (op.Reshape(t, shape3) for t in (q, k, v))
 
         # Landmarks, scores, router logits: mita_seg.ops.routing.mita_routing.
-        grid = op.Slice(q3, const([p]), const([p + h * w]), const([1]))     # [BH, hw, d]
-        R = op.MatMul(const(pool_matrix((h, w), (ph, pw)), np.float32), grid)  # [BH, M, d]
+        # The averaging matrix spans all N tokens (zero on prefix and suffix columns).
+        P_all = np.zeros((M, N), np.float32)
+        P_all[:, p:p + h * w] = pool_matrix((h, w), (ph, pw))
+        R = op.MatMul(const(P_all, np.float32), q3)                          # [BH, M, d]
         S = op.MatMul(op.Mul(R, const(scale, np.float32)),
                       op.Transpose(k3, perm=[0, 2, 1]))                     # [BH, M, N]
         G = op.MatMul(q3, op.Transpose(op.Mul(R, const(shared_scale, np.float32)),
@@ -217,7 +222,9 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                          op.Reshape(op.MatMul(a_r, Vq), const([BH, N, d])))
             return op.Reshape(out, const([B, H, N, d]))
 
-        # Expert-pure tiles: mita_seg.ops.blocked._tile_layout, with static shapes.
+        # Expert-pure tiles: mita_seg.ops.blocked._tile_layout. The buffers are sized by the
+        # static bound (num_tiles), then trimmed to the tiles used (the largest over heads),
+        # so no work goes to the bound's empty tiles.
         T = tile_size or onnx_block_size(N, r, M)
         NT = num_tiles(NR, M, T)
         L = NT * T
@@ -238,48 +245,60 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         tile_end = op.Add(tile_start, ntile)
         item_slot = op.Add(op.Mul(op.GatherElements(tile_start, items_e, axis=1), const(T)),
                            rank)                                             # [BH, NR]
+        used = op.ReduceMax(tile_end, keepdims=1)                            # [1, 1] tiles
+        used_slots = op.Reshape(op.Mul(used, const(T)), const([1]))
         slot_item = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
                                                  const([BH, L])),
                                        item_slot, items, axis=1)             # [BH, L]
+        slot_item = op.Slice(slot_item, const([0]), used_slots, const([1]))  # [BH, Lu]
         slot_query = op.Div(slot_item, const(r)) if r > 1 else slot_item
+        tile_ids = op.Range(const(0), op.Reshape(used, const([])), const(1))  # [NTu]
         tile_expert = op.Min(op.ReduceSum(
             op.Cast(op.LessOrEqual(op.Unsqueeze(tile_end, const([1])),
-                                   const(np.arange(NT).reshape(1, NT, 1))), to=7),
-            const([2]), keepdims=0), const(M - 1))                           # [BH, NT]
+                                   op.Unsqueeze(tile_ids, const([0, 2]))), to=7),
+            const([2]), keepdims=0), const(M - 1))                           # [BH, NTu]
         # Each expert's keys and values once ([BH, M, k, d]), then one slice per tile.
         flat_keys = op.Reshape(keys, const([BH, M * topk]))
         K_e = gather_rows(k3, flat_keys, BH, N, [d])                         # [BH, Mk, d]
         V_e = gather_rows(v3, flat_keys, BH, N, [d])
-        Kt = gather_rows(K_e, tile_expert, BH, M, [topk, d])                 # [BH,NT,k,d]
+        Kt = gather_rows(K_e, tile_expert, BH, M, [topk, d])                 # [BH,NTu,k,d]
         Vt = gather_rows(V_e, tile_expert, BH, M, [topk, d])
-        Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, NT, T, d]))
-        logits = op.Mul(op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2])),
-                        const(scale, np.float32))                            # [BH,NT,T,k]
+        Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, -1, T, d]))
+        logits = op.MatMul(Qs, op.Transpose(op.Mul(Kt, const(scale, np.float32)),
+                                            perm=[0, 1, 3, 2]))              # [BH,NTu,T,k]
         if dense_flat is not None:
-            tile_keys = gather_rows(keys, tile_expert, BH, M, [topk])        # [BH, NT, k]
+            tile_keys = gather_rows(keys, tile_expert, BH, M, [topk])        # [BH, NTu, k]
             logits = op.Add(logits, routed_bias(
-                op.Reshape(slot_query, const([BH, NT, T, 1])),
-                op.Reshape(tile_keys, const([BH, NT, 1, topk])), 4))
-        mx = op.ReduceMax(logits, const([-1]), keepdims=1)                   # [BH,NT,T,1]
+                op.Reshape(slot_query, const([BH, -1, T, 1])),
+                op.Reshape(tile_keys, const([BH, -1, 1, topk])), 4))
+        mx = op.ReduceMax(logits, const([-1]), keepdims=1)                   # [BH,NTu,T,1]
         ex = op.Exp(op.Sub(logits, mx))
         sm = op.ReduceSum(ex, const([-1]), keepdims=1)
-        ov = op.MatMul(ex, Vt)                                               # [BH,NT,T,d]
-        # Back to the items, then to the queries: [BH, N, r, .].
-        packed = op.Concat(op.Reshape(mx, const([BH, L, 1])), op.Reshape(sm, const([BH, L, 1])),
-                           op.Reshape(ov, const([BH, L, d])), axis=-1)       # [BH, L, d+2]
-        per_item = op.Reshape(gather_rows(packed, item_slot, BH, L, [d + 2]),
-                              const([BH, N, r, d + 2]))
-        m_r = op.Slice(per_item, const([0]), const([1]), const([3]))         # [BH,N,r,1]
-        l_r = op.Slice(per_item, const([1]), const([2]), const([3]))
-        o_r = op.Slice(per_item, const([2]), const([d + 2]), const([3]))
-        m_all = op.ReduceMax(m_r, const([2]), keepdims=0)                    # [BH, N, 1]
+        ov = op.MatMul(ex, Vt)                                               # [BH,NTu,T,d]
+        # Back to the items, then to the queries: [BH, N, r, .] (r = 1: [BH, N, .]).
+        packed = op.Concat(op.Reshape(mx, const([BH, -1, 1])), op.Reshape(sm, const([BH, -1, 1])),
+                           op.Reshape(ov, const([BH, -1, d])), axis=-1)      # [BH, Lu, d+2]
+        per_item = gather_rows(packed, item_slot, BH, used_slots, [d + 2])   # [BH, NR, d+2]
+        if r > 1:
+            per_item = op.Reshape(per_item, const([BH, N, r, d + 2]))
+        axis = 3 if r > 1 else 2
+        m_r = op.Slice(per_item, const([0]), const([1]), const([axis]))      # [BH,N,(r,)1]
+        l_r = op.Slice(per_item, const([1]), const([2]), const([axis]))
+        o_r = op.Slice(per_item, const([2]), const([d + 2]), const([axis]))
+        m_all = op.ReduceMax(m_r, const([2]), keepdims=0) if r > 1 else m_r  # [BH, N, 1]
         if with_shared_expert:
             V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                      # [BH, M, d]
             m_s = op.ReduceMax(G, const([-1]), keepdims=1)                   # [BH, N, 1]
             m_all = op.Max(m_all, m_s)
-        w_r = op.Exp(op.Sub(m_r, op.Unsqueeze(m_all, const([2]))))          # [BH,N,r,1]
-        num = op.ReduceSum(op.Mul(o_r, w_r), const([2]), keepdims=0)         # [BH, N, d]
-        den = op.ReduceSum(op.Mul(l_r, w_r), const([2]), keepdims=0)         # [BH, N, 1]
+        if r > 1:
+            w_r = op.Exp(op.Sub(m_r, op.Unsqueeze(m_all, const([2]))))      # [BH,N,r,1]
+            num = op.ReduceSum(op.Mul(o_r, w_r), const([2]), keepdims=0)     # [BH, N, d]
+            den = op.ReduceSum(op.Mul(l_r, w_r), const([2]), keepdims=0)     # [BH, N, 1]
+        elif with_shared_expert:
+            w_r = op.Exp(op.Sub(m_r, m_all))                                 # [BH, N, 1]
+            num, den = op.Mul(o_r, w_r), op.Mul(l_r, w_r)
+        else:
+            num, den = o_r, l_r
         if with_shared_expert:
             e_s = op.Exp(op.Sub(G, m_all))                                   # [BH, N, M]
             num = op.Add(num, op.MatMul(e_s, V_R))
