@@ -179,6 +179,7 @@ def ort_vs_pytorch(path, config, ckpt, shape, mita_cfg=None, seed=5):
     return out, ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('which,args,mita_cfg,mita_layers', [
     ('segmenter', ['--swap-attn', 'mita', '--mita-cfg', 'pool_size=3', 'topk=12'],
      dict(pool_size=3, topk=12), 6),
@@ -200,6 +201,7 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     assert torch.equal(got.argmax(1), ref.argmax(1))
 
 
+@pytest.mark.slow
 def test_export_onnx_non_square_grid_smaller_than_pool(tiny_ckpts, tmp_path):
     # a 5x6 patch grid with pool_size=7: the modules run pool 5x6 (clamped, with a warning)
     from mita_seg.apis import export_onnx
@@ -212,6 +214,7 @@ def test_export_onnx_non_square_grid_smaller_than_pool(tiny_ckpts, tmp_path):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
     seg = tiny_ckpts['segmenter']
     out = tmp_path / 'x.onnx'
@@ -247,6 +250,7 @@ def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ['shim']
 
 
+@pytest.mark.slow
 def test_export_onnx_disagreement_leaves_nothing(tiny_ckpts, tmp_path, monkeypatch):
     # a check that fails (tolerance 0 and a perturbed reference) writes nothing at --out
     from mita_seg.apis import onnx_export

@@ -14,6 +14,7 @@ custom operator library. The file is written to a temporary name beside ``out``,
 ONNX Runtime against the PyTorch model on a seeded input, and renamed to ``out`` only when
 they agree within float32 rounding: nothing is left at ``out`` otherwise.
 """
+import logging
 import os
 import os.path as osp
 import tempfile
@@ -164,6 +165,8 @@ def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int 
         OnnxExportError: the exporter failed (its first line of the cause).
     """
     img = torch.zeros(1, 3, *shape)
+    # the exporter's registry lists every torchvision op it skips: not ours to report
+    logging.getLogger('torch.onnx._internal.exporter._registration').setLevel(logging.ERROR)
     try:
         with torch.no_grad():
             program = torch.onnx.export(
