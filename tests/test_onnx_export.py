@@ -9,10 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip('onnxruntime')
-pytest.importorskip('onnxscript')
-
-import onnx  # noqa: E402
+import onnx  # noqa: E402  (requirements.txt: onnx, onnxruntime, onnxscript)
 import onnxruntime as ort  # noqa: E402
 
 from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference  # noqa: E402
