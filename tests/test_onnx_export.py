@@ -4,17 +4,16 @@ operators, run in ONNX Runtime against the dense reference operator, and
 import os
 import os.path as osp
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import onnx  # noqa: E402  (requirements.txt: onnx, onnxruntime, onnxscript)
-import onnxruntime as ort  # noqa: E402
+import onnx  # requirements.txt: onnx, onnxruntime, onnxscript
+import onnxruntime as ort
 
-from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference  # noqa: E402
-from mita_seg.ops.bias import table_size  # noqa: E402
-from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,  # noqa: E402
+from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference
+from mita_seg.ops.bias import table_size
+from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,
                                onnx_unsupported, pool_matrix)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
