@@ -23,6 +23,10 @@ round (a call takes seconds; timed one after the other, their ratio carried the 
 With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R is a
 third column, timed in the same rounds.
 
+ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped and swapped
+to MiTA (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`), images per second of
+each file in ONNX Runtime on the CPU, whole image at ``--onnx-sizes``, and the ratio.
+
 Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
 ``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
 its own speed-up over one thread.
@@ -46,6 +50,7 @@ Examples::
     python tools/benchmark.py --level threads --tokens 1025 4097 --dtypes float32
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
+    python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-sizes 512 1024
 """
 import argparse
 import contextlib
@@ -501,9 +506,85 @@ def model_level(args):
                       f'be {base / (mita - kernel):.2f}x', flush=True)
 
 
+def cpu_name():
+    """The CPU's model name (``/proc/cpuinfo``)."""
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return 'unknown CPU'
+
+
+def onnx_level(args):
+    """``--level onnx``: unswapped and MiTA exports of one random-weight checkpoint, timed
+    in turn in ONNX Runtime (median of ``--min-run-time`` seconds each, three rounds)."""
+    import tempfile
+    import time as _time
+
+    import onnxruntime
+    from mmengine.hub import get_config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS as SEG_MODELS
+
+    import mita_seg.models  # noqa: F401
+    from mita_seg import swap_attention
+    from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
+
+    init_default_scope('mmseg')
+    threads = args.threads or None
+    print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
+          f'threads, on {cpu_name()} ({os.cpu_count()} logical CPUs); random weights, batch '
+          f'1, whole image; MiTA pool_size={args.pool_size} topk={args.topk}')
+    header = (f"{'model':>16} {'image':>10} {'N':>6} | {'base img/s':>10} "
+              f"{'MiTA img/s':>10} {'speed-up':>8} | {'max |diff|':>10}")
+    print(header)
+    print('-' * len(header))
+    tmp = tempfile.mkdtemp(prefix='mita-onnx-bench-')
+    for name in args.models:
+        cfg = get_config(MODELS[name][0])
+        cfg.model.pop('pretrained', None)
+        cfg.model.backbone.pop('init_cfg', None)
+        cfg.model.test_cfg = dict(mode='whole')
+        for size in args.onnx_sizes:
+            torch.manual_seed(0)
+            model = SEG_MODELS.build(cfg.model).eval()
+            swapped = copy.deepcopy(model)
+            swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
+            img = torch.randn(1, 3, size, size)
+            sessions, outs = [], []
+            for tag, m in (('base', model), ('mita', swapped)):
+                path = os.path.join(tmp, f'{name}-{size}-{tag}.onnx')
+                write_onnx(SegLogits(m, (size, size)).eval(), (size, size), path)
+                sess = onnx_session(path, threads)
+                feed = {sess.get_inputs()[0].name: img.numpy()}
+                outs.append(sess.run(None, feed)[0])
+                sessions.append(lambda sess=sess, feed=feed: sess.run(None, feed))
+                os.remove(path)
+            del model, swapped
+            gc.collect()
+            times = [[], []]
+            for _ in range(3):  # interleaved rounds: both see the same load of the host
+                for i, run in enumerate(sessions):
+                    t0, n = _time.perf_counter(), 0
+                    while n < 2 or _time.perf_counter() - t0 < args.min_run_time:
+                        t1 = _time.perf_counter()
+                        run()
+                        times[i].append(_time.perf_counter() - t1)
+                        n += 1
+            base, mita = (statistics.median(t) for t in times)
+            h = size // 16
+            print(f"{name:>16} {f'{size}x{size}':>10} {1 + h * h:>6} | {1 / base:10.3f} "
+                  f"{1 / mita:10.3f} {base / mita:7.2f}x | "
+                  f"{float(abs(outs[0] - outs[1]).max()):10.3g}", flush=True)
+    os.rmdir(tmp)
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--level', choices=['op', 'model', 'threads', 'all'], default='op',
+    p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'all'], default='op',
                    help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
                    help='where the tensors and models live')
@@ -524,6 +605,8 @@ def parse_args():
                    'at this ratio of the grid tokens, in [0, 0.5]')
     p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
                                                    'upernet-vit-b'], choices=list(MODELS))
+    p.add_argument('--onnx-sizes', type=int, nargs='+', default=[512, 1024],
+                   help='--level onnx: square image sizes (whole-image inference)')
     p.add_argument('--threads', type=int, default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--bias', action='store_true',
@@ -557,6 +640,10 @@ def main():
         op_bias_level(args) if args.bias else op_level(args)
     if args.level in ('model', 'all'):
         model_level(args)
+    if args.level == 'onnx':
+        if cuda:
+            raise SystemExit('--level onnx times ONNX Runtime on the CPU: use --device cpu')
+        onnx_level(args)
     if args.level == 'threads':
         if cuda:
             raise SystemExit('--level threads compares CPU thread counts: use --device cpu')

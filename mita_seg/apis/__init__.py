@@ -9,6 +9,7 @@
 - token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
   (:class:`StudySettings`);
+- deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
 - :func:`run_tool`: user errors end a tool with a message, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
@@ -18,6 +19,7 @@ from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
 from .mita_cfg import add_mita_args, check_mita_cfg, swap_settings
 from .model import init_model, swap_model
+from .onnx_export import MIN_OPSET, OnnxExportError, OnnxReport, check_onnx, export_onnx
 from .runner import QuietRunner, build_runner, prepare_config
 from .sweep import swap_sweep
 from .swap_study import StudySettings, run_swap_study
@@ -28,5 +30,6 @@ __all__ = [
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
     'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
-    'add_merge_args', 'merge_model'
+    'add_merge_args', 'merge_model',
+    'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET'
 ]

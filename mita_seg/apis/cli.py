@@ -4,13 +4,14 @@ import sys
 from typing import Callable
 
 from mita_seg.models import GridMismatchError, NothingToMergeError, NothingToSwapError
+from mita_seg.ops.onnx import OnnxExportError
 from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        UnsafeCheckpointError)
 
 # What a user fixes by changing the command line, the config or the checkpoint.
 USER_ERRORS = (FileNotFoundError, UnreadableCheckpointError, UnsafeCheckpointError,
                CheckpointMismatchError, NothingToSwapError, GridMismatchError,
-               NothingToMergeError)
+               NothingToMergeError, OnnxExportError)
 
 
 def run_tool(main: Callable[[], object]) -> None:

@@ -1,0 +1,308 @@
+"""MiTA in default-domain ONNX operators: the translation of ``mita_seg::mita_attention`` for
+``torch.onnx.export(..., dynamo=True, custom_translation_table=...)``.
+
+The exported file needs no custom operator library: every node is a standard ONNX operator
+(opset 18: MatMul, TopK, ArgMax, GatherND, ScatterElements, CumSum, Softmax, ...), so ONNX
+Runtime, OpenVINO and TensorRT read it as it is. It computes what
+:func:`mita_seg.ops.mita_attention_reference` computes: the same landmarks (adaptive average
+pooling as a constant ``[M, h*w]`` averaging matrix), scores, top-k experts and router
+choices (ONNX ``TopK`` / ``ArgMax`` on the same float32 logits: the same keys and experts,
+barring exact ties), the shared expert, route-only, router top-r, cls / suffix tokens, and
+BEiT's relative position bias.
+
+The routed part is laid out as the blocked backend lays it out
+(:mod:`mita_seg.ops.blocked`): each (query, choice) item goes to a slot of a tile of ``T``
+slots that holds one expert's items only, each expert's run padded to a multiple of ``T``;
+the number of tiles is bounded statically (:func:`~mita_seg.ops.blocked.num_tiles`), so every
+shape is fixed at export. A tile needs the ``k`` keys of one expert: the routed logits are a
+batched ``[T, d] x [d, k]`` MatMul, not a per-query gather of ``N k d`` keys (the other
+formulation, ``formulation='gather'``, kept for measurement: it is slower in ONNX Runtime, see
+the README's Deploy section). The shared and routed partial softmaxes are merged with their
+maxima, as in FlashAttention.
+
+With a relative position bias the graph forms BEiT's dense bias ``[H, N, N]`` once per layer
+(as BEiT's own attention does) and pools it with the same averaging matrix, instead of the
+integral image of :func:`mita_seg.ops.bias.landmark_bias` (same values up to float32
+rounding).
+
+``onnxscript`` is imported only when a table is built (:func:`mita_translation_table`), so
+this module imports with torch alone.
+"""
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .blocked import default_block_size, num_tiles
+from .bias import table_size
+
+__all__ = ['OnnxExportError', 'FORMULATIONS', 'pool_matrix', 'mita_translation_table',
+           'onnx_unsupported', 'onnx_block_size']
+
+FORMULATIONS = ('tiles', 'gather')
+
+
+class OnnxExportError(ValueError):
+    """A MiTA call (or an environment) the ONNX translation cannot export; the message says
+    what to change."""
+
+
+def pool_matrix(hw_shape: Tuple[int, int], pool_size: Tuple[int, int]) -> np.ndarray:
+    """``[Ph*Pw, h*w]`` float32: row ``m`` averages landmark ``m``'s region of the row-major
+    grid, the regions of ``adaptive_avg_pool2d`` (``[floor(i h / P), ceil((i + 1) h / P))``)."""
+    (h, w), (ph, pw) = hw_shape, pool_size
+    P = np.zeros((ph, pw, h, w), np.float32)
+    for i in range(ph):
+        r0, r1 = (i * h) // ph, -(-((i + 1) * h) // ph)
+        for j in range(pw):
+            c0, c1 = (j * w) // pw, -(-((j + 1) * w) // pw)
+            P[i, j, r0:r1, c0:c1] = 1.0 / ((r1 - r0) * (c1 - c0))
+    return P.reshape(ph * pw, h * w)
+
+
+def onnx_block_size(num_tokens: int, router_topk: int, num_experts: int) -> int:
+    """Tile size ``T`` of the ONNX graph: twice the blocked backend's choice
+    (:func:`~mita_seg.ops.blocked.default_block_size`), in ``[8, 64]``: ONNX Runtime runs a
+    batched MatMul as one small GEMM per tile, whose call costs more than padding slots."""
+    return int(min(64, max(8, 2 * default_block_size(num_tokens * router_topk, num_experts))))
+
+
+def onnx_unsupported(dtype: torch.dtype, shape: Tuple[int, ...]) -> List[str]:
+    """Why a MiTA call of these inputs cannot be translated (empty when it can)."""
+    why = []
+    if dtype != torch.float32:
+        why.append(f'the ONNX translation runs float32 inputs, got {dtype}: export the '
+                   'model in float32')
+    if len(shape) != 4 or not all(isinstance(s, int) for s in shape):
+        why.append(f'the ONNX translation needs static shapes [B, H, N, d], got {shape}: '
+                   'export with a fixed input shape (no dynamic_shapes)')
+    return why
+
+
+def _static_shape(value) -> Tuple[int, ...]:
+    shape = tuple(getattr(value, 'shape', None) or ())
+    dims = tuple(int(s) if isinstance(s, int) or str(s).isdigit() else s for s in shape)
+    dtype = getattr(value, 'dtype', None)
+    why = onnx_unsupported(torch.float32 if str(dtype).upper().endswith('FLOAT') else dtype,
+                           dims)
+    if why:
+        raise OnnxExportError('; '.join(why))
+    return dims
+
+
+def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] = None
+                           ) -> Dict[Callable, Callable]:
+    """The ``custom_translation_table`` that exports ``mita_seg::mita_attention``.
+
+    Args:
+        formulation (str): ``'tiles'`` (expert-pure tiles; the default) or ``'gather'``
+            (each query gathers its experts' ``r k`` keys). Default: 'tiles'.
+        tile_size (int, optional): tile size ``T``; None picks :func:`onnx_block_size`.
+            Default: None.
+
+    Returns:
+        dict: ``{torch.ops.mita_seg.mita_attention.default: translation}``.
+
+    Raises:
+        OnnxExportError: ``onnxscript`` is not installed, or an unknown formulation.
+    """
+    if formulation not in FORMULATIONS:
+        raise OnnxExportError(f'unknown formulation {formulation!r}; choose one of '
+                                   f'{FORMULATIONS}')
+    try:
+        import onnx_ir as ir
+        from onnxscript import FLOAT
+        from onnxscript import opset18 as op
+    except ImportError as e:
+        raise OnnxExportError(
+            f'exporting MiTA to ONNX needs onnxscript ({e}): pip install the versions '
+            'pinned in requirements.txt (onnx, onnxruntime, onnxscript)') from None
+    from . import mita  # noqa: F401  (registers torch.ops.mita_seg.mita_attention)
+
+    def const(arr, dtype=np.int64):
+        return op.Constant(value=ir.tensor(np.asarray(arr, dtype=dtype)))
+
+    def gather_rows(data, index, BH, X, rest):
+        """``data[b, index[b, i]]`` for ``data`` ``[BH, X, *rest]``, ``index`` ``[BH, I]``:
+        one Gather on the flattened ``[BH X, *rest]`` (ONNX Runtime copies whole slices;
+        GatherND with batch_dims is much slower). ``X``: an int or a ``[1]`` int64 value."""
+        if isinstance(X, int):
+            offset = const((np.arange(BH) * X).reshape(BH, 1))
+        else:
+            offset = op.Mul(const(np.arange(BH).reshape(BH, 1)), X)
+        flat = op.Reshape(data, const([-1] + list(rest)))
+        return op.Gather(flat, op.Add(index, offset), axis=0)
+
+    def bias_index(qi, kj, Wh, Ww):
+        """mmseg's ``relative_position_index[qi, kj]`` (:func:`~.bias.bias_index`)."""
+        T = table_size((Wh, Ww))
+        one, ww = const(1), const(Ww)
+        gi, gj = op.Sub(qi, one), op.Sub(kj, one)
+        # gi, gj >= 0 wherever the grid formula is kept (cls rows/columns are replaced).
+        dy = op.Sub(op.Div(gi, ww), op.Div(gj, ww))
+        dx = op.Sub(op.Mod(gi, ww), op.Mod(gj, ww))
+        idx = op.Add(op.Add(op.Mul(op.Add(dy, const(Wh - 1)), const(2 * Ww - 1)), dx),
+                     const(Ww - 1))
+        q_cls, k_cls = op.Equal(qi, const(0)), op.Equal(kj, const(0))
+        idx = op.Where(q_cls, const(T - 3), idx)
+        idx = op.Where(k_cls, const(T - 2), idx)
+        return op.Where(op.And(q_cls, k_cls), const(T - 1), idx)
+
+    def translation(q: FLOAT, k: FLOAT, v: FLOAT, h: int, w: int, ph: int, pw: int,
+                    topk: int, router_topk: int, num_prefix_tokens: int,
+                    with_shared_expert: bool, shared_scale: float, block_size: int,
+                    backend: str, bias_table: Optional[FLOAT] = None, window_h: int = 0,
+                    window_w: int = 0) -> FLOAT:
+        B, H, N, d = _static_shape(q)
+        BH, M, p, r = B * H, ph * pw, num_prefix_tokens, router_topk
+        scale = d ** -0.5
+        shape3 = const([BH, N, d])
+        q3, k3, v3 = (op.Reshape(t, shape3) for t in (q, k, v))
+
+        # Landmarks, scores, router logits: mita_seg.ops.routing.mita_routing.
+        # The averaging matrix spans all N tokens (zero on prefix and suffix columns).
+        P_all = np.zeros((M, N), np.float32)
+        P_all[:, p:p + h * w] = pool_matrix((h, w), (ph, pw))
+        R = op.MatMul(const(P_all, np.float32), q3)                          # [BH, M, d]
+        S = op.MatMul(op.Mul(R, const(scale, np.float32)),
+                      op.Transpose(k3, perm=[0, 2, 1]))                     # [BH, M, N]
+        G = op.MatMul(q3, op.Transpose(op.Mul(R, const(shared_scale, np.float32)),
+                                       perm=[0, 2, 1]))                     # [BH, N, M]
+        dense_flat = None
+        if bias_table is not None:
+            Wh, Ww = window_h, window_w
+            t = op.Range(const(0), const(N), const(1))
+            idx = bias_index(op.Unsqueeze(t, const([1])), op.Unsqueeze(t, const([0])), Wh, Ww)
+            dense = op.Gather(bias_table, idx, axis=1)                       # [H, N, N]
+            P = const(pool_matrix((h, w), (ph, pw)), np.float32)
+            rows = op.Slice(dense, const([p]), const([p + h * w]), const([1]))
+            Bq = op.MatMul(P, rows)                                          # [H, M, N]
+            cols = op.Slice(dense, const([p]), const([p + h * w]), const([2]))
+            Bk = op.MatMul(cols, op.Transpose(P, perm=[1, 0]))               # [H, N, M]
+            S = op.Reshape(op.Add(op.Reshape(S, const([B, H, M, N])), Bq), const([BH, M, N]))
+            G = op.Reshape(op.Add(op.Reshape(G, const([B, H, N, M])), Bk), const([BH, N, M]))
+            dense_flat = op.Reshape(dense, const([-1]))                      # [H N N]
+        _, keys = op.TopK(S, const([topk]), axis=-1)                         # [BH, M, k]
+        if r == 1:
+            choice = op.ArgMax(G, axis=-1, keepdims=1)                       # [BH, N, 1]
+        else:
+            _, choice = op.TopK(G, const([r]), axis=-1)                      # [BH, N, r]
+        NR = N * r
+        items_e = op.Reshape(choice, const([BH, NR]))
+
+        def routed_bias(qidx, kidx, rank):
+            # qidx, kidx: int64 of ``rank`` dims, broadcast to [BH, ...]: dense[head, q, k].
+            head = const((np.arange(BH) % H).reshape([BH] + [1] * (rank - 1)))
+            flat = op.Add(op.Mul(op.Add(op.Mul(head, const(N)), qidx), const(N)), kidx)
+            return op.Gather(dense_flat, flat, axis=0)
+
+        if formulation == 'gather':
+            qkeys = op.Reshape(gather_rows(keys, items_e, BH, M, [topk]),
+                               const([BH, N * r * topk]))
+            Kq = op.Reshape(gather_rows(k3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
+            Vq = op.Reshape(gather_rows(v3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
+            logits = op.MatMul(op.Unsqueeze(q3, const([2])),
+                               op.Transpose(Kq, perm=[0, 1, 3, 2]))          # [BH,N,1,rk]
+            logits = op.Mul(logits, const(scale, np.float32))
+            if dense_flat is not None:
+                qi = op.Unsqueeze(op.Range(const(0), const(N), const(1)), const([0, 2, 3]))
+                logits = op.Add(logits, routed_bias(
+                    qi, op.Reshape(qkeys, const([BH, N, 1, r * topk])), 4))
+            logits = op.Reshape(logits, const([BH, N, r * topk]))
+            if not with_shared_expert:
+                attn = op.Unsqueeze(op.Softmax(logits, axis=-1), const([2]))
+                out = op.Reshape(op.MatMul(attn, Vq), const([B, H, N, d]))
+                return out
+            V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                      # [BH, M, d]
+            attn = op.Softmax(op.Concat(G, logits, axis=-1), axis=-1)
+            a_s = op.Slice(attn, const([0]), const([M]), const([2]))
+            a_r = op.Unsqueeze(op.Slice(attn, const([M]), const([M + r * topk]), const([2])),
+                               const([2]))
+            out = op.Add(op.MatMul(a_s, V_R),
+                         op.Reshape(op.MatMul(a_r, Vq), const([BH, N, d])))
+            return op.Reshape(out, const([B, H, N, d]))
+
+        # Expert-pure tiles: mita_seg.ops.blocked._tile_layout. The buffers are sized by the
+        # static bound (num_tiles), then trimmed to the tiles used (the largest over heads),
+        # so no work goes to the bound's empty tiles.
+        T = tile_size or onnx_block_size(N, r, M)
+        NT = num_tiles(NR, M, T)
+        L = NT * T
+        # Sort the items by expert (TopK on the unique key e * NR + item): an item's rank
+        # within its expert is its sorted position less the expert's start.
+        items = op.Expand(const(np.arange(NR).reshape(1, NR)), const([BH, NR]))
+        _, order = op.TopK(op.Add(op.Mul(items_e, const(NR)), items), const([NR]), axis=-1,
+                           largest=0, sorted=1)                              # [BH, NR]
+        position = op.ScatterElements(items, order, items, axis=1)          # inverse
+        count = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
+                                             const([BH, M])), items_e,
+                                   op.Expand(const(np.ones((1, 1), np.int64)),
+                                             const([BH, NR])), axis=1, reduction='add')
+        first = op.CumSum(count, const(1), exclusive=1)                      # [BH, M]
+        rank = op.Sub(position, op.GatherElements(first, items_e, axis=1))   # [BH, NR]
+        ntile = op.Div(op.Add(count, const(T - 1)), const(T))
+        tile_start = op.CumSum(ntile, const(1), exclusive=1)                 # [BH, M]
+        tile_end = op.Add(tile_start, ntile)
+        item_slot = op.Add(op.Mul(op.GatherElements(tile_start, items_e, axis=1), const(T)),
+                           rank)                                             # [BH, NR]
+        used = op.ReduceMax(tile_end, keepdims=1)                            # [1, 1] tiles
+        used_slots = op.Reshape(op.Mul(used, const(T)), const([1]))
+        slot_item = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
+                                                 const([BH, L])),
+                                       item_slot, items, axis=1)             # [BH, L]
+        slot_item = op.Slice(slot_item, const([0]), used_slots, const([1]))  # [BH, Lu]
+        slot_query = op.Div(slot_item, const(r)) if r > 1 else slot_item
+        tile_ids = op.Range(const(0), op.Reshape(used, const([])), const(1))  # [NTu]
+        tile_expert = op.Min(op.ReduceSum(
+            op.Cast(op.LessOrEqual(op.Unsqueeze(tile_end, const([1])),
+                                   op.Unsqueeze(tile_ids, const([0, 2]))), to=7),
+            const([2]), keepdims=0), const(M - 1))                           # [BH, NTu]
+        # Each expert's keys and values once ([BH, M, k, d]), then one slice per tile.
+        flat_keys = op.Reshape(keys, const([BH, M * topk]))
+        K_e = gather_rows(k3, flat_keys, BH, N, [d])                         # [BH, Mk, d]
+        V_e = gather_rows(v3, flat_keys, BH, N, [d])
+        Kt = gather_rows(K_e, tile_expert, BH, M, [topk, d])                 # [BH,NTu,k,d]
+        Vt = gather_rows(V_e, tile_expert, BH, M, [topk, d])
+        Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, -1, T, d]))
+        logits = op.MatMul(Qs, op.Transpose(op.Mul(Kt, const(scale, np.float32)),
+                                            perm=[0, 1, 3, 2]))              # [BH,NTu,T,k]
+        if dense_flat is not None:
+            tile_keys = gather_rows(keys, tile_expert, BH, M, [topk])        # [BH, NTu, k]
+            logits = op.Add(logits, routed_bias(
+                op.Reshape(slot_query, const([BH, -1, T, 1])),
+                op.Reshape(tile_keys, const([BH, -1, 1, topk])), 4))
+        mx = op.ReduceMax(logits, const([-1]), keepdims=1)                   # [BH,NTu,T,1]
+        ex = op.Exp(op.Sub(logits, mx))
+        sm = op.ReduceSum(ex, const([-1]), keepdims=1)
+        ov = op.MatMul(ex, Vt)                                               # [BH,NTu,T,d]
+        # Back to the items, then to the queries: [BH, N, r, .] (r = 1: [BH, N, .]).
+        packed = op.Concat(op.Reshape(mx, const([BH, -1, 1])), op.Reshape(sm, const([BH, -1, 1])),
+                           op.Reshape(ov, const([BH, -1, d])), axis=-1)      # [BH, Lu, d+2]
+        per_item = gather_rows(packed, item_slot, BH, used_slots, [d + 2])   # [BH, NR, d+2]
+        if r > 1:
+            per_item = op.Reshape(per_item, const([BH, N, r, d + 2]))
+        axis = 3 if r > 1 else 2
+        m_r = op.Slice(per_item, const([0]), const([1]), const([axis]))      # [BH,N,(r,)1]
+        l_r = op.Slice(per_item, const([1]), const([2]), const([axis]))
+        o_r = op.Slice(per_item, const([2]), const([d + 2]), const([axis]))
+        m_all = op.ReduceMax(m_r, const([2]), keepdims=0) if r > 1 else m_r  # [BH, N, 1]
+        if with_shared_expert:
+            V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                      # [BH, M, d]
+            m_s = op.ReduceMax(G, const([-1]), keepdims=1)                   # [BH, N, 1]
+            m_all = op.Max(m_all, m_s)
+        if r > 1:
+            w_r = op.Exp(op.Sub(m_r, op.Unsqueeze(m_all, const([2]))))      # [BH,N,r,1]
+            num = op.ReduceSum(op.Mul(o_r, w_r), const([2]), keepdims=0)     # [BH, N, d]
+            den = op.ReduceSum(op.Mul(l_r, w_r), const([2]), keepdims=0)     # [BH, N, 1]
+        elif with_shared_expert:
+            w_r = op.Exp(op.Sub(m_r, m_all))                                 # [BH, N, 1]
+            num, den = op.Mul(o_r, w_r), op.Mul(l_r, w_r)
+        else:
+            num, den = o_r, l_r
+        if with_shared_expert:
+            e_s = op.Exp(op.Sub(G, m_all))                                   # [BH, N, M]
+            num = op.Add(num, op.MatMul(e_s, V_R))
+            den = op.Add(den, op.ReduceSum(e_s, const([-1]), keepdims=1))
+        return op.Reshape(op.Div(num, den), const([B, H, N, d]))
+
+    return {torch.ops.mita_seg.mita_attention.default: translation}

@@ -1,0 +1,277 @@
+"""MiTA to ONNX: the translation of ``mita_seg::mita_attention`` into default-domain ONNX
+operators, run in ONNX Runtime against the dense reference operator, and
+``tools/export_onnx.py`` end to end (ONNX Runtime's logits against PyTorch's)."""
+import os
+import os.path as osp
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import onnx  # requirements.txt: onnx, onnxruntime, onnxscript
+import onnxruntime as ort
+
+from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference
+from mita_seg.ops.bias import table_size
+from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,
+                               onnx_unsupported, pool_matrix)
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
+                          'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
+TINY_UPERNET = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
+TINY_BEIT = osp.join(ROOT, 'configs', 'baselines', 'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
+
+
+class MiTACall(torch.nn.Module):
+    """One MiTA operator call with fixed settings (the relative position bias table is a
+    parameter, as in BEiT)."""
+
+    def __init__(self, hw, pool, topk, router_topk=1, prefix=1, shared=True, table=None):
+        super().__init__()
+        self.settings = (hw, pool, topk, router_topk, prefix, shared)
+        self.table = None if table is None else torch.nn.Parameter(table)
+
+    def forward(self, q, k, v):
+        hw, pool, topk, r, p, shared = self.settings
+        bias = None if self.table is None else RelPosBias(self.table, hw)
+        return mita_attention(q, k, v, hw, pool, topk, r, p, shared, rel_pos_bias=bias)
+
+
+def run_in_ort(module, inputs, path, formulation='tiles', tile_size=None):
+    """Export ``module`` with MiTA's translation, check the file, run it in ORT."""
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module.eval(), inputs, dynamo=True, opset_version=18, verbose=False,
+            custom_translation_table=mita_translation_table(formulation, tile_size))
+    program.save(str(path))
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    # default domain only: no custom operator library needed by any runtime
+    assert {n.domain for n in model.graph.node} <= {'', 'ai.onnx'}
+    assert 'mita_attention' not in {n.op_type for n in model.graph.node}
+    sess = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    feed = {i.name: t.numpy() for i, t in zip(sess.get_inputs(), inputs)}
+    return torch.from_numpy(sess.run(None, feed)[0])
+
+
+# id: (B, H, d, hw, prefix, suffix, pool, topk, router_topk, shared, bias)
+CASES = {
+    'nonsquare-cls-suffix': (2, 3, 8, (5, 7), 1, 4, (2, 3), 6, 1, True, False),
+    'pool-not-dividing-grid': (1, 2, 16, (9, 11), 1, 0, (4, 3), 10, 1, True, False),
+    'grid-equal-to-pool': (1, 2, 8, (3, 2), 1, 5, (3, 2), 4, 1, True, False),
+    'no-prefix-odd-head-dim': (2, 2, 7, (4, 6), 0, 3, (2, 2), 5, 1, True, False),
+    'router-top2': (1, 3, 8, (6, 5), 1, 4, (2, 3), 7, 2, True, False),
+    'router-top3-route-only': (1, 2, 8, (6, 6), 1, 0, (3, 3), 5, 3, False, False),
+    'route-only': (2, 2, 8, (5, 7), 1, 2, (2, 2), 9, 1, False, False),
+    'rel-pos-bias': (1, 3, 8, (5, 6), 1, 0, (3, 2), 7, 1, True, True),
+    'rel-pos-bias-top2': (1, 2, 8, (4, 7), 1, 0, (2, 3), 6, 2, True, True),
+}
+
+
+def case_inputs(B, H, d, hw, prefix, suffix, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = prefix + hw[0] * hw[1] + suffix
+    q, k, v = (torch.randn(B, H, N, d, generator=g) for _ in range(3))
+    table = torch.randn(H, table_size(hw), generator=g) if bias else None
+    return q, k, v, table
+
+
+# the tiled formulation on every case; the per-query gather (kept for measurement) on a few
+GATHER_CASES = ('nonsquare-cls-suffix', 'router-top2', 'rel-pos-bias')
+
+
+@pytest.mark.parametrize('case,formulation',
+                         [(c, 'tiles') for c in CASES] + [(c, 'gather') for c in GATHER_CASES])
+def test_translation_matches_reference(case, formulation, tmp_path):
+    B, H, d, hw, p, s, pool, topk, r, shared, bias = CASES[case]
+    q, k, v, table = case_inputs(B, H, d, hw, p, s, bias)
+    rb = None if table is None else RelPosBias(table, hw)
+    ref = mita_attention_reference(q, k, v, hw, pool, topk, r, p, shared, None, None, rb)
+    out = run_in_ort(MiTACall(hw, pool, topk, r, p, shared, table), (q, k, v),
+                     tmp_path / 'mita.onnx', formulation)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize('tile_size', [1, 4, 64])
+def test_tile_sizes_agree(tile_size, tmp_path):
+    # one slot per tile, a few, and one tile larger than any expert's queries
+    q, k, v, _ = case_inputs(1, 2, 8, (6, 7), 1, 3, False, seed=1)
+    ref = mita_attention_reference(q, k, v, (6, 7), (3, 2), 8, 1, 1)
+    out = run_in_ort(MiTACall((6, 7), (3, 2), 8), (q, k, v), tmp_path / 'm.onnx',
+                     tile_size=tile_size)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_route_only_all_keys_is_softmax_attention(tmp_path):
+    # route-only MiTA with k >= N: every query reads every key: softmax attention
+    q, k, v, _ = case_inputs(1, 2, 8, (5, 6), 1, 3, False, seed=2)
+    N = q.shape[2]
+    out = run_in_ort(MiTACall((5, 6), (2, 3), N, shared=False), (q, k, v),
+                     tmp_path / 'm.onnx')
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_route_only_all_keys_with_bias_is_beit_attention(tmp_path):
+    q, k, v, table = case_inputs(1, 2, 8, (4, 5), 1, 0, True, seed=3)
+    from mita_seg.ops.bias import dense_bias
+    dense = dense_bias(RelPosBias(table, (4, 5)))
+    out = run_in_ort(MiTACall((4, 5), (2, 2), q.shape[2], shared=False, table=table),
+                     (q, k, v), tmp_path / 'm.onnx')
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, dense[None]),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_pool_matrix_is_adaptive_avg_pool():
+    x = torch.randn(3, 7, 10, dtype=torch.float64)
+    P = torch.from_numpy(pool_matrix((7, 10), (3, 4))).double()
+    ref = F.adaptive_avg_pool2d(x, (3, 4)).flatten(1)
+    torch.testing.assert_close(x.flatten(1) @ P.T, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_unsupported_inputs_say_why():
+    # float16/bfloat16 inputs: the translation is float32
+    assert 'float32' in onnx_unsupported(torch.float16, (1, 2, 10, 8))[0]
+    # a symbolic shape: the tile counts are constants of N
+    assert 'static shapes' in onnx_unsupported(torch.float32, (1, 2, 's0', 8))[0]
+    assert onnx_unsupported(torch.float32, (1, 2, 10, 8)) == []
+    # an unknown formulation
+    with pytest.raises(OnnxExportError, match='formulation'):
+        mita_translation_table('dense')
+
+
+# ---------------------------------------------------------------------- export_onnx
+
+def random_checkpoint(config, path, **init):
+    """A checkpoint in the model zoo's format (``meta`` + ``state_dict``) of ``config``'s
+    model with seeded random weights."""
+    from mita_seg.apis import init_model
+    torch.manual_seed(0)
+    model = init_model(config, **init)
+    torch.save({'meta': {}, 'state_dict': model.state_dict()}, path)
+    return str(path)
+
+
+@pytest.fixture(scope='module')
+def tiny_ckpts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('onnx_ckpts')
+    return dict(segmenter=random_checkpoint(TINY_SEGMENTER, tmp / 'segmenter.pth'),
+                upernet=random_checkpoint(TINY_UPERNET, tmp / 'mita_upernet.pth'))
+
+
+def ort_vs_pytorch(path, config, ckpt, shape, mita_cfg=None, seed=5):
+    """ORT's logits of ``path`` against a PyTorch model built anew from the same files, on
+    another seeded input than the tool's own check."""
+    from mita_seg.apis import init_model
+    from mita_seg.apis.onnx_export import SegLogits
+    model = SegLogits(init_model(config, ckpt, mita_cfg=mita_cfg), shape).eval()
+    img = torch.randn(1, 3, *shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref = model(img)
+    sess = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    assert [i.name for i in sess.get_inputs()] == ['img']
+    out = torch.from_numpy(sess.run(['seg_logits'], {'img': img.numpy()})[0])
+    return out, ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('which,args,mita_cfg,mita_layers', [
+    ('segmenter', ['--swap-attn', 'mita', '--mita-cfg', 'pool_size=3', 'topk=12'],
+     dict(pool_size=3, topk=12), 6),
+    ('segmenter', [], None, 0),
+    ('upernet', [], None, 4),
+], ids=['swapped', 'unswapped', 'mita-trained'])
+def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools, tmp_path):
+    config = {'segmenter': TINY_SEGMENTER, 'upernet': TINY_UPERNET}[which]
+    out_file = tmp_path / 'model.onnx'
+    _, out = tools('tools/export_onnx.py', config, tiny_ckpts[which], '--out', out_file, *args)
+    assert f'wrote {out_file}' in out
+    assert (f'{mita_layers} MiTA attention layers' if mita_layers else 'no MiTA layer') in out
+    assert "input  'img'        float32 [1, 3, 128, 128]" in out
+    assert "output 'seg_logits' float32 [1, 150, 128, 128]" in out
+    assert 'classes agree on 100.00% of pixels' in out
+    assert os.listdir(tmp_path) == ['model.onnx']
+    got, ref = ort_vs_pytorch(str(out_file), config, tiny_ckpts[which], (128, 128), mita_cfg)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.slow
+def test_export_onnx_non_square_grid_smaller_than_pool(tiny_ckpts, tmp_path):
+    # a 5x6 patch grid with pool_size=7: the modules run pool 5x6 (clamped, with a warning)
+    from mita_seg.apis import export_onnx
+    out = str(tmp_path / 'small.onnx')
+    r = export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], out, shape=(40, 48),
+                    mita_cfg=dict(pool_size=7, topk=49))
+    assert r.ok and r.mita_layers == 6 and r.shape == (40, 48)
+    got, ref = ort_vs_pytorch(out, TINY_SEGMENTER, tiny_ckpts['segmenter'], (40, 48),
+                              dict(pool_size=7, topk=49))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
+    seg = tiny_ckpts['segmenter']
+    out = tmp_path / 'x.onnx'
+    # an argument wrong on its own: usage, exit 2
+    for args in (['--shape', '0', '64'], ['--opset', '17'],
+                 ['--swap-attn', 'none', '--mita-cfg', 'topk=4']):
+        code, text = tools('tools/export_onnx.py', TINY_SEGMENTER, seg, '--out', out, *args,
+                           check=False)
+        assert code == 2 and 'usage:' in text, (args, text)
+    # nothing to swap: one error line, exit 1
+    code, text = tools('tools/export_onnx.py', 'mmseg::segformer/segformer_mit-b0_8xb2-'
+                       '160k_ade20k-512x512.py', seg, '--out', out, '--swap-attn', 'mita',
+                       check=False)
+    assert code == 1 and 'error: swap_attention found no global attention' in text, text
+    assert 'Traceback' not in text
+    # a checkpoint that does not fit the model
+    code, text = tools('tools/export_onnx.py', TINY_UPERNET, seg, '--out', out, check=False)
+    assert code == 1 and 'error: ' in text and 'Traceback' not in text, text
+    # onnxruntime missing (a module that fails to import, first on the path)
+    shim = tmp_path / 'shim'
+    shim.mkdir()
+    (shim / 'onnxruntime.py').write_text('raise ImportError("no onnxruntime here")\n')
+    env = dict(tools.env, PYTHONPATH=f'{shim}{os.pathsep}' + tools.env.get('PYTHONPATH', ''))
+    code, text = tools('tools/export_onnx.py', TINY_SEGMENTER, seg, '--out', out,
+                       check=False, env=env)
+    assert code == 1 and 'error: ' in text and 'onnxruntime' in text, text
+    assert 'Traceback' not in text
+    # --out a directory
+    code, text = tools('tools/export_onnx.py', TINY_SEGMENTER, seg, '--out', tmp_path,
+                       check=False)
+    assert code == 1 and 'is a directory' in text, text
+    # nothing half-written anywhere
+    assert sorted(os.listdir(tmp_path)) == ['shim']
+
+
+@pytest.mark.slow
+def test_export_onnx_disagreement_leaves_nothing(tiny_ckpts, tmp_path, monkeypatch):
+    # a check that fails (tolerance 0 and a perturbed reference) writes nothing at --out
+    from mita_seg.apis import onnx_export
+    monkeypatch.setattr(onnx_export, 'ATOL', -1.0)
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError, match='disagrees'):
+        onnx_export.export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config,shape,args,ckpt_init', [
+    ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', 512,
+     ['--swap-attn', 'mita'], {}),
+    (TINY_BEIT, 256, ['--swap-attn', 'mita'], {}),
+], ids=['segmenter-vit-t-512', 'beit-tiny-256'])
+def test_export_onnx_tool_at_crop(config, shape, args, ckpt_init, tools, tmp_path):
+    from mita_seg.apis import load_config
+    cfg = load_config(config)
+    cfg.model.pop('pretrained', None)
+    cfg.model.backbone.init_cfg = None
+    ckpt = random_checkpoint(cfg, tmp_path / 'model.pth')
+    out_file = tmp_path / 'model.onnx'
+    _, out = tools('tools/export_onnx.py', config, ckpt, '--out', out_file, *args)
+    assert f'float32 [1, 3, {shape}, {shape}]' in out and 'MiTA attention layers' in out
+    got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {})
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.999

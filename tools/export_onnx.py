@@ -1,0 +1,86 @@
+"""Export a segmentor to ONNX, MiTA as standard ONNX operators, checked in ONNX Runtime.
+
+The graph takes the preprocessed image ``img`` ``[1, 3, H, W]`` float32 (normalized with the
+config's data preprocessor's mean/std, printed) and gives ``seg_logits`` ``[1, C, H, W]``,
+the logits at input resolution (the class map is their argmax over axis 1). The file is
+written only when ONNX Runtime's output on a seeded input agrees with PyTorch's within
+float32 rounding (:func:`mita_seg.apis.export_onnx`).
+
+Usage::
+
+    python tools/export_onnx.py CONFIG CHECKPOINT --out FILE.onnx [--shape H W]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--opset 18]
+        [--cfg-options key=value ...]
+
+CONFIG is a file or ``mmseg::<dir>/<name>.py``; ``--swap-attn mita`` (implied by
+``--mita-cfg``) puts a standard-attention model on MiTA before exporting; a MiTA config
+(``configs/mita_*.py``) is exported as it is; without either, a standard model is exported
+unswapped (the baseline).
+"""
+import argparse
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import DictAction  # noqa: E402
+
+from mita_seg.apis import (MIN_OPSET, add_mita_args, export_onnx, run_tool,  # noqa: E402
+                           swap_settings)
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Export a segmentor to ONNX (MiTA as '
+                                     'standard ONNX operators), checked in ONNX Runtime')
+    parser.add_argument('config', help="config file or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', help='checkpoint (loaded strictly, weights only)')
+    parser.add_argument('--out', required=True, help='the .onnx file to write')
+    parser.add_argument('--shape', type=positive_int, nargs=2, metavar=('H', 'W'),
+                        help='input height and width (default: the config\'s crop size)')
+    parser.add_argument('--opset', type=int, default=MIN_OPSET,
+                        help=f'ONNX opset, {MIN_OPSET} or later (default: {MIN_OPSET})')
+    add_mita_args(parser)
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value')
+    args = parser.parse_args(argv)
+    if args.opset < MIN_OPSET:
+        parser.error(f'--opset {args.opset}: MiTA\'s translation needs opset {MIN_OPSET} '
+                     'or later')
+    args.swap = swap_settings(parser, args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    r = export_onnx(args.config, args.checkpoint, args.out, args.shape, args.swap,
+                    args.opset, args.cfg_options)
+    import onnxruntime
+    h, w = r.shape
+    size = osp.getsize(r.path) / 2**20
+    what = (f'{r.mita_layers} MiTA attention layers as standard ONNX operators'
+            if r.mita_layers else 'no MiTA layer')
+    print(f'wrote {r.path} ({size:.1f} MiB, opset {args.opset}, {what})')
+    norm = (f'(img - mean) / std with mean {r.mean}, std {r.std}' if r.mean else
+            'as the config\'s data preprocessor does (no mean/std in the config)')
+    order = 'RGB (bgr_to_rgb=True)' if r.bgr_to_rgb else 'the image\'s own channel order'
+    print(f"input  'img'        float32 [1, 3, {h}, {w}]: {norm}, channels {order}")
+    print(f"output 'seg_logits' float32 [1, {r.num_classes}, {h}, {w}]: logits at input "
+          'resolution; the class map is ArgMax(seg_logits, axis=1)')
+    print(f'check in ONNX Runtime {onnxruntime.__version__} (seeded input): max |ORT - '
+          f'PyTorch| = {r.max_diff:.2g} (tolerance {r.tolerance:.2g}), classes agree on '
+          f'{100 * r.class_agreement:.2f}% of pixels')
+    return r
+
+
+if __name__ == '__main__':
+    run_tool(main)
