@@ -3,7 +3,8 @@
 Usage::
 
     python tools/get_flops.py CONFIG [--shape H [W]] [--image-shape H [W]]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--device {cpu,meta}]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--device {cpu,meta}]
         [--json OUT.json] [--sweep 512 1024 2048] [--plot OUT.png] [--cfg-options k=v ...]
 
 Like mmseg's ``tools/analysis_tools/get_flops.py`` (one crop, ``mode='tensor'``, auxiliary
@@ -26,7 +27,8 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mmengine.config import DictAction  # noqa: E402
 
 from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
-from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
+from mita_seg.analysis.segmentor_cost import (FlopComparison, SegmentorFlops,  # noqa: E402
+                                              default_shape)
 from mita_seg.apis import (add_mita_args, config_name, load_config, run_tool,  # noqa: E402
                            swap_settings)
 from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
@@ -63,12 +65,6 @@ def parse_args(argv=None):
                 parser.error(f'--{name.replace("_", "-")} takes one or two positive ints')
             setattr(args, name, tuple(value) * (3 - len(value)))
     return args
-
-
-def default_shape(cfg):
-    """The config's crop size (``crop_size``, else ``test_cfg.crop_size``), else 512x512."""
-    crop = cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
-    return tuple(crop) if crop else (512, 512)
 
 
 def sweep(counter: SegmentorFlops, sizes):
@@ -193,9 +189,13 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
 
 
 def mita_settings(counter: SegmentorFlops) -> str:
-    """The MiTA settings of the swapped model, as ``key=value`` pairs."""
+    """The MiTA settings of the swapped model, as ``key=value`` pairs (a plan: its file and
+    how many layers are dense)."""
     if counter.mita is None:
         return ''
+    plan = counter.mita_cfg.get('plan')
+    if plan is not None:
+        return f'{plan.what} ({plan.summary()})'
     attn = next(m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin))
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
 

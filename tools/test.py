@@ -5,12 +5,14 @@ Usage::
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out DIR] [--show-dir DIR]
         [--tta] [--cfg-options key=value ...] [--launcher {none,pytorch,slurm,mpi}]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--verbose]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--verbose]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``. ``--swap-attn mita`` (implied by
 ``--mita-cfg``) puts the attention of a standard mmseg ViT/DeiT/Segmenter model on MiTA
 (:func:`mita_seg.swap_attention`) before evaluation, or reconfigures a MiTA model (M and k
-can change at test time). The checkpoint must fit the model exactly and is loaded
+can change at test time); ``--mita-plan`` gives each attention layer its own setting (a
+swap plan, e.g. from ``tools/calibrate_swap.py``). The checkpoint must fit the model exactly and is loaded
 weights-only. The console leaves out the config dump and mmseg's per-class table (the log
 file keeps them; ``--verbose`` shows them). Multi-GPU / multi-node:
 ``tools/dist_test.sh CONFIG CHECKPOINT GPUS [ARGS]``.

@@ -7,10 +7,12 @@
 - ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
-  (:class:`StudySettings`);
+  (:class:`StudySettings`), :func:`calibrate_swap` (:class:`SwapCalibrator`: per-layer
+  settings for a FLOP budget, a :class:`~mita_seg.models.SwapPlan`);
 - :func:`run_tool`: user errors end a tool with a message, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
+from .calibrate import CalibrationError, SwapCalibrator, calibrate_swap
 from .cli import USER_ERRORS, run_tool
 from .config import config_name, load_config
 from .export import export_swapped, mita_config
@@ -25,5 +27,6 @@ __all__ = [
     'load_config', 'config_name', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
-    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS'
+    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'calibrate_swap', 'SwapCalibrator', 'CalibrationError'
 ]

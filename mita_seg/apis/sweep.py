@@ -1,6 +1,8 @@
 """Evaluate one standard-attention checkpoint unswapped and on MiTA with several (pool size,
-top-k) settings (``tools/swap_sweep.py``): mIoU and cost of each setting."""
+top-k) settings, and swap plans (per-layer settings) (``tools/swap_sweep.py``): mIoU and cost
+of each setting."""
 import itertools
+import os.path as osp
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -12,7 +14,7 @@ from mmengine.runner import Runner
 
 from mmseg.models.backbones.beit import BEiTAttention
 
-from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin
+from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, SwapPlan
 from mita_seg.ops import attention_flops, mita_flops
 from .model import swap_model
 
@@ -91,7 +93,8 @@ def swap_sweep(runner: Runner,
                mita_cfg: Optional[dict] = None,
                flops_images: int = 1,
                progress: Optional[Callable[[str], None]] = None,
-               measure: Optional[Callable[[nn.Module, dict], Dict]] = None) -> List[Dict]:
+               measure: Optional[Callable[[nn.Module, dict], Dict]] = None,
+               plans: Sequence[SwapPlan] = ()) -> List[Dict]:
     """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, then on
     MiTA with every ``(pool size, top-k)``.
 
@@ -106,6 +109,8 @@ def swap_sweep(runner: Runner,
         measure (Callable, optional): ``measure(model, batch)`` -> further columns of each
             row, measured on the model as evaluated (e.g. images/s) with the first test
             batch; its keys come after ``delta_mIoU``. Default: None.
+        plans (Sequence[SwapPlan]): swap plans (per-layer settings) evaluated after the
+            uniform settings, one row each (``M`` = ``'plan'``). Default: ().
 
     Returns:
         list[dict]: one row per setting, baseline first: ``setting, M, topk, mIoU, mAcc,
@@ -114,7 +119,7 @@ def swap_sweep(runner: Runner,
     """
     progress = progress or (lambda line: None)
     settings: List[Optional[Tuple[int, int]]] = [None]
-    settings += list(itertools.product(pool_sizes, topks))
+    settings += list(itertools.product(pool_sizes, topks)) + list(plans)
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     rows: List[Dict] = []
@@ -123,6 +128,9 @@ def swap_sweep(runner: Runner,
         if setting is None:
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
+        elif isinstance(setting, SwapPlan):
+            swap_model(model, dict(plan=setting), verbose=False)
+            label = f'plan {osp.basename(setting.source) or i}'
         else:
             pool, topk = setting
             swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
@@ -131,8 +139,10 @@ def swap_sweep(runner: Runner,
         progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
-        row = dict(setting=label, M=setting[0]**2 if setting else '',
-                   topk=setting[1] if setting else '', mIoU=float(metrics['mIoU']),
+        plan = isinstance(setting, SwapPlan)
+        row = dict(setting=label, M='plan' if plan else setting[0]**2 if setting else '',
+                   topk=setting[1] if setting and not plan else '',
+                   mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
                    attn_GMACs=attention_gmacs(model, batches),
                    model_GFLOPs=model_gflops(model, batches[0]))

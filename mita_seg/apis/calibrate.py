@@ -1,0 +1,439 @@
+"""A calibrated swap (``tools/calibrate_swap.py``): per-layer MiTA settings chosen for a FLOP
+budget from a few training images, with no retraining.
+
+1. Cost in FLOPs: the project's counter (:mod:`mita_seg.analysis`, one ``mode='tensor'``
+   forward of one crop at the config's crop size, as ``tools/get_flops.py`` counts) of the
+   dense model, and of the model with every layer on each candidate setting; a layer's cost
+   under a candidate is what its attention module counts. Layers add up exactly, so a plan's
+   FLOPs are ``dense + sum over layers (candidate - dense)``.
+2. Cost in accuracy: on ``images`` images drawn (by ``seed``) from the config's *training*
+   split through its *test* pipeline, the error each candidate of each layer causes in the
+   final segmentation logits with only that layer swapped, against the dense model: the mean
+   per-pixel ``KL(softmax(dense) || softmax(swapped))`` (the dense forward is run once and
+   kept). ``layers x candidates`` forwards over the images.
+3. The choice: the plan of least total error (the sum of the layers' errors) within the
+   budget, by a multiple-choice knapsack over layers (dynamic programming over the FLOPs
+   above the cheapest plan, cut into at most :data:`KNAPSACK_BINS` steps and rounded up, so
+   the plan found is always within the budget).
+
+:func:`calibrate_swap` does the three steps; :class:`SwapCalibrator` keeps steps 1-2 to
+choose plans at several budgets (:meth:`SwapCalibrator.plan`).
+"""
+import copy
+import math
+import os.path as osp
+import random
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mmengine.config import Config
+
+from mita_seg.models import MiTASettingsMixin, PlanError, SwapPlan, attention_layers
+from mita_seg.models.plan import setting_label
+from .config import load_config
+from .model import init_model, swap_model
+
+# candidates of every layer, by default: dense, pool 4/5/7 x k 16/49/100, with the shared
+# expert and route-only
+DEFAULT_CANDIDATES = ('dense', ) + tuple(
+    f'{p}:{k}{s}' for p in (4, 5, 7) for k in (16, 49, 100) for s in ('', ':route'))
+KNAPSACK_BINS = 4000
+METRIC = ('mean per-pixel KL(softmax(dense) || softmax(swapped)) of the segmentation logits, '
+          'with only that layer swapped')
+# the longest side of the logits the error is measured on (a strided subsample above it;
+# mmseg's logits are upsampled from the decode head's, so little is lost)
+ERROR_SIDE = 128
+
+
+class CalibrationError(PlanError):
+    """A calibration that cannot run or a budget no plan meets (the message says which and
+    what to give instead)."""
+
+
+def parse_candidate(text: str) -> Optional[Dict[str, Any]]:
+    """A candidate setting from its name: ``dense`` (None), ``P:K`` (pool ``P x P``, top-k
+    ``K``, shared expert) or ``P:K:route`` (route-only).
+
+    Raises:
+        ValueError: anything else (the message shows the forms).
+    """
+    if text == 'dense':
+        return None
+    parts = text.split(':')
+    ok = len(parts) in (2, 3) and all(p.isdigit() and int(p) >= 1 for p in parts[:2]) and (
+        len(parts) == 2 or parts[2] == 'route')
+    if not ok:
+        raise ValueError(f'candidate {text!r}: write dense, P:K (pool P x P, top-k K, shared '
+                         'expert) or P:K:route (route-only), e.g. 7:49 or 5:16:route')
+    return dict(pool_size=int(parts[0]), topk=int(parts[1]),
+                with_shared_expert=len(parts) == 2)
+
+
+def candidate_name(setting: Optional[Dict[str, Any]]) -> str:
+    """The name :func:`parse_candidate` reads back."""
+    if setting is None:
+        return 'dense'
+    route = '' if setting.get('with_shared_expert', True) else ':route'
+    return f'{setting["pool_size"]}:{setting["topk"]}{route}'
+
+
+def train_images(cfg: Config, count: int, seed: int = 0):
+    """``count`` images of the config's training split (drawn by ``seed``, in index order),
+    loaded through the config's *test* pipeline (no augmentation).
+
+    Returns:
+        tuple: ``(dataset, indices)``.
+
+    Raises:
+        CalibrationError: the training split has no images.
+    """
+    from mmseg.registry import DATASETS
+    ds_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
+    while 'dataset' in ds_cfg and 'pipeline' not in ds_cfg:  # RepeatDataset and the like
+        ds_cfg = ds_cfg.dataset
+    test_ds = cfg.get('test_dataloader', cfg.get('val_dataloader')).dataset
+    ds_cfg.pipeline = copy.deepcopy(test_ds.pipeline)
+    dataset = DATASETS.build(ds_cfg)
+    if len(dataset) == 0:
+        where = osp.join(ds_cfg.get('data_root', ''),
+                         ds_cfg.get('data_prefix', {}).get('img_path', ''))
+        raise CalibrationError(
+            f'the training split of the config ({where or ds_cfg.get("type")}) has no images: '
+            'calibration draws its images from the training split (never the evaluation '
+            'images); point train_dataloader.dataset at them (--cfg-options '
+            'train_dataloader.dataset.data_root=...)')
+    indices = sorted(random.Random(seed).sample(range(len(dataset)), min(count, len(dataset))))
+    return dataset, indices
+
+
+def _subsample(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` logits, strided so the longer side is at most :data:`ERROR_SIDE`."""
+    step = max(1, math.ceil(max(logits.shape[-2:]) / ERROR_SIDE))
+    return logits[..., ::step, ::step]
+
+
+def kl_error(dense_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-image mean over pixels of ``KL(p_dense || softmax(logits))`` (``[B]``)."""
+    logq = F.log_softmax(logits.float(), dim=1)
+    return (dense_logp.exp() * (dense_logp - logq)).sum(1).flatten(1).mean(1)
+
+
+def choose(costs: np.ndarray, flops: np.ndarray, capacity: int,
+           bins: int = KNAPSACK_BINS) -> List[int]:
+    """The multiple-choice knapsack: one candidate per layer, least total cost, FLOPs at
+    most ``capacity``.
+
+    Args:
+        costs (ndarray): ``[layers, candidates]`` errors (``inf``: not a choice).
+        flops (ndarray): ``[layers, candidates]`` int FLOPs (any offset per layer).
+        capacity (int): the budget over the per-layer minima (>= 0).
+        bins (int): the FLOPs axis is cut into at most this many steps; weights are rounded
+            up, so the choice is always within ``capacity`` (and optimal on the rounded
+            weights). Default: :data:`KNAPSACK_BINS`.
+
+    Returns:
+        list[int]: the chosen candidate of each layer (ties: the first).
+    """
+    L, _ = costs.shape
+    over = flops - flops.min(axis=1, keepdims=True)             # >= 0
+    unit = max(1, math.ceil(int(over.max(axis=1).sum()) / bins))
+    weight = -(-over // unit)                                    # rounded up
+    cap = int(min(capacity // unit, weight.max(axis=1).sum()))
+    best = np.zeros(cap + 1)                                     # layers so far, FLOPs <= b
+    picks = np.zeros((L, cap + 1), dtype=np.int64)
+    for layer in range(L):
+        new = np.full(cap + 1, np.inf)
+        for c in range(costs.shape[1]):
+            w = int(weight[layer, c])
+            if w > cap or not np.isfinite(costs[layer, c]):
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[w:] = best[:cap + 1 - w] + costs[layer, c]
+            better = cand < new
+            new[better], picks[layer, better] = cand[better], c
+        best = new
+    if not np.isfinite(best[cap]):
+        raise ValueError('no plan within the capacity')
+    out, b = [], cap
+    for layer in reversed(range(L)):
+        c = int(picks[layer, b])
+        out.append(c)
+        b -= int(weight[layer, c])
+    return out[::-1]
+
+
+class SwapCalibrator:
+    """Measures, for a standard-attention checkpoint, what each candidate setting of each
+    attention layer costs in FLOPs and in accuracy, and chooses plans for budgets.
+
+    Args:
+        config (str | Config): the model's config (file, ``mmseg::`` or a ``Config``).
+        checkpoint (str): its standard-attention checkpoint.
+        images (int): calibration images from the training split. Default: 16.
+        candidates (Sequence[str]): candidate settings (:func:`parse_candidate`); dense is
+            always one. Default: :data:`DEFAULT_CANDIDATES`.
+        seed (int): which training images. Default: 0.
+        cfg_options (dict, optional): ``--cfg-options``. Default: None.
+        batch_size (int): images per forward. Default: 4.
+        progress (Callable, optional): called with a line per step. Default: None.
+    """
+
+    def __init__(self, config, checkpoint: str, images: int = 16,
+                 candidates: Sequence[str] = DEFAULT_CANDIDATES, seed: int = 0,
+                 cfg_options: Optional[dict] = None, batch_size: int = 4,
+                 progress: Optional[Callable[[str], None]] = None):
+        if images < 1 or batch_size < 1:
+            raise ValueError(f'images and batch_size must be >= 1, got {images}, {batch_size}')
+        settings = [parse_candidate(c) for c in candidates]
+        self.candidates: List[Optional[dict]] = [None] + [
+            s for i, s in enumerate(settings) if s is not None and s not in settings[:i]]
+        self.config, self.checkpoint, self.seed = config, checkpoint, seed
+        self.num_images, self.batch_size = images, batch_size
+        self.progress = progress or (lambda line: None)
+        self.cfg = config if isinstance(config, Config) else load_config(config)
+        if cfg_options:
+            self.cfg.merge_from_dict(cfg_options)
+        self.model = init_model(copy.deepcopy(self.cfg), checkpoint)
+        self.layers = [name for name, _, _ in attention_layers(self.model)]
+        if not self.layers:
+            swap_model(self.model, {}, verbose=False)  # NothingToSwapError, listing them
+        built = [n for n in self.layers
+                 if isinstance(self.model.get_submodule(n), MiTASettingsMixin)]
+        if built:
+            raise CalibrationError(
+                f'{built[0]} is built on MiTA by the config: calibrate the standard-attention '
+                'config and checkpoint (a plan chooses dense or MiTA for every layer)')
+        self.shape = tuple(int(v) for v in _default_shape(self.cfg))
+        self._flops: Optional[np.ndarray] = None
+        self._errors: Optional[np.ndarray] = None
+        self.dense_flops = 0
+        self.seconds = 0.0
+        self.image_paths: List[str] = []
+
+    # -- step 1: FLOPs ------------------------------------------------------------------
+    def _plan(self, settings: Dict[str, Optional[dict]]) -> SwapPlan:
+        return SwapPlan({n: settings.get(n) for n in self.layers})
+
+    def flops(self) -> np.ndarray:
+        """``[layers, candidates]`` FLOPs of each layer's attention module (counted once)."""
+        if self._flops is not None:
+            return self._flops
+        from mita_seg.analysis.flop_handles import flop_analyzer
+        from mita_seg.analysis.segmentor_cost import decode_head_called_as_module, test_inputs
+        t0 = time.time()
+        model = copy.deepcopy(self.model)
+        if getattr(model, 'auxiliary_head', None) is not None:
+            model.auxiliary_head = None                 # as tools/get_flops.py counts
+        x = test_inputs(model.data_preprocessor, self.shape)
+        out = np.zeros((len(self.layers), len(self.candidates)), dtype=np.int64)
+        for c, setting in enumerate(self.candidates):
+            swap_model(model, dict(plan=SwapPlan.uniform(self.layers, setting)), verbose=False)
+            with torch.no_grad(), decode_head_called_as_module(model):
+                analyzer = flop_analyzer(model, (x, ))
+                by_module = analyzer.by_module()
+                if setting is None:
+                    self.dense_flops = int(analyzer.total())
+            out[:, c] = [int(by_module[n]) for n in self.layers]
+        self._flops = out
+        self.seconds += time.time() - t0
+        self.progress(f'FLOPs of {len(self.candidates)} candidates x {len(self.layers)} '
+                      f'layers counted at {self.shape[0]}x{self.shape[1]}: dense '
+                      f'{self.dense_flops / 1e9:.4g} GFLOPs, cheapest plan '
+                      f'{self.cheapest_flops() / 1e9:.4g} ({time.time() - t0:.0f}s)')
+        return out
+
+    def plan_flops(self, choice: Sequence[int]) -> int:
+        """FLOPs of the plan that puts layer ``i`` on candidate ``choice[i]``."""
+        f = self.flops()
+        return self.dense_flops + int(sum(f[i, c] - f[i, 0] for i, c in enumerate(choice)))
+
+    def cheapest_flops(self) -> int:
+        """FLOPs of the cheapest plan of the candidates."""
+        f = self.flops()
+        return self.plan_flops([int(np.argmin(f[i])) for i in range(len(self.layers))])
+
+    def uniform_gflops(self, candidate: str) -> float:
+        """GFLOPs of every layer on ``candidate`` (e.g. ``'7:49'``), as a budget to match."""
+        setting = parse_candidate(candidate)
+        if setting not in self.candidates:
+            raise ValueError(f'{candidate!r} is not one of the candidates '
+                             f'{self.candidate_names}')
+        c = self.candidates.index(setting)
+        return self.plan_flops([c] * len(self.layers)) / 1e9
+
+    @property
+    def candidate_names(self) -> List[str]:
+        return [candidate_name(s) for s in self.candidates]
+
+    def budget(self, reduction: Optional[float] = None,
+               budget_gflops: Optional[float] = None) -> int:
+        """The budget in FLOPs: ``(1 - reduction)`` x dense, or ``budget_gflops``.
+
+        Raises:
+            ValueError: neither or both given, or a reduction outside [0, 1).
+            CalibrationError: a budget above the dense model's cost or below the cheapest
+                plan's.
+        """
+        if (reduction is None) == (budget_gflops is None):
+            raise ValueError('give one of reduction and budget_gflops')
+        self.flops()
+        dense, cheapest = self.dense_flops, self.cheapest_flops()
+        if reduction is not None:
+            if not 0 <= reduction < 1:
+                raise ValueError(f'reduction must be in [0, 1), got {reduction}')
+            budget, asked = int(dense * (1 - reduction)), f'reduction {reduction:g}'
+        else:
+            budget, asked = int(budget_gflops * 1e9), f'budget {budget_gflops:g} GFLOPs'
+        at = f'at {self.shape[0]}x{self.shape[1]}'
+        if budget > dense:
+            raise CalibrationError(
+                f'{asked} is above the dense model\'s cost ({dense / 1e9:.4g} GFLOPs {at}): '
+                'a plan cannot cost more than dense attention; give at most that')
+        if budget < cheapest:
+            raise CalibrationError(
+                f'{asked} is below the cheapest plan of the candidates ({cheapest / 1e9:.4g} '
+                f'GFLOPs {at}, {100 * (1 - cheapest / dense):.1f}% below dense): give at least '
+                'that, or add cheaper --candidates')
+        return budget
+
+    # -- step 2: errors -----------------------------------------------------------------
+    def _batches(self) -> List[Tuple[torch.Tensor, List[dict]]]:
+        from mmengine.dataset import pseudo_collate
+        dataset, indices = train_images(self.cfg, self.num_images, self.seed)
+        self.image_paths = [dataset.get_data_info(i)['img_path'] for i in indices]
+        items = [dataset[i] for i in indices]
+        by_shape: Dict[tuple, list] = {}
+        for item in items:                          # batches of images of one shape
+            by_shape.setdefault(tuple(item['inputs'].shape), []).append(item)
+        batches = []
+        for group in by_shape.values():
+            for s in range(0, len(group), self.batch_size):
+                data = self.model.data_preprocessor(
+                    pseudo_collate(group[s:s + self.batch_size]), False)
+                batches.append((data['inputs'],
+                                [d.metainfo for d in data['data_samples']]))
+        return batches
+
+    def _logits(self, batches) -> List[torch.Tensor]:
+        with torch.no_grad():
+            return [_subsample(self.model.inference(x, metas)) for x, metas in batches]
+
+    def errors(self) -> np.ndarray:
+        """``[layers, candidates]`` errors (:data:`METRIC`), measured once."""
+        if self._errors is not None:
+            return self._errors
+        t0 = time.time()
+        torch.manual_seed(self.seed)
+        batches = self._batches()
+        n = sum(len(m) for _, m in batches)
+        dense = [F.log_softmax(x.float(), dim=1) for x in self._logits(batches)]
+        out = np.zeros((len(self.layers), len(self.candidates)))
+        todo = len(self.layers) * (len(self.candidates) - 1)
+        self.progress(f'errors: {len(self.layers)} layers x {len(self.candidates) - 1} '
+                      f'candidates on {n} training images ({todo * n} image forwards)')
+        for i, name in enumerate(self.layers):
+            for c, setting in enumerate(self.candidates):
+                if setting is None:
+                    continue
+                swap_model(self.model, dict(plan=self._plan({name: setting})), verbose=False)
+                err = sum(float(kl_error(d, x).sum())
+                          for d, x in zip(dense, self._logits(batches)))
+                out[i, c] = err / n
+            swap_model(self.model, dict(plan=self._plan({})), verbose=False)  # dense again
+            spent = time.time() - t0
+            left = spent / (i + 1) * (len(self.layers) - i - 1)
+            row = out[i, 1:]
+            self.progress(f'layer {i + 1}/{len(self.layers)} {name}: error {row.min():.3g}'
+                          f'-{row.max():.3g} ({spent:.0f}s elapsed, ~{left:.0f}s left)')
+        self._errors = out
+        self.seconds += time.time() - t0
+        return out
+
+    # -- step 3: the choice -------------------------------------------------------------
+    def plan(self, reduction: Optional[float] = None,
+             budget_gflops: Optional[float] = None) -> SwapPlan:
+        """The plan of least total error within the budget (give one of ``reduction`` and
+        ``budget_gflops``).
+
+        Raises:
+            CalibrationError: a budget no plan meets (:meth:`budget`).
+        """
+        budget = self.budget(reduction, budget_gflops)
+        flops, errors = self.flops(), self.errors()
+        cheapest = self.cheapest_flops()
+        choice = choose(errors, flops, budget - cheapest)
+        total = self.plan_flops(choice)
+        assert total <= budget, (total, budget)
+        layers = {n: self.candidates[c] for n, c in zip(self.layers, choice)}
+        layer_info = {n: dict(error=float(errors[i, c]), gflops=float(flops[i, c]) / 1e9,
+                              dense_gflops=float(flops[i, 0]) / 1e9)
+                      for i, (n, c) in enumerate(zip(self.layers, choice))}
+        dense = self.dense_flops
+        info = dict(
+            model=dict(config=str(self.config) if not isinstance(self.config, Config) else
+                       getattr(self.config, 'filename', None), checkpoint=str(self.checkpoint),
+                       attention_layers=len(self.layers)),
+            budget=dict(gflops=budget / 1e9, reduction=reduction,
+                        counted=f'one {self.shape[0]}x{self.shape[1]} crop, mode=tensor, '
+                        'auxiliary head removed (tools/get_flops.py)'),
+            flops=dict(plan_gflops=total / 1e9, dense_gflops=dense / 1e9,
+                       cheapest_gflops=cheapest / 1e9,
+                       reduction_percent=100.0 * (1 - total / dense)),
+            calibration=dict(split='train', images=self.image_paths, seed=self.seed,
+                             metric=METRIC, predicted_error=float(sum(
+                                 errors[i, c] for i, c in enumerate(choice))),
+                             candidates=self.candidate_names,
+                             image_forwards=len(self.image_paths) * (
+                                 1 + len(self.layers) * (len(self.candidates) - 1)),
+                             seconds=round(self.seconds, 1)),
+            layer_info=layer_info)
+        return SwapPlan(layers, info)
+
+
+def _default_shape(cfg: Config) -> Tuple[int, int]:
+    from mita_seg.analysis.segmentor_cost import default_shape
+    return default_shape(cfg)
+
+
+def calibrate_swap(config,
+                   checkpoint: str,
+                   reduction: Optional[float] = None,
+                   budget_gflops: Optional[float] = None,
+                   images: int = 16,
+                   candidates: Sequence[str] = DEFAULT_CANDIDATES,
+                   seed: int = 0,
+                   cfg_options: Optional[dict] = None,
+                   progress: Optional[Callable[[str], None]] = None) -> SwapPlan:
+    """A swap plan for ``checkpoint``: per-layer MiTA settings (dense allowed) of least
+    calibration error within a FLOP budget (the module's docstring says how).
+
+    Args:
+        config (str | Config): the standard-attention model's config.
+        checkpoint (str): its checkpoint.
+        reduction (float, optional): the budget as a fraction of the dense FLOPs saved
+            (0.4: at most 60% of dense).
+        budget_gflops (float, optional): the budget in GFLOPs (one crop at the config's crop
+            size, as ``tools/get_flops.py`` counts).
+        images (int): calibration images from the training split. Default: 16.
+        candidates (Sequence[str]): candidate settings (``dense``, ``P:K``,
+            ``P:K:route``). Default: :data:`DEFAULT_CANDIDATES`.
+        seed (int): which training images. Default: 0.
+        cfg_options (dict, optional): ``--cfg-options``. Default: None.
+        progress (Callable, optional): called with a line per step. Default: None.
+
+    Returns:
+        SwapPlan: the plan; ``plan.save(path)`` writes it (``--mita-plan``), with the budget,
+        the FLOPs it reaches, the calibration images and each layer's choice and error.
+
+    Raises:
+        CalibrationError: no training images, or a budget above dense or below the
+            cheapest plan (checked before the errors are measured).
+    """
+    cal = SwapCalibrator(config, checkpoint, images, candidates, seed, cfg_options,
+                         progress=progress)
+    cal.budget(reduction, budget_gflops)          # a bad budget fails before the long part
+    return cal.plan(reduction, budget_gflops)
