@@ -167,13 +167,20 @@ def test_plan_for_another_model(segmenter_ckpt):
         swap_attention(model, plan=SwapPlan.from_dict(plan_dict(MIXED)), topk=3)
 
 
-def test_dense_for_a_layer_built_on_mita():
+def test_dense_in_a_mita_config():
     from mita_seg.analysis.segmentor_cost import build_segmentor
+    from mita_seg.models import use_dense
+    # a MiTA backbone builds mmseg's layers, then swaps them: dense puts them back
     model = build_segmentor(Config.fromfile(TINY_MITA))        # MiTAVisionTransformer
     names = [n for n, _, _ in attention_layers(model)]
-    with pytest.raises(PlanError, match='puts backbone.layers.0.attn on dense attention: '
-                       'layer 0 of MiTAVisionTransformer was built on MiTA'):
-        swap_attention(model, plan=SwapPlan.uniform(names, None))
+    assert swap_attention(model, plan=SwapPlan.uniform(names, None)) == 0
+    assert not any(isinstance(m, MiTAAttention) for m in model.modules())
+    # a MiTAAttention built as such has no standard attention to go back to
+    owner = torch.nn.Module()
+    owner.layers = torch.nn.ModuleList([torch.nn.Module()])
+    owner.layers[0].attn = MiTAAttention(64, 2)
+    with pytest.raises(ValueError, match='layer 0 of Module was built on MiTA, not swapped'):
+        use_dense(owner, [0])
 
 
 # -- --mita-plan ----------------------------------------------------------------------------

@@ -34,8 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.config import Config
 
-from mita_seg.models import MiTASettingsMixin, PlanError, SwapPlan, attention_layers
-from mita_seg.models.plan import setting_label
+from mita_seg.models import PlanError, SwapPlan, attention_layers
 from .config import load_config
 from .model import init_model, swap_model
 
@@ -217,12 +216,6 @@ class SwapCalibrator:
         self.layers = [name for name, _, _ in attention_layers(self.model)]
         if not self.layers:
             swap_model(self.model, {}, verbose=False)  # NothingToSwapError, listing them
-        built = [n for n in self.layers
-                 if isinstance(self.model.get_submodule(n), MiTASettingsMixin)]
-        if built:
-            raise CalibrationError(
-                f'{built[0]} is built on MiTA by the config: calibrate the standard-attention '
-                'config and checkpoint (a plan chooses dense or MiTA for every layer)')
         self.shape = tuple(int(v) for v in _default_shape(self.cfg))
         self._flops: Optional[np.ndarray] = None
         self._errors: Optional[np.ndarray] = None

@@ -375,8 +375,9 @@ def use_dense(owner: nn.Module, layer_ids: Iterable[int]) -> int:
         int: the number of layers put back.
 
     Raises:
-        ValueError: a layer built on MiTA (by a MiTA config: it has no standard attention
-            to go back to).
+        ValueError: a MiTA module built as such, not by :func:`use_mita` (it has no
+            standard attention to go back to; MiTA backbones and heads built from configs
+            go through :func:`use_mita`, so their layers can).
     """
     done = 0
     for i in layer_ids:
@@ -385,9 +386,9 @@ def use_dense(owner: nn.Module, layer_ids: Iterable[int]) -> int:
             continue
         if _DENSE_ORIGINAL not in attn.__dict__:
             raise ValueError(
-                f'layer {i} of {type(owner).__name__} was built on MiTA (a MiTA config): it '
-                'has no standard attention to put back; start from the standard-attention '
-                'config to make it dense')
+                f'layer {i} of {type(owner).__name__} was built on MiTA, not swapped: it has '
+                'no standard attention to put back; start from a standard-attention model to '
+                'make it dense')
         old, old_cls = attn.__dict__.pop(_DENSE_ORIGINAL)
         if old is attn:            # converted in place (BEiT/MAE): restore the class
             old.__class__ = old_cls
