@@ -107,14 +107,16 @@ def test_calibration_is_deterministic(calibrated, segmenter_ckpt):
     config, ckpt = segmenter_ckpt
     # again, running every layer instead of replaying the dense ones before the swapped one:
     # the same errors, bit for bit
-    again = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES, seed=0, replay=False)
-    np.testing.assert_array_equal(again.errors(), calibrated.errors())
-    np.testing.assert_array_equal(again.flops(), calibrated.flops())
+    again = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES[:2], seed=0,
+                           replay=False)
+    np.testing.assert_array_equal(again.errors(), calibrated.errors()[:, :2])
+    np.testing.assert_array_equal(again.flops(), calibrated.flops()[:, :2])
     assert again.image_paths == calibrated.image_paths
-    a, b = again.plan(reduction=0.2).to_dict(), calibrated.plan(reduction=0.2).to_dict()
+    twice = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES[:2], seed=0)
+    a, b = again.plan(reduction=0.05).to_dict(), twice.plan(reduction=0.05).to_dict()
+    assert a == b and any(layer['setting'] != 'dense' for layer in a['layers'])
     for d in (a, b):
         d['calibration'].pop('seconds')
-    assert a == b
     other = SwapCalibrator(config, ckpt, images=4, candidates=['dense', '2:8'], seed=1)
     other._batches()
     assert other.image_paths != calibrated.image_paths

@@ -15,8 +15,9 @@ budget from a few training images, with no retraining.
    only the rest. ``layers x candidates`` forwards over the images.
 3. The choice: the plan of least total error (the sum of the layers' errors) within the
    budget, by a multiple-choice knapsack over layers (dynamic programming over the FLOPs
-   above the cheapest plan, cut into at most :data:`KNAPSACK_BINS` steps and rounded up, so
-   the plan found is always within the budget).
+   above the cheapest plan, cut into at most :data:`KNAPSACK_BINS` steps: exact when the
+   rounded-down relaxation fits, else rounded up, always within the budget; :func:`choose`),
+   and never worse than a uniform setting of the candidates within the budget.
 
 :func:`calibrate_swap` does the three steps; :class:`SwapCalibrator` keeps steps 1-2 to
 choose plans at several budgets (:meth:`SwapCalibrator.plan`).
@@ -110,6 +111,7 @@ def train_images(cfg: Config, count: int, seed: int = 0):
         ds_cfg = ds_cfg.dataset
     test_ds = cfg.get('test_dataloader', cfg.get('val_dataloader')).dataset
     ds_cfg.pipeline = copy.deepcopy(test_ds.pipeline)
+    ds_cfg.serialize_data = False                     # a few images; and none is an error
     dataset = DATASETS.build(ds_cfg)
     if len(dataset) == 0:
         where = osp.join(ds_cfg.get('data_root', ''),
@@ -140,22 +142,32 @@ def choose(costs: np.ndarray, flops: np.ndarray, capacity: int,
     """The multiple-choice knapsack: one candidate per layer, least total cost, FLOPs at
     most ``capacity``.
 
+    The FLOPs axis is cut into at most ``bins`` steps. Solved twice: with the weights
+    rounded down (a relaxation: its optimum costs at most the true one, so when it fits
+    ``capacity`` exactly it is the true optimum) and, when that one does not fit, rounded up
+    (always fits; optimal on the rounded weights, within one step per layer of the true one).
+
     Args:
         costs (ndarray): ``[layers, candidates]`` errors (``inf``: not a choice).
         flops (ndarray): ``[layers, candidates]`` int FLOPs (any offset per layer).
         capacity (int): the budget over the per-layer minima (>= 0).
-        bins (int): the FLOPs axis is cut into at most this many steps; weights are rounded
-            up, so the choice is always within ``capacity`` (and optimal on the rounded
-            weights). Default: :data:`KNAPSACK_BINS`.
+        bins (int): steps of the FLOPs axis. Default: :data:`KNAPSACK_BINS`.
 
     Returns:
         list[int]: the chosen candidate of each layer (ties: the first).
     """
-    L, _ = costs.shape
     over = flops - flops.min(axis=1, keepdims=True)             # >= 0
     unit = max(1, math.ceil(int(over.max(axis=1).sum()) / bins))
-    weight = -(-over // unit)                                    # rounded up
-    cap = int(min(capacity // unit, weight.max(axis=1).sum()))
+    relaxed = _knapsack(costs, over // unit, capacity // unit)
+    if sum(int(over[i, c]) for i, c in enumerate(relaxed)) <= capacity:
+        return relaxed
+    return _knapsack(costs, -(-over // unit), capacity // unit)
+
+
+def _knapsack(costs: np.ndarray, weight: np.ndarray, capacity: int) -> List[int]:
+    """:func:`choose` on integer weights: DP over ``0..capacity``."""
+    L, _ = costs.shape
+    cap = int(min(capacity, weight.max(axis=1).sum()))
     best = np.zeros(cap + 1)                                     # layers so far, FLOPs <= b
     picks = np.zeros((L, cap + 1), dtype=np.int64)
     for layer in range(L):
@@ -296,7 +308,7 @@ class SwapCalibrator:
                 raise ValueError(f'reduction must be in [0, 1), got {reduction}')
             budget, asked = int(dense * (1 - reduction)), f'reduction {reduction:g}'
         else:
-            budget, asked = int(budget_gflops * 1e9), f'budget {budget_gflops:g} GFLOPs'
+            budget, asked = round(budget_gflops * 1e9), f'budget {budget_gflops:g} GFLOPs'
         at = f'at {self.shape[0]}x{self.shape[1]}'
         if budget > dense:
             raise CalibrationError(
@@ -399,7 +411,7 @@ class SwapCalibrator:
                 finally:
                     for ((o, j), _), layer in zip(replays, layers):
                         o.layers[j] = layer
-                out[i, c] = err / n
+                out[i, c] = max(err / n, 0.0)   # KL >= 0 (rounding can dip below)
             swap_model(self.model, dict(plan=self._plan({})), verbose=False)  # dense again
             spent = time.time() - t0
             left = spent / (i + 1) * (len(self.layers) - i - 1)
@@ -422,7 +434,16 @@ class SwapCalibrator:
         budget = self.budget(reduction, budget_gflops)
         flops, errors = self.flops(), self.errors()
         cheapest = self.cheapest_flops()
-        choice = choose(errors, flops, budget - cheapest)
+        if budget >= self.dense_flops:      # errors are >= 0: dense everywhere is the best
+            choice = [0] * len(self.layers)
+        else:
+            choice = choose(errors, flops, budget - cheapest)
+            # never worse than a uniform setting within the budget (the knapsack's rounding)
+            total = lambda ch: sum(errors[i, c] for i, c in enumerate(ch))  # noqa: E731
+            for c in range(len(self.candidates)):
+                uniform = [c] * len(self.layers)
+                if self.plan_flops(uniform) <= budget and total(uniform) < total(choice):
+                    choice = uniform
         total = self.plan_flops(choice)
         assert total <= budget, (total, budget)
         layers = {n: self.candidates[c] for n, c in zip(self.layers, choice)}
