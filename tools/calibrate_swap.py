@@ -3,7 +3,8 @@ for a checkpoint trained with standard attention, with no retraining.
 
 Usage::
 
-    python tools/calibrate_swap.py CONFIG CHECKPOINT (--reduction 0.4 | --budget-gflops G)
+    python tools/calibrate_swap.py CONFIG CHECKPOINT
+        (--reduction 0.4 | --budget-gflops G | --budget-uniform 7:49)
         --out PLAN.json [--images 16] [--candidates dense 7:49 5:16:route ...] [--seed 0]
         [--cfg-options key=value ...]
 
@@ -52,6 +53,9 @@ def parse_args(argv=None):
     budget.add_argument('--budget-gflops', type=float,
                         help='the plan\'s FLOPs at most this (GFLOPs of one crop at the '
                         'config\'s crop size, as tools/get_flops.py counts)')
+    budget.add_argument('--budget-uniform', type=candidate, metavar='P:K[:route]',
+                        help='the FLOPs of every layer on this setting, e.g. 7:49 (one of '
+                        'the candidates): the plan for the cost of that uniform swap')
     parser.add_argument('--out', required=True, help='the plan file to write (JSON)')
     parser.add_argument('--images', type=int, default=16,
                         help='calibration images from the training split (default: 16)')
@@ -82,9 +86,13 @@ def format_plan(plan) -> str:
         lines.append(f'{name:<{width}}{setting_label(setting):<24}{li["error"]:12.4g}'
                      f'{li["gflops"]:10.4g}')
     f, b, c = info['flops'], info['budget'], info['calibration']
-    lines.append(f'plan: {f["plan_gflops"]:.4g} GFLOPs ({f["reduction_percent"]:.1f}% below dense '
-                 f'{f["dense_gflops"]:.4g}; budget {b["gflops"]:.4g}; {b["counted"]}), '
-                 f'{plan.summary()}, predicted error {c["predicted_error"]:.4g}')
+    asked = f' (uniform {b["uniform"]})' if b.get('uniform') else ''
+    lines.append(f'plan: {f["plan_gflops"]:.4g} GFLOPs, {f["reduction_percent"]:.1f}% below dense '
+                 f'{f["dense_gflops"]:.4g} (budget {b["gflops"]:.4g}{asked}; {b["counted"]})')
+    against = (f', uniform {b["uniform"]}: {b["uniform_predicted_error"]:.4g}'
+               if b.get('uniform') else '')
+    lines.append(f'{plan.summary()}; predicted error {c["predicted_error"]:.4g}{against} (sum '
+                 'of the layers\' errors)')
     lines.append(f'calibration: {len(c["images"])} training images, {len(c["candidates"])} '
                  f'candidates, {c["image_forwards"]} image forwards, {c["seconds"]:.0f}s')
     return '\n'.join(lines)
@@ -95,7 +103,8 @@ def main(argv=None):
     plan = calibrate_swap(
         args.config, args.checkpoint, args.reduction, args.budget_gflops, args.images,
         args.candidates, args.seed, args.cfg_options,
-        progress=lambda line: print(f'[calibrate_swap] {line}', file=sys.stderr, flush=True))
+        progress=lambda line: print(f'[calibrate_swap] {line}', file=sys.stderr, flush=True),
+        budget_uniform=args.budget_uniform)
     plan.info['model']['config'] = str(args.config)
     plan.save(args.out)
     plan.source = args.out

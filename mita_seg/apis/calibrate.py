@@ -279,29 +279,36 @@ class SwapCalibrator:
 
     def uniform_gflops(self, candidate: str) -> float:
         """GFLOPs of every layer on ``candidate`` (e.g. ``'7:49'``), as a budget to match."""
+        return self._uniform_flops(candidate) / 1e9
+
+    def _uniform_flops(self, candidate: str) -> int:
         setting = parse_candidate(candidate)
         if setting not in self.candidates:
-            raise ValueError(f'{candidate!r} is not one of the candidates '
-                             f'{self.candidate_names}')
+            raise CalibrationError(f'{candidate!r} is not one of the candidates '
+                                   f'({" ".join(self.candidate_names)}): add it to them')
         c = self.candidates.index(setting)
-        return self.plan_flops([c] * len(self.layers)) / 1e9
+        return self.plan_flops([c] * len(self.layers))
 
     @property
     def candidate_names(self) -> List[str]:
         return [candidate_name(s) for s in self.candidates]
 
     def budget(self, reduction: Optional[float] = None,
-               budget_gflops: Optional[float] = None) -> int:
-        """The budget in FLOPs: ``(1 - reduction)`` x dense, or ``budget_gflops``.
+               budget_gflops: Optional[float] = None,
+               budget_uniform: Optional[str] = None) -> int:
+        """The budget in FLOPs: ``(1 - reduction)`` x dense, ``budget_gflops``, or the
+        FLOPs of every layer on the setting ``budget_uniform`` (e.g. ``'7:49'``).
 
         Raises:
-            ValueError: neither or both given, or a reduction outside [0, 1).
+            ValueError: not exactly one given, or a reduction outside [0, 1).
             CalibrationError: a budget above the dense model's cost or below the cheapest
                 plan's.
         """
-        if (reduction is None) == (budget_gflops is None):
-            raise ValueError('give one of reduction and budget_gflops')
+        if sum(v is not None for v in (reduction, budget_gflops, budget_uniform)) != 1:
+            raise ValueError('give one of reduction, budget_gflops and budget_uniform')
         self.flops()
+        if budget_uniform is not None:
+            return self._uniform_flops(budget_uniform)
         dense, cheapest = self.dense_flops, self.cheapest_flops()
         if reduction is not None:
             if not 0 <= reduction < 1:
@@ -424,14 +431,15 @@ class SwapCalibrator:
 
     # -- step 3: the choice -------------------------------------------------------------
     def plan(self, reduction: Optional[float] = None,
-             budget_gflops: Optional[float] = None) -> SwapPlan:
-        """The plan of least total error within the budget (give one of ``reduction`` and
-        ``budget_gflops``).
+             budget_gflops: Optional[float] = None,
+             budget_uniform: Optional[str] = None) -> SwapPlan:
+        """The plan of least total error within the budget (give one of ``reduction``,
+        ``budget_gflops`` and ``budget_uniform``: :meth:`budget`).
 
         Raises:
             CalibrationError: a budget no plan meets (:meth:`budget`).
         """
-        budget = self.budget(reduction, budget_gflops)
+        budget = self.budget(reduction, budget_gflops, budget_uniform)
         flops, errors = self.flops(), self.errors()
         cheapest = self.cheapest_flops()
         if budget >= self.dense_flops:      # errors are >= 0: dense everywhere is the best
@@ -451,11 +459,16 @@ class SwapCalibrator:
                               dense_gflops=float(flops[i, 0]) / 1e9)
                       for i, (n, c) in enumerate(zip(self.layers, choice))}
         dense = self.dense_flops
+        if budget_uniform is not None:   # what the uniform swap of the same FLOPs would err
+            c = self.candidates.index(parse_candidate(budget_uniform))
+            uniform_error = float(errors[:, c].sum())
         info = dict(
             model=dict(config=str(self.config) if not isinstance(self.config, Config) else
                        getattr(self.config, 'filename', None), checkpoint=str(self.checkpoint),
                        attention_layers=len(self.layers)),
-            budget=dict(gflops=budget / 1e9, reduction=reduction,
+            budget=dict(gflops=budget / 1e9, reduction=reduction, uniform=budget_uniform,
+                        **({} if budget_uniform is None else dict(
+                            uniform_predicted_error=uniform_error)),
                         counted=f'one {self.shape[0]}x{self.shape[1]} crop, mode=tensor, '
                         'auxiliary head removed (tools/get_flops.py)'),
             flops=dict(plan_gflops=total / 1e9, dense_gflops=dense / 1e9,
@@ -485,7 +498,8 @@ def calibrate_swap(config,
                    candidates: Sequence[str] = DEFAULT_CANDIDATES,
                    seed: int = 0,
                    cfg_options: Optional[dict] = None,
-                   progress: Optional[Callable[[str], None]] = None) -> SwapPlan:
+                   progress: Optional[Callable[[str], None]] = None,
+                   budget_uniform: Optional[str] = None) -> SwapPlan:
     """A swap plan for ``checkpoint``: per-layer MiTA settings (dense allowed) of least
     calibration error within a FLOP budget (the module's docstring says how).
 
@@ -502,6 +516,8 @@ def calibrate_swap(config,
         seed (int): which training images. Default: 0.
         cfg_options (dict, optional): ``--cfg-options``. Default: None.
         progress (Callable, optional): called with a line per step. Default: None.
+        budget_uniform (str, optional): the budget as the FLOPs of every layer on this
+            candidate (e.g. ``'7:49'``: a plan for the FLOPs of uniform M = k = 49).
 
     Returns:
         SwapPlan: the plan; ``plan.save(path)`` writes it (``--mita-plan``), with the budget,
@@ -513,5 +529,5 @@ def calibrate_swap(config,
     """
     cal = SwapCalibrator(config, checkpoint, images, candidates, seed, cfg_options,
                          progress=progress)
-    cal.budget(reduction, budget_gflops)          # a bad budget fails before the long part
-    return cal.plan(reduction, budget_gflops)
+    cal.budget(reduction, budget_gflops, budget_uniform)  # a bad budget fails before the long part
+    return cal.plan(reduction, budget_gflops, budget_uniform)
