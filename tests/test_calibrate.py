@@ -137,8 +137,12 @@ def test_bad_budgets(calibrated):
         cal.plan(reduction=0.99)
     with pytest.raises(CalibrationError, match='below the cheapest'):
         cal.plan(budget_gflops=cheapest * 0.99)
-    with pytest.raises(ValueError, match='give one of reduction and budget_gflops'):
+    with pytest.raises(ValueError, match='give one of reduction, budget_gflops and '
+                       'budget_uniform'):
         cal.plan()
+    # the FLOPs of a uniform setting that is not a candidate
+    with pytest.raises(CalibrationError, match="'7:49' is not one of the candidates"):
+        cal.plan(budget_uniform='7:49')
 
 
 def test_empty_training_split(segmenter_ckpt, tmp_path):
