@@ -26,7 +26,7 @@ from mmengine.config import ConfigDict, DictAction  # noqa: E402
 
 from mita_seg.analysis.token_selection import (plot_selection_overlay,  # noqa: E402
                                                record_image)
-from mita_seg.apis import add_mita_args, init_model, run_tool  # noqa: E402
+from mita_seg.apis import add_mita_args, init_model, run_tool, swap_settings  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -42,6 +42,7 @@ def parse_args(argv=None):
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
+    args.mita = swap_settings(parser, args)
     missing = [p for p in args.images if not osp.isfile(p)]
     if missing:
         parser.error(f'image files not found: {missing}')
@@ -52,7 +53,7 @@ def main(argv=None):
     args = parse_args(argv)
     # a MiTA model keeps the settings --mita-cfg does not give; others get the defaults
     model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options,
-                       mita_cfg=dict(args.mita_cfg or {}))
+                       mita_cfg=args.mita)
     model.test_cfg = ConfigDict(mode='whole')   # one grid per image, aligned with the input
     patch = model.cfg.model.backbone.get('patch_size', None)
     os.makedirs(args.out_dir, exist_ok=True)

@@ -12,7 +12,11 @@ Usage::
 
     python tools/export_swapped.py CONFIG CHECKPOINT --out-dir DIR
         [--mita-cfg pool_size=7 topk=49 router_topk=1 with_shared_expert=True
-                    layers=[0,1] include_head=False] [--cfg-options key=value ...]
+                    layers=[0,1] include_head=False | --mita-plan PLAN.json]
+        [--cfg-options key=value ...]
+
+With ``--mita-plan`` the written config carries the plan's per-layer settings
+(``mita_layer_cfgs`` of the backbone and the Segmenter head; None: standard attention).
 """
 import argparse
 import os.path as osp
@@ -22,7 +26,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 
-from mita_seg.apis import add_mita_args, export_swapped, run_tool  # noqa: E402
+from mita_seg.apis import add_mita_args, export_swapped, run_tool, swap_settings  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -34,13 +38,15 @@ def parse_args(argv=None):
     add_mita_args(parser, swap_flag=False)
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings before exporting, key=value')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.mita = swap_settings(parser, args)
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     out_cfg, out_ckpt = export_swapped(args.config, args.checkpoint, args.out_dir,
-                                       dict(args.mita_cfg or {}), args.cfg_options)
+                                       args.mita, args.cfg_options)
     print(f'wrote {out_cfg}\nwrote {out_ckpt}\n'
           f'evaluate: python tools/test.py {out_cfg} {out_ckpt}\n'
           f'fine-tune: python tools/train.py {out_cfg}')

@@ -4,7 +4,8 @@ tokens, ToMe) saves.
 Usage::
 
     python tools/get_flops.py CONFIG [--shape H [W]] [--image-shape H [W]]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--merge-ratio R]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--merge-ratio R]
         [--device {cpu,meta}]
         [--json OUT.json] [--sweep 512 1024 2048] [--plot OUT.png] [--cfg-options k=v ...]
 
@@ -25,7 +26,6 @@ import os.path as osp
 import sys
 import time
 
-import torch.nn as nn
 
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -33,7 +33,8 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mmengine.config import DictAction  # noqa: E402
 
 from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
-from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
+from mita_seg.analysis.segmentor_cost import (FlopComparison, SegmentorFlops,  # noqa: E402
+                                              default_shape)
 from mita_seg.apis import (add_merge_args, add_mita_args, config_name,  # noqa: E402
                            load_config, run_tool, swap_settings)
 from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
@@ -71,12 +72,6 @@ def parse_args(argv=None):
                 parser.error(f'--{name.replace("_", "-")} takes one or two positive ints')
             setattr(args, name, tuple(value) * (3 - len(value)))
     return args
-
-
-def default_shape(cfg):
-    """The config's crop size (``crop_size``, else ``test_cfg.crop_size``), else 512x512."""
-    crop = cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
-    return tuple(crop) if crop else (512, 512)
 
 
 def sweep(counter: SegmentorFlops, sizes):
@@ -209,9 +204,14 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
 
 
 def mita_settings(counter: SegmentorFlops) -> str:
-    """The MiTA settings of the swapped model, as ``key=value`` pairs."""
-    attn = next((m for m in (counter.mita or nn.Module()).modules()
-                 if isinstance(m, MiTASettingsMixin)), None)
+    """The MiTA settings of the swapped model, as ``key=value`` pairs (a plan: its file and
+    how many layers are dense; '' where only tokens are merged)."""
+    if counter.mita is None:
+        return ''
+    plan = (counter.mita_cfg or {}).get('plan')
+    if plan is not None:
+        return f'{plan.what} ({plan.summary()})'
+    attn = next((m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin)), None)
     if attn is None:
         return ''
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)

@@ -4,7 +4,8 @@ the model's attention swapped to MiTA.
 Usage::
 
     python tools/image_demo.py IMG CONFIG CHECKPOINT --out-file OUT.png
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--device cpu]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--device cpu]
         [--opacity 0.5] [--title TITLE] [--cfg-options key=value ...]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``; the checkpoint must fit the model exactly

@@ -10,13 +10,14 @@ setting) and a plot of mIoU against cost.
 Cost: the attention multiply-adds (one MAC = one FLOP, mmengine's convention) of every
 global attention layer, counted per image on the first test image(s) as the model runs
 them (all crops in slide mode), and the whole-model count (a jit trace with attention
-handles, times the crops of the test mode).
+handles, times the crops of the test mode). ``--mita-plan`` adds a row for a swap plan
+(per-layer settings, ``tools/calibrate_swap.py``) after the uniform settings.
 
 Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
         [--mita-cfg router_topk=1 with_shared_expert=True layers=[0,1] include_head=False] \\
-        [--merge-ratios 0.2 0.4] \\
+        [--merge-ratios 0.2 0.4] [--mita-plan PLAN.json] \\
         [--work-dir DIR] [--out DIR/table.md] [--plot DIR/sweep.png] [--cfg-options k=v ...]
 """
 import argparse
@@ -108,7 +109,10 @@ def plot_sweep(rows, out_png, title):
             for r in tome:
                 ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
                             textcoords='offset points', xytext=(3, -9))
-        for m in sorted({r['M'] for r in rows[1:] if r['M'] != ''}):
+        plans = [r for r in rows[1:] if r['M'] == 'plan']
+        for r in plans:
+            ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, zorder=3, label=r['setting'])
+        for m in sorted({r['M'] for r in rows[1:] if r['M'] not in ('', 'plan')}):
             sel = sorted((r for r in rows[1:] if r['M'] == m), key=lambda r: r[key])
             ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel], 'o-', label=f'MiTA M={m}')
             for r in sel:
@@ -139,9 +143,12 @@ def main(argv=None):
     swap_model(copy.deepcopy(runner.model), dict(args.mita_cfg or {}), verbose=False)
     if args.merge_ratios:  # and nothing to merge too
         merge_model(copy.deepcopy(runner.model), args.merge_ratios[0], verbose=False)
+    plans = [args.mita_plan] if args.mita_plan is not None else []
+    for plan in plans:  # a plan for another model is an error before the baseline too
+        swap_model(copy.deepcopy(runner.model), dict(plan=plan), verbose=False)
     rows = swap_sweep(runner, args.pool_sizes, args.topks, args.mita_cfg, args.flops_images,
                       progress=lambda line: print(f'[swap_sweep] {line}', flush=True),
-                      merge_ratios=args.merge_ratios)
+                      merge_ratios=args.merge_ratios, plans=plans)
 
     batch = next(iter(runner.test_dataloader))
     shape = tuple(batch['inputs'][0].shape[-2:])

@@ -5,16 +5,18 @@ Usage::
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out DIR] [--show-dir DIR]
         [--tta] [--cfg-options key=value ...] [--launcher {none,pytorch,slurm,mpi}]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--merge-ratio R]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--merge-ratio R]
         [--verbose]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``. ``--swap-attn mita`` (implied by
 ``--mita-cfg``) puts the attention of a standard mmseg ViT/DeiT/Segmenter model on MiTA
 (:func:`mita_seg.swap_attention`) before evaluation, or reconfigures a MiTA model (M and k
-can change at test time). ``--merge-ratio R`` merges that fraction of the grid tokens
-before each attention and MLP of the ViT's layers and unmerges them after each (token
-merging, ToMe, training-free: :func:`mita_seg.merge_tokens`), alone or with MiTA. The
-checkpoint must fit the model exactly and is loaded
+can change at test time); ``--mita-plan`` gives each attention layer its own setting (a
+swap plan, e.g. from ``tools/calibrate_swap.py``). ``--merge-ratio R`` merges that fraction
+of the grid tokens before each attention and MLP of the ViT's layers and unmerges them after
+each (token merging, ToMe, training-free: :func:`mita_seg.merge_tokens`), alone or with MiTA.
+The checkpoint must fit the model exactly and is loaded
 weights-only. The console leaves out the config dump and mmseg's per-class table (the log
 file keeps them; ``--verbose`` shows them). Multi-GPU / multi-node:
 ``tools/dist_test.sh CONFIG CHECKPOINT GPUS [ARGS]``.

@@ -15,7 +15,7 @@ from .flop_handles import CONVENTION
 
 __all__ = [
     'slide_crops', 'inference_crops', 'build_segmentor', 'decode_head_called_as_module',
-    'FlopComparison', 'SegmentorFlops'
+    'FlopComparison', 'SegmentorFlops', 'default_shape', 'test_inputs'
 ]
 
 
@@ -65,6 +65,25 @@ def _hw(shape, name: str) -> Tuple[int, int]:
     if min(h, w) < 1:
         raise ValueError(f'{name} must be one or two positive ints (H W), got {shape}')
     return h, w
+
+
+def default_shape(cfg) -> Tuple[int, int]:
+    """The shape ``tools/get_flops.py`` counts by default: the config's crop size
+    (``crop_size``, else ``test_cfg.crop_size``), else 512x512."""
+    crop = cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+    return tuple(crop) if crop else (512, 512)
+
+
+def test_inputs(preprocessor: nn.Module, shape: Sequence[int],
+                device: str = 'cpu') -> torch.Tensor:
+    """Preprocessed inputs ``[1, 3, H', W']`` of an image of ``shape`` (zeros), as a
+    segmentor's data preprocessor pads it in test mode, on ``device``."""
+    from mmseg.structures import SegDataSample
+    H, W = _hw(shape, 'shape')
+    meta = dict(ori_shape=(H, W), img_shape=(H, W), pad_shape=(H, W))
+    data = dict(inputs=[torch.zeros(3, H, W, dtype=torch.uint8)],
+                data_samples=[SegDataSample(metainfo=meta)])
+    return preprocessor(data, training=False)['inputs'].to(device)
 
 
 def build_segmentor(cfg, seed: int = 0) -> nn.Module:
@@ -222,12 +241,7 @@ class SegmentorFlops:
     def inputs(self, shape: Sequence[int]) -> torch.Tensor:
         """Preprocessed inputs ``[1, 3, H', W']`` for an image of ``shape`` (as mmseg's
         data preprocessor pads it in test mode), on the counting device."""
-        from mmseg.structures import SegDataSample
-        H, W = _hw(shape, 'shape')
-        meta = dict(ori_shape=(H, W), img_shape=(H, W), pad_shape=(H, W))
-        data = dict(inputs=[torch.zeros(3, H, W, dtype=torch.uint8)],
-                    data_samples=[SegDataSample(metainfo=meta)])
-        return self.preprocessor(data, training=False)['inputs'].to(self.device)
+        return test_inputs(self.preprocessor, shape, self.device)
 
     def count(self, shape: Sequence[int]) -> Tuple[FlopBreakdown, Optional[FlopBreakdown]]:
         """FLOPs of one ``mode='tensor'`` forward of an input of ``shape``, baseline and

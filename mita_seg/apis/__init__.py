@@ -8,11 +8,13 @@
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
-  (:class:`StudySettings`);
+  (:class:`StudySettings`), :func:`calibrate_swap` (:class:`SwapCalibrator`: per-layer
+  settings for a FLOP budget, a :class:`~mita_seg.models.SwapPlan`);
 - deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
 - :func:`run_tool`: user errors end a tool with a message, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
+from .calibrate import CalibrationError, SwapCalibrator, calibrate_swap
 from .cli import USER_ERRORS, run_tool
 from .config import config_name, load_config
 from .export import export_swapped, mita_config
@@ -31,5 +33,6 @@ __all__ = [
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
     'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
     'add_merge_args', 'merge_model',
-    'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET'
+    'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET',
+    'calibrate_swap', 'SwapCalibrator', 'CalibrationError'
 ]

@@ -3,7 +3,7 @@ short message and exit status 1 instead of a traceback."""
 import sys
 from typing import Callable
 
-from mita_seg.models import GridMismatchError, NothingToMergeError, NothingToSwapError
+from mita_seg.models import GridMismatchError, NothingToMergeError, NothingToSwapError, PlanError
 from mita_seg.ops.onnx import OnnxExportError
 from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        UnsafeCheckpointError)
@@ -11,13 +11,14 @@ from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckp
 # What a user fixes by changing the command line, the config or the checkpoint.
 USER_ERRORS = (FileNotFoundError, UnreadableCheckpointError, UnsafeCheckpointError,
                CheckpointMismatchError, NothingToSwapError, GridMismatchError,
-               NothingToMergeError, OnnxExportError)
+               NothingToMergeError, OnnxExportError, PlanError)
 
 
 def run_tool(main: Callable[[], object]) -> None:
     """Run a tool's ``main()``; a user error (:data:`USER_ERRORS`: a missing file, an
     unreadable, unsafe or non-fitting checkpoint, nothing to swap, a BEiT/MAE run at a grid
-    its bias tables do not fit) prints
+    its bias tables do not fit, a swap plan that does not fit the model or a calibration
+    that cannot run) prints
     ``error: <message>`` and exits with status 1."""
     try:
         main()

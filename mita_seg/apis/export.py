@@ -8,6 +8,10 @@ and ``mita_seg.engine`` in ``custom_imports``, the crash-safe checkpoint hook, p
 initialisation removed and ``load_from`` pointing at the written checkpoint. MiTA adds no
 parameters, so the checkpoint holds the very same ``state_dict``. Both models are built and
 the checkpoint is loaded into each strictly before anything is written.
+
+A swap plan (``mita_cfg={'plan': SwapPlan}``, ``--mita-plan``) is carried by the config as
+``mita_layer_cfgs`` of the backbone and the head (one entry per layer, None for standard
+attention), and in the checkpoint's ``meta['mita_plan']``.
 """
 import copy
 import os
@@ -18,7 +22,8 @@ import torch
 from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
-from mita_seg.models import MITA_KEYS, NothingToSwapError
+from mita_seg.models import (MITA_KEYS, NothingToSwapError, PlanError, SwapPlan,
+                             attention_layers)
 from mita_seg.utils import load_local_checkpoint
 from .config import config_name, load_config
 from .model import init_model
@@ -39,14 +44,34 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
 
     Args:
         cfg (Config): the standard-attention config.
-        mita_cfg (dict): ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``).
+        mita_cfg (dict): ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``), or
+            ``{'plan': SwapPlan}`` (``--mita-plan``; checked against the model by
+            :func:`export_swapped`).
 
     Raises:
         NothingToSwapError: the backbone is not mmseg's ``VisionTransformer`` family,
             ``BEiT`` or ``MAE``.
+        PlanError: a plan with layers outside the backbone and the decode head.
     """
     cfg = copy.deepcopy(cfg)
+    plan = mita_cfg.get('plan')
+    if plan is not None:
+        return _plan_config(cfg, plan)
     settings = {k: v for k, v in mita_cfg.items() if k in MITA_KEYS}
+    backbone = _mita_backbone(cfg)
+    backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
+    layers = mita_cfg.get('layers')
+    backbone.mita_layers = list(layers) if layers is not None else None
+    head = cfg.model.decode_head
+    if (mita_cfg.get('include_head', True) and isinstance(head, dict)
+            and head.get('type') in HEAD_TYPES):
+        head.type = 'MiTASegmenterMaskTransformerHead'
+        head.mita_cfg = {**head.get('mita_cfg', {}), **settings}
+    return _finish(cfg)
+
+
+def _mita_backbone(cfg: Config) -> dict:
+    """The config's backbone, switched to its MiTA type (in place)."""
     backbone = cfg.model.backbone
     if backbone.type not in MITA_BACKBONES:
         raise NothingToSwapError(
@@ -54,17 +79,38 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
             f'DPT configs) or a BEiT/MAE one; this config has {backbone.type!r}, whose '
             'attention MiTA cannot replace')
     backbone.type = MITA_BACKBONES[backbone.type]
-    backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
-    layers = mita_cfg.get('layers')
-    backbone.mita_layers = list(layers) if layers is not None else None
     backbone.init_cfg = None         # the weights come from load_from
     backbone.pop('pretrained', None)
     cfg.model.pretrained = None
+    return backbone
+
+
+def _plan_config(cfg: Config, plan: SwapPlan) -> Config:
+    """:func:`mita_config` of a plan: per-layer ``mita_layer_cfgs`` of backbone and head."""
+    owners = plan.owners()
+    other = [o for o in owners if o not in ('backbone', 'decode_head')]
+    if other:
+        raise PlanError(f'{plan.what} has layers under {other[0]}: an exported config can '
+                        'carry plans over the backbone and the decode head only')
+    backbone = _mita_backbone(cfg)
+    for key in ('mita_layers', 'mita_cfg'):
+        backbone.pop(key, None)
+    ids = [int(n.split('.')[-2]) for n in plan.layers if n.startswith('backbone.')]
+    backbone.mita_layer_cfgs = plan.owner_settings('backbone', max(ids) + 1 if ids else 0)
     head = cfg.model.decode_head
-    if (mita_cfg.get('include_head', True) and isinstance(head, dict)
-            and head.get('type') in HEAD_TYPES):
+    if 'decode_head' in owners:
+        if not (isinstance(head, dict) and head.get('type') in HEAD_TYPES):
+            raise PlanError(f'{plan.what} has decode_head layers, but the config\'s decode '
+                            'head is not a Segmenter mask head')
         head.type = 'MiTASegmenterMaskTransformerHead'
-        head.mita_cfg = {**head.get('mita_cfg', {}), **settings}
+        head.pop('mita_cfg', None)
+        ids = [int(n.split('.')[-2]) for n in plan.layers if n.startswith('decode_head.')]
+        head.mita_layer_cfgs = plan.owner_settings('decode_head', max(ids) + 1)
+    return _finish(cfg)
+
+
+def _finish(cfg: Config) -> Config:
+    """``custom_imports`` of mita_seg and the crash-safe checkpoint hook."""
     imports = list(cfg.get('custom_imports', {}).get('imports', []))
     imports += [m for m in ('mita_seg.models', 'mita_seg.engine') if m not in imports]
     cfg.custom_imports = dict(imports=imports, allow_failed_imports=False)
@@ -80,7 +126,8 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
         config (str): config of the standard-attention model (file or ``mmseg::``).
         checkpoint (str): its checkpoint.
         out_dir (str): where to write the pair.
-        mita_cfg (dict): ``--mita-cfg`` (checked by :func:`~mita_seg.apis.check_mita_cfg`).
+        mita_cfg (dict): ``--mita-cfg`` (checked by :func:`~mita_seg.apis.check_mita_cfg`),
+            or ``{'plan': SwapPlan}`` (``--mita-plan``).
         cfg_options (dict, optional): ``--cfg-options``.
 
     Returns:
@@ -88,10 +135,15 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
 
     Raises:
         CheckpointMismatchError: the checkpoint does not fit the original or the MiTA model.
+        PlanError: the plan does not fit the model.
     """
     cfg = load_config(config, cfg_options)
+    plan = mita_cfg.get('plan')
+    base = init_model(copy.deepcopy(cfg), checkpoint)  # strict
+    if plan is not None:
+        plan.check_fits([name for name, _, _ in attention_layers(base)], config_name(config))
     new_cfg = mita_config(cfg, mita_cfg)
-    models = [init_model(copy.deepcopy(c), checkpoint) for c in (cfg, new_cfg)]  # strict
+    models = [base, init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
     meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
     os.makedirs(out_dir, exist_ok=True)
     out_cfg = osp.join(out_dir, config_name(config) + '_mita.py')
@@ -101,9 +153,12 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     keep = {k: v for k, v in meta.items()
             if k in ('dataset_meta', 'CLASSES', 'PALETTE')
             or isinstance(v, (str, int, float, bool))}
-    keep.update(mita_cfg=dict(new_cfg.model.backbone.mita_cfg),
-                mita_layers=new_cfg.model.backbone.mita_layers,
-                exported_from=dict(config=str(config), checkpoint=str(checkpoint)))
+    if plan is None:
+        keep.update(mita_cfg=dict(new_cfg.model.backbone.mita_cfg),
+                    mita_layers=new_cfg.model.backbone.mita_layers)
+    else:
+        keep.update(mita_plan=plan.to_dict())
+    keep.update(exported_from=dict(config=str(config), checkpoint=str(checkpoint)))
     torch.save({'meta': keep, 'state_dict': models[1].state_dict()}, out_ckpt)
     new_cfg.dump(out_cfg)
     return out_cfg, out_ckpt

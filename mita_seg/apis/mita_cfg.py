@@ -7,13 +7,21 @@ layers=[0,1] include_head=False``: the MiTA settings of
 :func:`~mita_seg.swap_attention`. An unknown name or a bad value ends the tool at once with
 exit status 2 and a message naming the setting and what it accepts, before anything is
 built or loaded.
+
+``--mita-plan PLAN.json`` (instead of ``--mita-cfg``): one setting per attention layer, dense
+allowed (:class:`~mita_seg.models.SwapPlan`, written by ``tools/calibrate_swap.py``); the file
+is read and checked at argument parsing too (exit status 2 naming the layer or setting), its
+fit to the model when the model is built (exit status 1). :func:`swap_settings` returns it as
+``{'plan': SwapPlan}``, which every path that takes ``--mita-cfg`` passes on to
+:func:`~mita_seg.swap_attention`.
 """
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
 from mmengine.config import DictAction
 
-from mita_seg.models import MITA_DEFAULTS, MITA_KEYS, SWAP_RULES, check_settings
+from mita_seg.models import (MITA_DEFAULTS, MITA_KEYS, SWAP_RULES, PlanError, SwapPlan,
+                             check_settings)
 from mita_seg.models.attention import SETTING_RULES
 
 
@@ -52,9 +60,19 @@ class MiTACfgAction(DictAction):
             parser.error(f'{option_string}: {e}')
 
 
+def read_plan_arg(path: str) -> SwapPlan:
+    """``--mita-plan``'s ``type``: the plan file, read and checked (a bad one is a usage
+    error naming the file and the layer or setting)."""
+    try:
+        return SwapPlan.load(path)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
                   exclude: Sequence[str] = ()) -> None:
-    """Add ``--mita-cfg`` (and ``--swap-attn {none,mita}`` with ``swap_flag``) to a tool.
+    """Add ``--mita-cfg`` and ``--mita-plan`` (and ``--swap-attn {none,mita}`` with
+    ``swap_flag``) to a tool.
 
     Args:
         parser (ArgumentParser): the tool's parser.
@@ -74,16 +92,31 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
         '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
         help=f'MiTA settings: {", ".join(rules)}. Defaults for a model swapped now: '
         f'{defaults}; a model already on MiTA keeps its values for the settings not given.')
+    parser.add_argument(
+        '--mita-plan', type=read_plan_arg, default=None, metavar='PLAN.json',
+        help='per-layer MiTA settings (dense allowed) from a swap plan, e.g. written by '
+        'tools/calibrate_swap.py; instead of --mita-cfg')
 
 
 def swap_settings(parser: argparse.ArgumentParser,
                   args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """The swap a tool's arguments ask for: None (no swap) or the ``--mita-cfg`` dict.
+    """The swap a tool's arguments ask for: None (no swap), the ``--mita-cfg`` dict, or
+    ``{'plan': SwapPlan}`` for ``--mita-plan`` (arguments of
+    :func:`~mita_seg.swap_attention`).
 
     Raises:
-        SystemExit: ``--swap-attn none`` with ``--mita-cfg`` (a usage error, status 2).
+        SystemExit: ``--swap-attn none`` with ``--mita-cfg`` or ``--mita-plan``, or both of
+            these (a usage error, status 2).
     """
     swap = getattr(args, 'swap_attn', 'mita')
+    plan = getattr(args, 'mita_plan', None)
+    if plan is not None:
+        if args.mita_cfg:
+            parser.error('--mita-plan sets every layer: give --mita-plan or --mita-cfg, '
+                         'not both')
+        if swap == 'none':
+            parser.error('--mita-plan needs --swap-attn mita (not none)')
+        return dict(plan=plan)
     if swap == 'none' and args.mita_cfg:
         parser.error('--mita-cfg needs --swap-attn mita (not none)')
     if swap == 'mita' or args.mita_cfg is not None:

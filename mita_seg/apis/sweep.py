@@ -1,7 +1,8 @@
 """Evaluate one standard-attention checkpoint unswapped, with token merging (ToMe) at
-several ratios and on MiTA with several (pool size, top-k) settings
-(``tools/swap_sweep.py``): mIoU and cost of each setting."""
+several ratios, on MiTA with several (pool size, top-k) settings and with swap plans
+(per-layer settings) (``tools/swap_sweep.py``): mIoU and cost of each setting."""
 import itertools
+import os.path as osp
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -13,7 +14,8 @@ from mmengine.runner import Runner
 
 from mmseg.models.backbones.beit import BEiTAttention
 
-from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, ToMeAttention
+from mita_seg.models import (MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, SwapPlan,
+                             ToMeAttention)
 from mita_seg.ops import attention_flops, mita_flops
 from .model import swap_model
 from .token_merge import merge_label, merge_model
@@ -99,10 +101,12 @@ def swap_sweep(runner: Runner,
                flops_images: int = 1,
                progress: Optional[Callable[[str], None]] = None,
                measure: Optional[Callable[[nn.Module, dict], Dict]] = None,
-               merge_ratios: Sequence[float] = ()) -> List[Dict]:
+               merge_ratios: Sequence[float] = (),
+               plans: Sequence[SwapPlan] = ()) -> List[Dict]:
     """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, with
     token merging (ToMe, :func:`mita_seg.merge_tokens`) at every ratio of
-    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``.
+    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``, then with every
+    swap plan of ``plans``.
 
     Args:
         runner (Runner): a built runner with a test loop and ``load_from``.
@@ -115,6 +119,11 @@ def swap_sweep(runner: Runner,
         measure (Callable, optional): ``measure(model, batch)`` -> further columns of each
             row, measured on the model as evaluated (e.g. images/s) with the first test
             batch; its keys come after ``delta_mIoU``. Default: None.
+        merge_ratios (Sequence[float]): token-merging ratios evaluated after the baseline,
+            one row each (``merge_ratio`` column), the model unmerged again after them.
+            Default: ().
+        plans (Sequence[SwapPlan]): swap plans (per-layer settings) evaluated after the
+            uniform settings, one row each (``M`` = ``'plan'``). Default: ().
 
     Returns:
         list[dict]: one row per setting, baseline first: ``setting, M, topk, mIoU, mAcc,
@@ -124,21 +133,24 @@ def swap_sweep(runner: Runner,
     progress = progress or (lambda line: None)
     settings: List[Optional[Tuple]] = [None]
     settings += [('tome', r) for r in merge_ratios]
-    settings += list(itertools.product(pool_sizes, topks))
+    settings += list(itertools.product(pool_sizes, topks)) + list(plans)
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     rows: List[Dict] = []
     t0 = time.time()
     for i, setting in enumerate(settings):
+        if merge_ratios and i == len(merge_ratios) + 1:
+            merge_model(model, 0.0, verbose=False)  # exactly the unmerged model again
         if setting is None:
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
-        elif setting[0] == 'tome':
+        elif isinstance(setting, tuple) and setting[0] == 'tome':
             merge_model(model, setting[1], verbose=(i == 1))
             label = merge_label(setting[1])
+        elif isinstance(setting, SwapPlan):
+            swap_model(model, dict(plan=setting), verbose=False)
+            label = f'plan {osp.basename(setting.source) or i}'
         else:
-            if merge_ratios and i == len(merge_ratios) + 1:
-                merge_model(model, 0.0, verbose=False)  # exactly the unmerged model again
             pool, topk = setting
             swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
                        verbose=(i == 1))
@@ -146,11 +158,13 @@ def swap_sweep(runner: Runner,
         progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
-        mita = setting is not None and setting[0] != 'tome'
-        row = dict(setting=label, M=setting[0]**2 if mita else '',
+        tome = isinstance(setting, tuple) and setting[0] == 'tome'
+        plan = isinstance(setting, SwapPlan)
+        mita = setting is not None and not (tome or plan)
+        row = dict(setting=label, M='plan' if plan else setting[0]**2 if mita else '',
                    topk=setting[1] if mita else '')
         if merge_ratios:
-            row['merge_ratio'] = setting[1] if setting and not mita else ''
+            row['merge_ratio'] = setting[1] if tome else ''
         row.update(mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
                    attn_GMACs=attention_gmacs(model, batches),

@@ -3,17 +3,18 @@ mmengine load local checkpoints weights-only with mmengine's few safe globals al
 (:func:`mita_seg.utils.checkpoint.register_safe_globals`).
 
 Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
-<- ``swap`` <- ``token_merge``
+<- ``plan`` <- ``swap`` <- ``token_merge``
 (the high-level swap depends on the modules, never the reverse).
 """
 from mita_seg.utils.checkpoint import register_safe_globals
 from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingsMixin,
-                        check_settings, use_mita)
+                        check_settings, use_dense, use_mita)
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
-from .swap import SWAP_RULES, NothingToSwapError, swap_attention
+from .plan import PLAN_FORMAT, PlanError, SwapPlan
+from .swap import SWAP_RULES, NothingToSwapError, attention_layers, swap_attention
 from .token_merge import NothingToMergeError, ToMeAttention, ToMeFFN, TokenMerger, merge_tokens
 
 register_safe_globals()
@@ -24,5 +25,6 @@ __all__ = [
     'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
-    'TokenMerger', 'ToMeAttention', 'ToMeFFN'
+    'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
+    'attention_layers', 'use_dense'
 ]

@@ -351,9 +351,74 @@ def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
         if isinstance(layer.attn, MiTASettingsMixin):
             layer.attn.configure(**{k: v for k, v in settings.items() if k in MITA_KEYS})
         elif type(layer.attn) in _TO_MITA:
-            layer.attn = _TO_MITA[type(layer.attn)](layer.attn, **{**MITA_DEFAULTS, **settings})
+            old, old_cls = layer.attn, type(layer.attn)
+            layer.attn = _TO_MITA[old_cls](old, **{**MITA_DEFAULTS, **settings})
+            # kept outside the module tree (no state-dict keys) for use_dense
+            layer.attn.__dict__[_DENSE_ORIGINAL] = (old, old_cls)
         else:
             continue
         layer.attn.grid = grid_context(owner)
         done += 1
     return done
+
+
+# where a swapped module keeps the standard-attention module (and class) it replaced
+_DENSE_ORIGINAL = '_mita_dense_original'
+
+
+def use_dense(owner: nn.Module, layer_ids: Iterable[int]) -> int:
+    """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) back on the
+    standard attention :func:`use_mita` replaced (the very module, with the very parameters:
+    the reverse of the swap); layers on standard attention are left as they are.
+
+    Returns:
+        int: the number of layers put back.
+
+    Raises:
+        ValueError: a MiTA module built as such, not by :func:`use_mita` (it has no
+            standard attention to go back to; MiTA backbones and heads built from configs
+            go through :func:`use_mita`, so their layers can).
+    """
+    done = 0
+    for i in layer_ids:
+        attn = owner.layers[i].attn
+        if not isinstance(attn, MiTASettingsMixin):
+            continue
+        if _DENSE_ORIGINAL not in attn.__dict__:
+            raise ValueError(
+                f'layer {i} of {type(owner).__name__} was built on MiTA, not swapped: it has '
+                'no standard attention to put back; start from a standard-attention model to '
+                'make it dense')
+        old, old_cls = attn.__dict__.pop(_DENSE_ORIGINAL)
+        if old is attn:            # converted in place (BEiT/MAE): restore the class
+            old.__class__ = old_cls
+        old.train(attn.training)
+        owner.layers[i].attn = old
+        done += 1
+    return done
+
+
+def use_mita_layers(owner: nn.Module,
+                    mita_cfg: Optional[dict] = None,
+                    mita_layers: Optional[Iterable[int]] = None,
+                    mita_layer_cfgs: Optional[List[Optional[dict]]] = None) -> int:
+    """The MiTA layers of a MiTA backbone or head built from a config: ``mita_cfg`` on
+    ``mita_layers`` (None: all), or per layer ``mita_layer_cfgs`` (one entry per layer of
+    ``owner.layers``: settings over ``mita_cfg``, or None for standard attention; what an
+    exported swap plan writes).
+
+    Raises:
+        ValueError: both ``mita_layers`` and ``mita_layer_cfgs``, or ``mita_layer_cfgs`` of
+            another length than ``owner.layers``.
+    """
+    if mita_layer_cfgs is None:
+        return use_mita(owner, layer_indices(len(owner.layers), mita_layers, 'mita_layers'),
+                        **(mita_cfg or {}))
+    if mita_layers is not None:
+        raise ValueError('give mita_layers or mita_layer_cfgs, not both (mita_layer_cfgs: '
+                         'None for a layer on standard attention)')
+    if len(mita_layer_cfgs) != len(owner.layers):
+        raise ValueError(f'mita_layer_cfgs has {len(mita_layer_cfgs)} entries; '
+                         f'{type(owner).__name__} has {len(owner.layers)} layers')
+    return sum(use_mita(owner, [i], **{**(mita_cfg or {}), **s})
+               for i, s in enumerate(mita_layer_cfgs) if s is not None)

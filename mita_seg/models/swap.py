@@ -1,5 +1,5 @@
 """Swap the global attention of mmseg segmenters to MiTA, in place."""
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 from mmengine.logging import print_log
@@ -7,9 +7,10 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
 from mita_seg.utils.modules import is_attention_module
 from .attention import (MITA_KEYS, SETTING_RULES, MiTASettingsMixin, can_use_mita,
-                        check_settings, layer_indices, use_mita)
+                        check_settings, layer_indices, use_dense, use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
+from .plan import PlanError, SwapPlan, setting_label
 
 # Attention modules this tool knows it cannot swap, by class name, and why.
 _UNSWAPPABLE = {
@@ -34,10 +35,45 @@ SWAP_RULES = {
 }
 
 
+def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
+    """The global attention layers :func:`swap_attention` can put on MiTA (or already on
+    MiTA), in the model's order: ``(name, owner, index)`` with ``name`` =
+    ``<owner>.layers.<index>.attn`` (a backbone of the ViT family or BEiT/MAE, and
+    Segmenter's mask head). The layer names a swap plan gives settings to."""
+    out = []
+    for owner_name, owner in model.named_modules():
+        if isinstance(owner, (PATCH_EMBED_OWNERS, SegmenterMaskTransformerHead)):
+            prefix = f'{owner_name}.' if owner_name else ''
+            out += [(f'{prefix}layers.{i}.attn', owner, i) for i in range(len(owner.layers))
+                    if can_use_mita(owner.layers[i].attn)]
+    return out
+
+
+def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
+    """Put each layer of ``plan`` on its setting; returns the layers now on MiTA and the
+    dense ones (name -> why, for the log)."""
+    layers = attention_layers(model)
+    plan.check_fits([name for name, _, _ in layers], type(model).__name__)
+    swapped, dense = [], {}
+    for name, owner, i in layers:
+        setting = plan.layers[name]
+        if setting is None:
+            try:
+                use_dense(owner, [i])
+            except ValueError as e:
+                raise PlanError(f'{plan.what} puts {name} on dense attention: {e}') from None
+            dense[name] = f'dense in {plan.what}'
+        else:
+            use_mita(owner, [i], **setting)
+            swapped.append(name)
+    return swapped, dense
+
+
 def swap_attention(model: nn.Module,
                    layers: Optional[Sequence[int]] = None,
                    include_head: bool = True,
                    verbose: bool = True,
+                   plan: Optional[Union[SwapPlan, str]] = None,
                    **mita_cfg) -> int:
     """Replace the global attention of mmseg's ViT family by MiTA.
 
@@ -53,12 +89,18 @@ def swap_attention(model: nn.Module,
     reaches every swapped module through hooks on the token owners, for whole and slide
     inference alike.
 
+    With ``plan`` (:class:`~mita_seg.models.plan.SwapPlan`, or the path of its JSON file),
+    each attention layer (:func:`attention_layers`) gets its own setting: MiTA settings as
+    above, or dense, which puts a swapped layer back on the standard attention it replaced.
+
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.
         layers (Sequence[int], optional): backbone encoder layers to swap (negative
             indices count from the end); None for all. Default: None.
         include_head (bool): swap Segmenter's mask head too. Default: True.
         verbose (bool): log what was swapped and what was left alone. Default: True.
+        plan (SwapPlan | str, optional): per-layer settings; not with ``layers``,
+            ``include_head=False`` or ``mita_cfg``. Default: None.
         **mita_cfg: MiTA settings (``pool_size``, ``topk``, ``router_topk``,
             ``with_shared_expert``, ``shared_scale``).
 
@@ -68,30 +110,42 @@ def swap_attention(model: nn.Module,
     Raises:
         NothingToSwapError: nothing in ``model`` can be swapped (a ``ValueError`` whose
             message lists the attention modules found).
+        PlanError: ``plan`` cannot be read, or does not fit the model (another layer count,
+            a layer the model does not have, dense for a layer built on MiTA).
         ValueError: ``layers`` names a layer that does not exist, or a setting is unknown
             or has a bad value.
     """
     check_settings(mita_cfg, {k: SETTING_RULES[k] for k in MITA_KEYS})
     swapped: List[str] = []
     left_by_choice = {}  # global attention not swapped because of layers= / include_head
-    for owner_name, owner in model.named_modules():
-        prefix = f'{owner_name}.' if owner_name else ''
-        if isinstance(owner, PATCH_EMBED_OWNERS):
-            n = len(owner.layers)
-            ids = layer_indices(n, layers)
-            left_by_choice.update({f'{prefix}layers.{i}.attn': f'not in layers={list(layers)}'
-                                   for i in range(n) if i not in ids})
-        elif isinstance(owner, SegmenterMaskTransformerHead):
-            ids = range(len(owner.layers))
-            if not include_head:
-                left_by_choice.update({f'{prefix}layers.{i}.attn': 'in a decode head '
-                                       '(include_head=False)' for i in ids})
+    if plan is not None:
+        if mita_cfg or layers is not None or not include_head:
+            raise ValueError('swap_attention: give a plan or settings (layers, include_head, '
+                             f'MiTA settings), not both; got plan and {sorted(mita_cfg)}'
+                             f'{" layers" if layers is not None else ""}'
+                             f'{" include_head" if not include_head else ""}')
+        if isinstance(plan, str):
+            plan = SwapPlan.load(plan)
+        swapped, left_by_choice = _apply_plan(model, plan)
+    else:
+        for owner_name, owner in model.named_modules():
+            prefix = f'{owner_name}.' if owner_name else ''
+            if isinstance(owner, PATCH_EMBED_OWNERS):
+                n = len(owner.layers)
+                ids = layer_indices(n, layers)
+                left_by_choice.update({f'{prefix}layers.{i}.attn': f'not in layers={list(layers)}'
+                                       for i in range(n) if i not in ids})
+            elif isinstance(owner, SegmenterMaskTransformerHead):
+                ids = range(len(owner.layers))
+                if not include_head:
+                    left_by_choice.update({f'{prefix}layers.{i}.attn': 'in a decode head '
+                                           '(include_head=False)' for i in ids})
+                    continue
+            else:
                 continue
-        else:
-            continue
-        ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
-        use_mita(owner, ids, **mita_cfg)
-        swapped += [f'{prefix}layers.{i}.attn' for i in ids]
+            ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
+            use_mita(owner, ids, **mita_cfg)
+            swapped += [f'{prefix}layers.{i}.attn' for i in ids]
 
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():
@@ -106,12 +160,24 @@ def swap_attention(model: nn.Module,
             'BEiT/MAE, Segmenter head)')
         skipped.append((name, f'{type(m).__name__}: {reason}'))
 
-    if not swapped:
+    if not swapped and not (plan is not None and left_by_choice):
         found = '\n'.join(f'  {n} ({why})' for n, why in skipped) or '  none'
         raise NothingToSwapError(
             f'swap_attention found no global attention to swap to MiTA in '
             f'{type(model).__name__}. Attention modules found:\n{found}')
-    if verbose:
+    if verbose and plan is not None:
+        chosen = {}
+        for name in swapped:
+            label = setting_label({k: getattr(model.get_submodule(name), k)
+                                   for k in ('pool_size', 'topk', 'with_shared_expert')})
+            chosen[label] = chosen.get(label, 0) + 1
+        print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on MiTA ('
+                  + ', '.join(f'{n} x {label}' for label, n in chosen.items())
+                  + f'), {len(left_by_choice)} dense', logger='current')
+        for name, why in skipped:
+            if name not in left_by_choice:
+                print_log(f'swap_attention: left {name} alone: {why}', logger='current')
+    elif verbose:
         settings = {k: getattr(model.get_submodule(swapped[0]), k) for k in MITA_KEYS}
         print_log(f'swap_attention: {len(swapped)} attention modules on MiTA ({settings})',
                   logger='current')

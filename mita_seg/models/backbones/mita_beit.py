@@ -4,7 +4,7 @@ from typing import Optional, Sequence
 from mmseg.models.backbones import BEiT, MAE
 from mmseg.registry import MODELS
 
-from ..attention import layer_indices, use_mita
+from ..attention import use_mita_layers
 from ..beit_attention import MiTABEiTAttention  # noqa: F401  (registers the conversion)
 
 
@@ -17,10 +17,10 @@ class MiTALayersMixin:
     def __init__(self,
                  mita_cfg: Optional[dict] = None,
                  mita_layers: Optional[Sequence[int]] = None,
+                 mita_layer_cfgs: Optional[Sequence[Optional[dict]]] = None,
                  **kwargs):
         super().__init__(**kwargs)
-        use_mita(self, layer_indices(len(self.layers), mita_layers, 'mita_layers'),
-                 **(mita_cfg or {}))
+        use_mita_layers(self, mita_cfg, mita_layers, mita_layer_cfgs)
 
 
 @MODELS.register_module()
@@ -39,6 +39,9 @@ class MiTABEiT(MiTALayersMixin, BEiT):
             ``pool_size=7, topk=49``).
         mita_layers (Sequence[int], optional): encoder layers on MiTA; None for all.
             Default: None.
+        mita_layer_cfgs (Sequence[dict | None], optional): per encoder layer, MiTA settings
+            over ``mita_cfg``, or None for BEiT's attention (a swap plan); not with
+            ``mita_layers``. Default: None.
         **kwargs: arguments of mmseg's ``BEiT``.
     """
 
@@ -53,6 +56,8 @@ class MiTAMAE(MiTALayersMixin, MAE):
     Args:
         mita_cfg (dict, optional): MiTA settings, as :class:`MiTABEiT`'s. Default: None.
         mita_layers (Sequence[int], optional): encoder layers on MiTA; None for all.
+            Default: None.
+        mita_layer_cfgs (Sequence[dict | None], optional): as :class:`MiTABEiT`'s.
             Default: None.
         **kwargs: arguments of mmseg's ``MAE``.
     """

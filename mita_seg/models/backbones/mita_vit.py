@@ -8,7 +8,7 @@ from mmseg.models.backbones import VisionTransformer
 from mmseg.registry import MODELS
 
 from mita_seg.utils.checkpoint import check_state_dict
-from ..attention import layer_indices, use_mita
+from ..attention import use_mita_layers
 
 # Model keys a pretrained checkpoint legitimately lacks: MiTA's own optional parameters
 # (the DWC branch), which keep their initialisation.
@@ -36,6 +36,10 @@ class MiTAVisionTransformer(VisionTransformer):
             Default: None (the published ``pool_size=7, topk=49``).
         mita_layers (Sequence[int], optional): encoder layers on MiTA; None for all.
             Default: None.
+        mita_layer_cfgs (Sequence[dict | None], optional): per encoder layer, MiTA settings
+            over ``mita_cfg``, or None for standard attention (a swap plan, as
+            ``tools/export_swapped.py --mita-plan`` writes it); not with ``mita_layers``.
+            Default: None.
         strict_pretrained (bool): check that pretrained weights fit exactly. False is
             mmseg's behaviour (mismatches are only logged). Default: True.
         **kwargs: arguments of mmseg's ``VisionTransformer``.
@@ -44,12 +48,12 @@ class MiTAVisionTransformer(VisionTransformer):
     def __init__(self,
                  mita_cfg: Optional[dict] = None,
                  mita_layers: Optional[Sequence[int]] = None,
+                 mita_layer_cfgs: Optional[Sequence[Optional[dict]]] = None,
                  strict_pretrained: bool = True,
                  **kwargs):
         super().__init__(**kwargs)
         self.strict_pretrained = strict_pretrained
-        use_mita(self, layer_indices(len(self.layers), mita_layers, 'mita_layers'),
-                 **(mita_cfg or {}))
+        use_mita_layers(self, mita_cfg, mita_layers, mita_layer_cfgs)
 
     def init_weights(self):
         """mmseg's initialisation, after checking that pretrained weights fit."""

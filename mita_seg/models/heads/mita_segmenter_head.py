@@ -1,10 +1,10 @@
 """Segmenter's mask transformer head with MiTA attention."""
-from typing import Optional
+from typing import Optional, Sequence
 
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mmseg.registry import MODELS
 
-from ..attention import use_mita
+from ..attention import use_mita_layers
 from ..grid import GridFromInputsMixin, register_grid_class
 
 
@@ -18,12 +18,16 @@ class MiTASegmenterMaskTransformerHead(GridFromInputsMixin, SegmenterMaskTransfo
 
     Args:
         mita_cfg (dict, optional): :class:`MiTAAttention` settings. Default: None.
+        mita_layer_cfgs (Sequence[dict | None], optional): per layer, settings over
+            ``mita_cfg``, or None for standard attention (a swap plan). Default: None (all
+            layers on ``mita_cfg``).
         **kwargs: arguments of ``SegmenterMaskTransformerHead``.
     """
 
-    def __init__(self, mita_cfg: Optional[dict] = None, **kwargs):
+    def __init__(self, mita_cfg: Optional[dict] = None,
+                 mita_layer_cfgs: Optional[Sequence[Optional[dict]]] = None, **kwargs):
         super().__init__(**kwargs)
-        use_mita(self, range(len(self.layers)), **(mita_cfg or {}))
+        use_mita_layers(self, mita_cfg, None, mita_layer_cfgs)
 
 
 # a swapped SegmenterMaskTransformerHead becomes this registered class

@@ -1,0 +1,222 @@
+"""A swap plan: one MiTA setting (or dense attention) per attention layer, and its JSON file.
+
+The one definition of the format ``--mita-plan PLAN.json`` reads, :func:`~mita_seg.swap_attention`
+applies (``plan=``) and ``tools/calibrate_swap.py`` writes::
+
+    {
+      "format": "mita_seg.swap_plan/1",
+      "layers": [
+        {"name": "backbone.layers.0.attn", "setting": "dense"},
+        {"name": "backbone.layers.1.attn",
+         "setting": {"pool_size": 7, "topk": 49, "with_shared_expert": true}},
+        ...
+      ],
+      ...                          (anything else: budget, FLOPs, calibration; kept, not read)
+    }
+
+``name`` is the attention module's name in the segmentor (as ``model.named_modules()`` gives
+it; ``swap_attention`` swaps ``<owner>.layers.<i>.attn``); ``setting`` is ``"dense"`` (the
+layer keeps softmax attention) or MiTA settings (:data:`~mita_seg.models.MITA_KEYS`; those not
+given are the MiTA defaults for a layer swapped now and keep their values in a layer already
+on MiTA, as with ``--mita-cfg``). A layer entry may carry more keys (``error``, ``gflops``).
+A plan names every swappable attention layer of its model: applied to a model with other
+layers it is an error naming them.
+"""
+import json
+import os.path as osp
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from .attention import MITA_KEYS, SETTING_RULES, check_settings
+
+PLAN_FORMAT = 'mita_seg.swap_plan/1'
+DENSE = 'dense'
+# what a layer name must look like: an attention module of a token owner's layers
+_LAYER_NAME = re.compile(r'^([A-Za-z_][\w.]*\.)?layers\.(\d+)\.attn$')
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read or is malformed, or a plan that does not fit the
+    model it is applied to (the message names the file, the layer and the fix)."""
+
+
+def setting_label(setting: Optional[Dict[str, Any]]) -> str:
+    """A short label of one layer's setting: ``dense``, ``M=7x7 k=49`` (+ ``route-only``,
+    other settings as ``key=value``)."""
+    if setting is None:
+        return DENSE
+    parts = []
+    if 'pool_size' in setting:
+        p = setting['pool_size']
+        ph, pw = (p, p) if isinstance(p, int) else tuple(p)
+        parts.append(f'M={ph}x{pw}')
+    if 'topk' in setting:
+        parts.append(f'k={setting["topk"]}')
+    if setting.get('with_shared_expert') is False:
+        parts.append('route-only')
+    parts += [f'{k}={v}' for k, v in setting.items()
+              if k not in ('pool_size', 'topk', 'with_shared_expert')]
+    return ' '.join(parts) or 'MiTA (defaults)'
+
+
+@dataclass
+class SwapPlan:
+    """Per-layer swap settings.
+
+    Attributes:
+        layers (dict): attention layer name -> MiTA settings (a dict), or None for dense
+            attention; in the model's order.
+        info (dict): the rest of the file (budget, FLOPs, calibration...), and per layer
+            the entries' further keys under ``info['layer_info'][name]``.
+        source (str): where the plan was read from (for messages). Default: ''.
+    """
+    layers: Dict[str, Optional[Dict[str, Any]]]
+    info: Dict[str, Any] = field(default_factory=dict)
+    source: str = ''
+
+    @property
+    def what(self) -> str:
+        return f'plan {self.source}' if self.source else 'the plan'
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = '') -> 'SwapPlan':
+        """Read and check a plan's JSON contents.
+
+        Raises:
+            PlanError: not a plan, an unknown format, a layer name that is not an attention
+                layer (``<owner>.layers.<i>.attn``) or given twice, a bad setting.
+        """
+        what = f'plan {source}' if source else 'plan'
+        if not isinstance(data, dict) or 'layers' not in data:
+            raise PlanError(f'{what}: not a swap plan (a JSON object with "format": '
+                            f'"{PLAN_FORMAT}" and "layers"); write one with '
+                            'tools/calibrate_swap.py')
+        if data.get('format') != PLAN_FORMAT:
+            raise PlanError(f'{what}: format {data.get("format")!r} is not {PLAN_FORMAT!r}')
+        entries = data['layers']
+        if not isinstance(entries, list) or not entries:
+            raise PlanError(f'{what}: "layers" must be a non-empty list of '
+                            '{"name": ..., "setting": ...}')
+        rules = {k: SETTING_RULES[k] for k in MITA_KEYS}
+        layers: Dict[str, Optional[Dict[str, Any]]] = {}
+        layer_info: Dict[str, Dict[str, Any]] = {}
+        for n, entry in enumerate(entries):
+            if not isinstance(entry, dict) or 'name' not in entry or 'setting' not in entry:
+                raise PlanError(f'{what}: layer entry {n} must be an object with "name" and '
+                                f'"setting", got {entry!r}')
+            name, setting = entry['name'], entry['setting']
+            if not isinstance(name, str) or not _LAYER_NAME.match(name):
+                raise PlanError(f'{what}: unknown layer {name!r} (entry {n}): a layer is an '
+                                'attention module <owner>.layers.<i>.attn, e.g. '
+                                'backbone.layers.0.attn')
+            if name in layers:
+                raise PlanError(f'{what}: layer {name} is given twice')
+            if setting == DENSE:
+                setting = None
+            elif isinstance(setting, dict):
+                try:
+                    check_settings(setting, rules)
+                except ValueError as e:
+                    raise PlanError(f'{what}: layer {name}: {e}') from None
+                setting = dict(setting)
+            else:
+                raise PlanError(f'{what}: layer {name}: setting must be "dense" or an object '
+                                f'of MiTA settings ({", ".join(MITA_KEYS)}), got {setting!r}')
+            layers[name] = setting
+            layer_info[name] = {k: v for k, v in entry.items() if k not in ('name', 'setting')}
+        info = {k: v for k, v in data.items() if k not in ('format', 'layers')}
+        info['layer_info'] = layer_info
+        return cls(layers, info, source)
+
+    @classmethod
+    def load(cls, path: str) -> 'SwapPlan':
+        """Read a plan file (:meth:`from_dict`).
+
+        Raises:
+            PlanError: the file is missing, not JSON, or not a valid plan.
+        """
+        if not osp.isfile(path):
+            raise PlanError(f'plan {path} not found')
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PlanError(f'plan {path}: not a JSON file ({e})') from None
+        return cls.from_dict(data, source=path)
+
+    @classmethod
+    def uniform(cls, names: Sequence[str], setting: Optional[Dict[str, Any]]) -> 'SwapPlan':
+        """The plan of one setting (None: dense) on every layer of ``names``."""
+        return cls({n: None if setting is None else dict(setting) for n in names})
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON contents (:meth:`from_dict` reads them back)."""
+        info = dict(self.info)
+        layer_info = info.pop('layer_info', {})
+        layers = [dict(name=n, setting=DENSE if s is None else dict(s),
+                       **layer_info.get(n, {})) for n, s in self.layers.items()]
+        return dict(format=PLAN_FORMAT, layers=layers, **info)
+
+    def save(self, path: str) -> str:
+        """Write the plan as JSON, atomically (the old file or the new one, never half)."""
+        from mita_seg.engine.atomic_io import atomic_write_text
+        atomic_write_text(json.dumps(self.to_dict(), indent=2) + '\n', path)
+        return path
+
+    def check_fits(self, names: Sequence[str], model: str = 'the model') -> None:
+        """Check that the plan names exactly the attention layers ``names`` of a model.
+
+        Raises:
+            PlanError: another layer count (a plan for another model), or a layer the model
+                does not have, or one of its layers missing.
+        """
+        have, want = list(names), list(self.layers)
+        if len(have) != len(want):
+            raise PlanError(
+                f'{self.what} is for a model with {len(want)} attention layers; {model} has '
+                f'{len(have)} ({_span(have)}): a plan for another model? Calibrate one for '
+                'this model with tools/calibrate_swap.py')
+        unknown = [n for n in want if n not in have]
+        if unknown:
+            raise PlanError(f'{self.what} names layer {unknown[0]}, which {model} does not '
+                            f'have (its attention layers: {_span(have)})')
+
+    def owner_settings(self, owner: str, num_layers: int) -> List[Optional[Dict[str, Any]]]:
+        """The settings of ``<owner>.layers.<i>.attn`` for ``i < num_layers`` (None: dense),
+        as a MiTA backbone's or head's ``mita_layer_cfgs``."""
+        return [self.layers.get(f'{owner}.layers.{i}.attn') for i in range(num_layers)]
+
+    def owners(self) -> List[str]:
+        """The token owners (``backbone``, ``decode_head``) the plan's layers belong to."""
+        out: List[str] = []
+        for name in self.layers:
+            owner = (_LAYER_NAME.match(name).group(1) or '').rstrip('.')
+            if owner not in out:
+                out.append(owner)
+        return out
+
+    def summary(self) -> str:
+        """``14 layers: 9 on MiTA, 5 dense``."""
+        dense = sum(s is None for s in self.layers.values())
+        return f'{len(self.layers)} layers: {len(self.layers) - dense} on MiTA, {dense} dense'
+
+
+def _span(names: Sequence[str]) -> str:
+    """``backbone.layers.0-3.attn, decode_head.layers.0-1.attn``: names grouped by owner."""
+    groups: Dict[str, List[int]] = {}
+    for n in names:
+        m = _LAYER_NAME.match(n)
+        if m is None:
+            groups.setdefault(n, [])
+        else:
+            groups.setdefault(m.group(1) or '', []).append(int(m.group(2)))
+    parts = []
+    for owner, ids in groups.items():
+        if not ids:
+            parts.append(owner)
+        elif ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1:
+            parts.append(f'{owner}layers.{ids[0]}-{ids[-1]}.attn')
+        else:
+            parts.append(', '.join(f'{owner}layers.{i}.attn' for i in ids))
+    return ', '.join(parts) or 'none'

@@ -1,0 +1,199 @@
+"""The calibrated swap: the knapsack against brute force, the calibration of the tiny
+Segmenter (``conftest.segmenter_ckpt``: 6 attention layers, 8 training images of 128x128),
+its plans' FLOPs as ``tools/get_flops.py`` counts them, determinism, bad input, and
+``tools/calibrate_swap.py`` end to end.
+"""
+import itertools
+import json
+import os
+import os.path as osp
+import re
+
+import numpy as np
+import pytest
+import torch
+from mmengine.config import Config
+
+from mita_seg.analysis.segmentor_cost import SegmentorFlops
+from mita_seg.apis import CalibrationError, SwapCalibrator
+from mita_seg.apis.calibrate import choose, parse_candidate
+from mita_seg.models import SwapPlan
+
+# a few candidates keep it short: dense, two with the shared expert, one route-only, and
+# route-only with every key (softmax attention: no error)
+CANDIDATES = ['dense', '4:16', '2:8', '4:32:route', '2:100000:route']
+
+
+def brute_force(costs, flops, capacity):
+    best, arg = np.inf, None
+    for choice in itertools.product(*[range(costs.shape[1])] * costs.shape[0]):
+        f = sum(flops[i, c] - flops[i].min() for i, c in enumerate(choice))
+        e = sum(costs[i, c] for i, c in enumerate(choice))
+        if f <= capacity and e < best:
+            best, arg = e, choice
+    return best, arg
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_knapsack_is_optimal(seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.random((4, 4))
+    flops = rng.integers(0, 50, (4, 4))
+    capacity = int(rng.integers(0, 120))
+    best, _ = brute_force(costs, flops, capacity)
+    choice = choose(costs, flops, capacity)                      # unit 1: exact
+    assert sum(costs[i, c] for i, c in enumerate(choice)) == pytest.approx(best)
+    # with few bins the weights are rounded up: still within the capacity, never better
+    coarse = choose(costs, flops, capacity, bins=7)
+    assert sum(flops[i, c] - flops[i].min() for i, c in enumerate(coarse)) <= capacity
+    assert sum(costs[i, c] for i, c in enumerate(coarse)) >= best - 1e-12
+
+
+def test_parse_candidate():
+    assert parse_candidate('dense') is None
+    assert parse_candidate('7:49') == dict(pool_size=7, topk=49, with_shared_expert=True)
+    assert parse_candidate('5:16:route') == dict(pool_size=5, topk=16, with_shared_expert=False)
+    for bad in ('7', '7:0', '7:49:shared', 'x:49', '7:49:route:1'):
+        with pytest.raises(ValueError, match='write dense, P:K'):
+            parse_candidate(bad)
+
+
+@pytest.fixture(scope='module')
+def calibrated(segmenter_ckpt):
+    config, ckpt = segmenter_ckpt
+    cal = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES, seed=0)
+    cal.errors()
+    return cal
+
+
+def test_calibration_measures(calibrated, tiny_data):
+    cal = calibrated
+    assert cal.layers[0] == 'backbone.layers.0.attn' and len(cal.layers) == 6
+    errors, flops = cal.errors(), cal.flops()
+    assert errors.shape == flops.shape == (6, 5)
+    assert (errors[:, 0] == 0).all()                  # dense
+    assert (errors[:, 1:4] > 1e-6).all()              # MiTA changes the logits
+    assert errors[:, 4].max() < 1e-6                   # route-only with every key: softmax
+    assert (flops[:, 1:4] < flops[:, [0]]).all()       # cheaper than dense at N = 257
+    # the images come from the training split, through the test pipeline
+    assert len(cal.image_paths) == 4
+    assert all(osp.join('images', 'training') in p for p in cal.image_paths)
+
+
+def test_plans_fit_their_budget_as_get_flops_counts(calibrated, segmenter_ckpt):
+    cal = calibrated
+    config, _ = segmenter_ckpt
+    dense = cal.dense_flops
+    counter = SegmentorFlops(Config.fromfile(config), None)
+    assert counter.count((128, 128))[0].total == dense
+    for reduction in (0.1, 0.25):
+        plan = cal.plan(reduction=reduction)
+        budget = int(dense * (1 - reduction))
+        counted = SegmentorFlops(Config.fromfile(config), dict(plan=plan)).count((128, 128))[1]
+        assert counted.total == round(plan.info['flops']['plan_gflops'] * 1e9)
+        assert counted.total <= budget
+        assert plan.info['budget']['gflops'] == budget / 1e9
+    # no reduction: every layer dense; the cheapest budget: every layer on its cheapest
+    assert all(s is None for s in cal.plan(reduction=0).layers.values())
+    cheapest = cal.plan(budget_gflops=cal.cheapest_flops() / 1e9)
+    assert cheapest.info['flops']['plan_gflops'] * 1e9 == pytest.approx(cal.cheapest_flops())
+    # the uniform setting's FLOPs as a budget: the plan's predicted error is at most its own
+    uniform = cal.uniform_gflops('4:16')
+    plan = cal.plan(budget_gflops=uniform)
+    assert plan.info['flops']['plan_gflops'] <= uniform
+    assert plan.info['calibration']['predicted_error'] <= cal.errors()[:, 1].sum() + 1e-12
+
+
+def test_calibration_is_deterministic(calibrated, segmenter_ckpt):
+    config, ckpt = segmenter_ckpt
+    # again, running every layer instead of replaying the dense ones before the swapped one:
+    # the same errors, bit for bit
+    again = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES[:2], seed=0,
+                           replay=False)
+    np.testing.assert_array_equal(again.errors(), calibrated.errors()[:, :2])
+    np.testing.assert_array_equal(again.flops(), calibrated.flops()[:, :2])
+    assert again.image_paths == calibrated.image_paths
+    twice = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES[:2], seed=0)
+    a, b = again.plan(reduction=0.05).to_dict(), twice.plan(reduction=0.05).to_dict()
+    for d in (a, b):
+        d['calibration'].pop('seconds')
+    assert a == b and any(layer['setting'] != 'dense' for layer in a['layers'])
+    other = SwapCalibrator(config, ckpt, images=4, candidates=['dense', '2:8'], seed=1)
+    other._batches()
+    assert other.image_paths != calibrated.image_paths
+
+
+def test_bad_budgets(calibrated):
+    cal = calibrated
+    dense, cheapest = cal.dense_flops / 1e9, cal.cheapest_flops() / 1e9
+    # above the dense model's cost
+    with pytest.raises(CalibrationError, match=r"budget .* GFLOPs is above the dense model's "
+                       r'cost \(.* GFLOPs at 128x128\)'):
+        cal.plan(budget_gflops=dense * 1.01)
+    # below the cheapest plan of the candidates
+    with pytest.raises(CalibrationError, match=r'reduction 0.99 is below the cheapest plan '
+                       r'of the candidates \(.* GFLOPs at 128x128, .*% below dense\): give at '
+                       'least that, or add cheaper --candidates'):
+        cal.plan(reduction=0.99)
+    with pytest.raises(CalibrationError, match='below the cheapest'):
+        cal.plan(budget_gflops=cheapest * 0.99)
+    with pytest.raises(ValueError, match='give one of reduction, budget_gflops and '
+                       'budget_uniform'):
+        cal.plan()
+    # the FLOPs of a uniform setting that is not a candidate
+    with pytest.raises(CalibrationError, match="'7:49' is not one of the candidates"):
+        cal.plan(budget_uniform='7:49')
+
+
+def test_empty_training_split(segmenter_ckpt, tmp_path):
+    config, ckpt = segmenter_ckpt
+    os.makedirs(tmp_path / 'empty')
+    cal = SwapCalibrator(config, ckpt, images=2, candidates=['dense', '2:8'], cfg_options={
+        'train_dataloader.dataset.data_prefix.img_path': str(tmp_path / 'empty')})
+    with pytest.raises(CalibrationError, match='the training split of the config .* has no '
+                       'images: calibration draws its images from the training split'):
+        cal.errors()
+
+
+@pytest.mark.slow
+def test_calibrate_swap_tool(segmenter_ckpt, tools, tmp_path):
+    config, ckpt = segmenter_ckpt
+    out = str(tmp_path / 'plan.json')
+    _, log = tools('tools/calibrate_swap.py', config, ckpt, '--reduction', 0.2, '--images', 2,
+                   '--candidates', 'dense', '4:16', '2:8:route', '--out', out)
+    assert '[calibrate_swap] layer 6/6 decode_head.layers.1.attn: error' in log
+    assert re.search(r'layer +setting +error \(KL\) +GFLOPs', log) and 'wrote ' + out in log
+    plan = SwapPlan.load(out)
+    data = json.load(open(out))
+    assert data['budget']['reduction'] == 0.2 and len(data['calibration']['images']) == 2
+    assert data['flops']['plan_gflops'] <= data['budget']['gflops']
+    assert all('error' in layer for layer in data['layers'])
+    # the plan in the tools: get_flops counts what the plan says, test.py evaluates it,
+    # the exported pair gives the same mIoU
+    _, log = tools('tools/get_flops.py', config, '--mita-plan', out)
+    total = float([line.split()[-2] for line in log.splitlines()
+                   if line.startswith('total (GFLOPs)')][0])
+    assert total == pytest.approx(data['flops']['plan_gflops'], abs=5e-3)
+    assert f'plan {out} ({plan.summary()})' in log
+    _, log = tools('tools/test.py', config, ckpt, '--mita-plan', out, '--work-dir', tmp_path / 't')
+    miou = tools.miou(log)
+    _, log = tools('tools/export_swapped.py', config, ckpt, '--mita-plan', out, '--out-dir',
+                   tmp_path / 'ex')
+    pair = [line.split()[1] for line in log.splitlines() if line.startswith('wrote ')]
+    _, log = tools('tools/test.py', *pair, '--work-dir', tmp_path / 'e')
+    assert tools.miou(log) == miou
+    # bad input: one line each
+    code, log = tools('tools/calibrate_swap.py', config, ckpt, '--budget-gflops', 1000,
+                      '--images', 1, '--candidates', 'dense', '2:8', '--out',
+                      tmp_path / 'x.json', check=False)
+    assert code == 1 and "error: budget 1000 GFLOPs is above the dense model's cost" in log
+    assert 'Traceback' not in log and not osp.exists(tmp_path / 'x.json')
+    code, log = tools('tools/calibrate_swap.py', config, ckpt, '--reduction', 0.2,
+                      '--candidates', '7:0', '--out', tmp_path / 'x.json', check=False)
+    assert code == 2 and "candidate '7:0': write dense, P:K" in log
+    other = SwapPlan.from_dict(dict(plan.to_dict(), layers=plan.to_dict()['layers'][:4]))
+    other.save(str(tmp_path / 'other.json'))
+    code, log = tools('tools/test.py', config, ckpt, '--mita-plan', tmp_path / 'other.json',
+                      '--work-dir', tmp_path / 'o', check=False)
+    assert code == 1 and 'is for a model with 4 attention layers; EncoderDecoder has 6' in log
+    assert 'Traceback' not in log

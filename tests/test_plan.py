@@ -1,0 +1,237 @@
+"""Swap plans (one MiTA setting or dense per attention layer): the file format and its checks,
+``swap_attention(plan=...)`` against the unswapped model and against ``--mita-cfg``,
+``--mita-plan`` at argument parsing, and the plan carried by ``export_swapped``.
+
+The model is the standard-attention tiny Segmenter of ``conftest.segmenter_ckpt`` (ViT 4 x 64,
+patch 8; 2-layer mask head): 6 attention layers.
+"""
+import argparse
+import json
+import os.path as osp
+import re
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from mita_seg import swap_attention
+from mita_seg.apis import add_mita_args, export_swapped, init_model, swap_settings
+from mita_seg.models import MiTAAttention, PlanError, SwapPlan, attention_layers
+from mita_seg.models.plan import PLAN_FORMAT
+
+LAYERS = [f'backbone.layers.{i}.attn' for i in range(4)] + [
+    f'decode_head.layers.{i}.attn' for i in range(2)]
+MITA = dict(pool_size=4, topk=32)
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TINY_MITA = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
+
+
+def plan_dict(settings):
+    return dict(format=PLAN_FORMAT,
+                layers=[dict(name=n, setting=s) for n, s in zip(LAYERS, settings)])
+
+
+MIXED = ['dense', dict(pool_size=4, topk=16), dict(pool_size=2, topk=8,
+         with_shared_expert=False), 'dense', dict(pool_size=4, topk=32), 'dense']
+
+
+def logits(model, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(2, 3, 128, 96)
+    metas = [dict(ori_shape=(128, 96), img_shape=(128, 96), pad_shape=(128, 96))] * 2
+    with torch.no_grad():
+        return model.inference(x, metas)
+
+
+@pytest.fixture(scope='module')
+def dense_logits(segmenter_ckpt):
+    config, ckpt = segmenter_ckpt
+    return logits(init_model(config, ckpt))
+
+
+# -- the format ----------------------------------------------------------------------------
+@pytest.mark.parametrize('data, message', [
+    ([1, 2], 'not a swap plan'),                                      # not an object
+    (dict(format='other/1', layers=[]), "format 'other/1' is not"),   # another format
+    (dict(format=PLAN_FORMAT, layers=[]), 'non-empty list'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.blocks.0', setting='dense')]),
+     "unknown layer 'backbone.blocks.0'"),                            # not <owner>.layers.i.attn
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn', setting='dense')] * 2),
+     'backbone.layers.0.attn is given twice'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn',
+                                           setting=dict(topk=0))]),
+     'layer backbone.layers.0.attn: topk=0: topk must be an int >= 1'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn',
+                                           setting=dict(top_k=3))]),
+     "layer backbone.layers.0.attn: unknown MiTA setting 'top_k'"),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn', setting='mita')]),
+     'setting must be "dense" or an object'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn')]),
+     'must be an object with "name" and "setting"'),
+], ids=['not-object', 'format', 'empty', 'unknown-layer', 'twice', 'bad-value', 'bad-key',
+        'bad-setting', 'no-setting'])
+def test_bad_plan_files_name_the_problem(data, message, tmp_path):
+    path = tmp_path / 'plan.json'
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match='plan .*plan.json') as e:
+        SwapPlan.load(str(path))
+    assert message in str(e.value)
+
+
+def test_plan_round_trips(tmp_path):
+    data = plan_dict(MIXED)
+    data['layers'][1]['error'] = 0.25                                  # extra keys are kept
+    data['budget'] = dict(gflops=1.5)
+    plan = SwapPlan.from_dict(data)
+    assert plan.layers['backbone.layers.0.attn'] is None
+    assert plan.layers['backbone.layers.1.attn'] == dict(pool_size=4, topk=16)
+    assert plan.to_dict() == data
+    assert SwapPlan.load(plan.save(str(tmp_path / 'p.json'))).to_dict() == data
+    with pytest.raises(PlanError, match='not found'):
+        SwapPlan.load(str(tmp_path / 'missing.json'))
+    (tmp_path / 'bad.json').write_text('{"format": ')
+    with pytest.raises(PlanError, match='not a JSON file'):
+        SwapPlan.load(str(tmp_path / 'bad.json'))
+
+
+# -- swap_attention(plan=...) ---------------------------------------------------------------
+def test_attention_layers_are_the_plan_names(segmenter_ckpt):
+    model = init_model(*segmenter_ckpt)
+    assert [n for n, _, _ in attention_layers(model)] == LAYERS
+
+
+def test_all_dense_plan_is_the_unswapped_model(segmenter_ckpt, dense_logits):
+    model = init_model(*segmenter_ckpt)
+    keys = list(model.state_dict())
+    assert swap_attention(model, plan=SwapPlan.uniform(LAYERS, None)) == 0
+    assert not any(isinstance(m, MiTAAttention) for m in model.modules())
+    torch.testing.assert_close(logits(model), dense_logits, rtol=0, atol=0)
+    # after a swap, the all-dense plan puts back the very modules and parameters
+    swap_attention(model, **MITA)
+    assert not torch.equal(logits(model), dense_logits)
+    swap_attention(model, plan=SwapPlan.uniform(LAYERS, None))
+    assert not any(isinstance(m, MiTAAttention) for m in model.modules())
+    assert list(model.state_dict()) == keys
+    torch.testing.assert_close(logits(model), dense_logits, rtol=0, atol=0)
+
+
+def test_uniform_plan_is_mita_cfg(segmenter_ckpt):
+    config, ckpt = segmenter_ckpt
+    by_cfg = init_model(config, ckpt, mita_cfg=MITA)
+    by_plan = init_model(config, ckpt, mita_cfg=dict(plan=SwapPlan.uniform(LAYERS, MITA)))
+    assert repr(by_plan) == repr(by_cfg)
+    torch.testing.assert_close(logits(by_plan), logits(by_cfg), rtol=0, atol=0)
+
+
+def test_mixed_plan_sets_each_layer(segmenter_ckpt, log_records):
+    model = init_model(*segmenter_ckpt)
+    plan = SwapPlan.from_dict(plan_dict(MIXED), source='mixed.json')
+    with log_records() as records:
+        assert swap_attention(model, plan=plan) == 3
+    assert ('swap_attention: plan mixed.json: 3 attention modules on MiTA (1 x M=4x4 k=16, '
+            '1 x M=2x2 k=8 route-only, 1 x M=4x4 k=32), 3 dense') in records.messages
+    for name, setting in zip(LAYERS, MIXED):
+        attn = model.get_submodule(name)
+        if setting == 'dense':
+            assert not isinstance(attn, MiTAAttention)
+        else:
+            assert {k: getattr(attn, k) for k in setting} == setting
+            assert attn.router_topk == 1                    # defaults for the rest
+    # the backbone as --mita-cfg layers=[i] with each layer's setting makes it
+    ref = init_model(*segmenter_ckpt)
+    for i, setting in enumerate(MIXED[:4]):
+        if setting != 'dense':
+            swap_attention(ref, layers=[i], include_head=False, verbose=False, **setting)
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 128, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(model.backbone(x), ref.backbone(x), rtol=0, atol=0)
+
+
+def test_plan_for_another_model(segmenter_ckpt):
+    model = init_model(*segmenter_ckpt)
+    # a plan of another layer count: a plan for another model
+    plan = SwapPlan.from_dict(plan_dict(MIXED[:5]), source='other.json')
+    with pytest.raises(PlanError, match='plan other.json is for a model with 5 attention '
+                       r'layers; EncoderDecoder has 6 \(backbone.layers.0-3.attn, '
+                       r'decode_head.layers.0-1.attn\)'):
+        swap_attention(model, plan=plan)
+    # same count, a layer the model does not have
+    data = plan_dict(MIXED)
+    data['layers'][5]['name'] = 'decode_head.layers.7.attn'
+    with pytest.raises(PlanError, match='names layer decode_head.layers.7.attn, which '
+                       'EncoderDecoder does not have'):
+        swap_attention(model, plan=SwapPlan.from_dict(data))
+    # a plan and settings at once
+    with pytest.raises(ValueError, match='give a plan or settings'):
+        swap_attention(model, plan=SwapPlan.from_dict(plan_dict(MIXED)), topk=3)
+
+
+def test_dense_in_a_mita_config():
+    from mita_seg.analysis.segmentor_cost import build_segmentor
+    from mita_seg.models import use_dense
+    # a MiTA backbone builds mmseg's layers, then swaps them: dense puts them back
+    model = build_segmentor(Config.fromfile(TINY_MITA))        # MiTAVisionTransformer
+    names = [n for n, _, _ in attention_layers(model)]
+    assert swap_attention(model, plan=SwapPlan.uniform(names, None)) == 0
+    assert not any(isinstance(m, MiTAAttention) for m in model.modules())
+    # a MiTAAttention built as such has no standard attention to go back to
+    owner = torch.nn.Module()
+    owner.layers = torch.nn.ModuleList([torch.nn.Module()])
+    owner.layers[0].attn = MiTAAttention(64, 2)
+    with pytest.raises(ValueError, match='layer 0 of Module was built on MiTA, not swapped'):
+        use_dense(owner, [0])
+
+
+# -- --mita-plan ----------------------------------------------------------------------------
+def parse(argv, **kwargs):
+    p = argparse.ArgumentParser()
+    add_mita_args(p, **kwargs)
+    return swap_settings(p, p.parse_args(argv))
+
+
+def test_mita_plan_argument(tmp_path, capsys):
+    path = str(tmp_path / 'plan.json')
+    SwapPlan.from_dict(plan_dict(MIXED)).save(path)
+    got = parse(['--mita-plan', path])
+    assert list(got) == ['plan'] and got['plan'].source == path
+    assert got['plan'].layers['backbone.layers.1.attn'] == dict(pool_size=4, topk=16)
+    assert parse(['--mita-plan', path], swap_flag=False)['plan'].layers == got['plan'].layers
+    # a bad file, or a plan with --mita-cfg or --swap-attn none: usage errors (exit 2)
+    (tmp_path / 'bad.json').write_text(json.dumps(plan_dict(['dense', dict(topk=0)])))
+    for argv, message in [
+            (['--mita-plan', str(tmp_path / 'bad.json')],
+             'argument --mita-plan: plan .*bad.json: layer backbone.layers.1.attn: topk=0'),
+            (['--mita-plan', str(tmp_path / 'none.json')], 'plan .*none.json not found'),
+            (['--mita-plan', path, '--mita-cfg', 'topk=3'], 'give --mita-plan or --mita-cfg'),
+            (['--mita-plan', path, '--swap-attn', 'none'], '--mita-plan needs --swap-attn')]:
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+        assert re.search(message, capsys.readouterr().err), argv
+
+
+# -- export_swapped -------------------------------------------------------------------------
+def test_export_carries_the_plan(segmenter_ckpt, tmp_path):
+    config, ckpt = segmenter_ckpt
+    plan = SwapPlan.from_dict(plan_dict(MIXED), source='mixed.json')
+    out_cfg, out_ckpt = export_swapped(config, ckpt, str(tmp_path), dict(plan=plan))
+    cfg = Config.fromfile(out_cfg)
+    assert cfg.model.backbone.type == 'MiTAVisionTransformer'
+    assert cfg.model.backbone.mita_layer_cfgs == [None, MIXED[1], MIXED[2], None]
+    assert cfg.model.decode_head.mita_layer_cfgs == [MIXED[4], None]
+    meta = torch.load(out_ckpt, weights_only=True)['meta']
+    assert meta['mita_plan'] == plan.to_dict()
+    exported = init_model(out_cfg, out_ckpt)                                  # strict
+    swapped = init_model(config, ckpt, mita_cfg=dict(plan=plan))
+    assert repr(exported).count('MiTAAttention') == 3
+    assert list(exported.state_dict()) == list(swapped.state_dict())
+    torch.testing.assert_close(logits(exported), logits(swapped), rtol=0, atol=0)
+    # the same plan on the exported model changes nothing
+    swap_attention(exported, plan=plan)
+    torch.testing.assert_close(logits(exported), logits(swapped), rtol=0, atol=0)
+    # a plan for another model is refused before anything is written
+    other = SwapPlan.from_dict(plan_dict(MIXED[:4]), source='other.json')
+    with pytest.raises(PlanError, match='is for a model with 4 attention layers'):
+        export_swapped(config, ckpt, str(tmp_path / 'other'), dict(plan=other))
+    assert not osp.exists(tmp_path / 'other')

@@ -1,0 +1,119 @@
+"""Choose per-layer MiTA settings for a FLOP budget from a few training images (a swap plan),
+for a checkpoint trained with standard attention, with no retraining.
+
+Usage::
+
+    python tools/calibrate_swap.py CONFIG CHECKPOINT
+        (--reduction 0.4 | --budget-gflops G | --budget-uniform 7:49)
+        --out PLAN.json [--images 16] [--candidates dense 7:49 5:16:route ...] [--seed 0]
+        [--cfg-options key=value ...]
+
+On ``--images`` images drawn (``--seed``) from the config's *training* split (never the
+evaluation images), measures the error each candidate setting of each attention layer causes
+in the segmentation logits (mean per-pixel KL against the dense model, only that layer
+swapped), counts each candidate's FLOPs with the project's counter (one crop at the config's
+crop size, as ``tools/get_flops.py``), and chooses the plan of least total error within the
+budget (a multiple-choice knapsack over layers; :func:`mita_seg.apis.calibrate_swap`).
+Candidates: ``dense``, ``P:K`` (pool P x P, top-k K, shared expert), ``P:K:route``
+(route-only); by default dense and P 4/5/7 x K 16/49/100, both kinds. Writes the plan
+(``--mita-plan PLAN.json`` of ``tools/test.py``, ``get_flops.py``, ``export_swapped.py``,
+``image_demo.py``, ``swap_sweep.py``) and prints it as a table.
+"""
+import argparse
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import DictAction  # noqa: E402
+
+from mita_seg.apis import calibrate_swap, config_name, run_tool  # noqa: E402
+from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, parse_candidate  # noqa: E402
+from mita_seg.models.plan import setting_label  # noqa: E402
+
+
+def candidate(text: str) -> str:
+    try:
+        parse_candidate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='Per-layer MiTA settings for a FLOP budget, from a few training images')
+    parser.add_argument('config', help="config of the standard-attention model (a file or "
+                        "'mmseg::<dir>/<config>.py')")
+    parser.add_argument('checkpoint', help='its checkpoint')
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument('--reduction', type=float,
+                        help='FLOPs to save, as a fraction of the dense model\'s (0.4: the '
+                        'plan costs at most 60%% of dense)')
+    budget.add_argument('--budget-gflops', type=float,
+                        help='the plan\'s FLOPs at most this (GFLOPs of one crop at the '
+                        'config\'s crop size, as tools/get_flops.py counts)')
+    budget.add_argument('--budget-uniform', type=candidate, metavar='P:K[:route]',
+                        help='the FLOPs of every layer on this setting, e.g. 7:49 (one of '
+                        'the candidates): the plan for the cost of that uniform swap')
+    parser.add_argument('--out', required=True, help='the plan file to write (JSON)')
+    parser.add_argument('--images', type=int, default=16,
+                        help='calibration images from the training split (default: 16)')
+    parser.add_argument('--candidates', nargs='+', type=candidate,
+                        default=list(DEFAULT_CANDIDATES), metavar='SETTING',
+                        help='candidate settings of every layer: dense, P:K (shared expert) '
+                        'or P:K:route (default: dense and P 4/5/7 x K 16/49/100, both kinds)')
+    parser.add_argument('--seed', type=int, default=0, help='which training images')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value')
+    args = parser.parse_args(argv)
+    if args.reduction is not None and not 0 <= args.reduction < 1:
+        parser.error(f'--reduction must be in [0, 1), got {args.reduction}')
+    if args.budget_gflops is not None and args.budget_gflops <= 0:
+        parser.error(f'--budget-gflops must be > 0, got {args.budget_gflops}')
+    if args.images < 1:
+        parser.error(f'--images must be >= 1, got {args.images}')
+    return args
+
+
+def format_plan(plan) -> str:
+    """The plan as a short table: each layer's choice, error and GFLOPs, then the totals."""
+    info, per_layer = plan.info, plan.info['layer_info']
+    width = max(len(n) for n in plan.layers) + 2
+    lines = [f'{"layer":<{width}}{"setting":<24}{"error (KL)":>12}{"GFLOPs":>10}']
+    for name, setting in plan.layers.items():
+        li = per_layer[name]
+        lines.append(f'{name:<{width}}{setting_label(setting):<24}{li["error"]:12.4g}'
+                     f'{li["gflops"]:10.4g}')
+    f, b, c = info['flops'], info['budget'], info['calibration']
+    asked = f' (uniform {b["uniform"]})' if b.get('uniform') else ''
+    lines.append(f'plan: {f["plan_gflops"]:.4g} GFLOPs, {f["reduction_percent"]:.1f}% below dense '
+                 f'{f["dense_gflops"]:.4g} (budget {b["gflops"]:.4g}{asked}; {b["counted"]})')
+    against = (f', uniform {b["uniform"]}: {b["uniform_predicted_error"]:.4g}'
+               if b.get('uniform') else '')
+    lines.append(f'{plan.summary()}; predicted error {c["predicted_error"]:.4g}{against} (sum '
+                 'of the layers\' errors)')
+    lines.append(f'calibration: {len(c["images"])} training images, {len(c["candidates"])} '
+                 f'candidates, {c["image_forwards"]} image forwards, {c["seconds"]:.0f}s')
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    plan = calibrate_swap(
+        args.config, args.checkpoint, args.reduction, args.budget_gflops, args.images,
+        args.candidates, args.seed, args.cfg_options,
+        progress=lambda line: print(f'[calibrate_swap] {line}', file=sys.stderr, flush=True),
+        budget_uniform=args.budget_uniform)
+    plan.info['model']['config'] = str(args.config)
+    plan.save(args.out)
+    plan.source = args.out
+    print(f'{config_name(args.config)}: swap plan')
+    print(format_plan(plan))
+    print(f'wrote {args.out}\nuse: python tools/test.py {args.config} {args.checkpoint} '
+          f'--mita-plan {args.out}')
+    return plan
+
+
+if __name__ == '__main__':
+    run_tool(main)
