@@ -8,10 +8,16 @@
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
   (:class:`StudySettings`);
-- :func:`run_tool`: user errors end a tool with a message, exit status 1.
+- careless input (:mod:`mita_seg.apis.cli`): argument types that refuse a bad path or
+  number at parsing (:func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
+  :func:`input_file`, :func:`output_file`, :func:`output_dir`, :func:`int_range`,
+  :func:`float_range`, :func:`device_name`, :class:`KeyValueAction`), and :func:`run_tool`: user errors found
+  later end a tool with one ``error:`` line, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
-from .cli import USER_ERRORS, run_tool
+from .cli import (USER_ERRORS, InputError, KeyValueAction, checkpoint_file, config_file,
+                  device_name, ensure_parent, float_range, image_file, input_file, int_range, output_dir,
+                  output_file, python_command, run_tool)
 from .config import config_name, load_config
 from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
@@ -25,5 +31,9 @@ __all__ = [
     'load_config', 'config_name', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
-    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS'
+    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'InputError', 'KeyValueAction', 'checkpoint_file', 'config_file', 'device_name',
+    'ensure_parent',
+    'float_range', 'image_file', 'input_file', 'int_range', 'output_dir', 'output_file',
+    'python_command'
 ]
