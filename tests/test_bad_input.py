@@ -329,7 +329,13 @@ def careless_cases(f):
                                         'router_topk=5 is more than the M=4 landmarks'),
         'test/cfg-options-no-equals': ('test', [CFG, ck, '--cfg-options', 'model'], 2,
                                        "--cfg-options: 'model' is not KEY=VALUE"),
+        'test/launcher-without-torchrun': ('test', [CFG, ck, '--launcher', 'pytorch'], 1,
+                                           'error: --launcher pytorch: RANK, WORLD_SIZE, '
+                                           'MASTER_ADDR, MASTER_PORT not set; start the tool '
+                                           'through torchrun'),
         # --- tools/train.py
+        'train/launcher-without-srun': ('train', [CFG, '--launcher', 'slurm'], 1,
+                                        'error: --launcher slurm: SLURM_PROCID'),
         'train/config-dir': ('train', ['configs'], 2, "config 'configs' is a directory"),
         'train/config-wrong-kind': ('train', ['README.md'], 2, 'is not a config file'),
         'train/work-dir-file': ('train', [CFG, '--work-dir', afile], 2, 'is a file, not a folder'),
