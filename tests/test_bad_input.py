@@ -459,7 +459,7 @@ def test_careless_input_as_users_run_it(tools, careless):
     # the same checks, each tool in its own process as a user runs it
     code, out = tools('tools/image_demo.py', 'README.md', CFG, careless['fake.pth'],
                       '--out-file', 'x.png', check=False)
-    assert code == 2 and out.startswith('usage: image_demo.py') and 'Traceback' not in out
+    assert code == 2 and 'usage: image_demo.py' in out and 'Traceback' not in out
     assert out.strip().endswith("image_demo.py: error: argument img: image 'README.md' is not "
                                 'an image OpenCV can read (%d bytes): give a .jpg/.jpeg/.png/'
                                 '.bmp/.tif... file' % os.path.getsize(

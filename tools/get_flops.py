@@ -27,7 +27,7 @@ from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E40
 from mita_seg.analysis.segmentor_cost import FlopComparison, SegmentorFlops  # noqa: E402
 from mita_seg.apis import (KeyValueAction, add_mita_args, config_file,  # noqa: E402
                            config_name, ensure_parent, int_range, load_config, output_file,
-                           run_tool, swap_settings)
+                           run_tool, swap_settings, wrap_title)
 from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def plot_sweep(rows, out: str, title: str):
     ax.set_xticks(sizes, [f'{s}' for s in sizes])
     ax.set_xlabel('input size (pixels, square)')
     ax.set_ylabel('GFLOPs (1 MAC = 1 FLOP)')
-    ax.set_title(title, fontsize=9, wrap=True)   # the whole title, on several lines
+    ax.set_title(wrap_title(title, fig.get_figwidth()), fontsize=9)   # whole, on 2+ lines
     ax.grid(True, which='both', alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -28,7 +28,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.apis import (KeyValueAction, add_mita_args, build_runner,  # noqa: E402
                            check_mita_cfg, checkpoint_file, config_file, config_name,
                            ensure_parent, int_range, load_config, output_dir, output_file,
-                           prepare_config, run_tool, swap_model, swap_sweep)
+                           prepare_config, run_tool, swap_model, swap_sweep, wrap_title)
 from mita_seg.apis.sweep import FLOP_NOTE  # noqa: E402
 
 
@@ -114,7 +114,7 @@ def plot_sweep(rows, out_png, title):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('mIoU (%)')
     axes[1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9, wrap=True)
+    fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)

@@ -17,7 +17,7 @@
 from mita_seg.utils.checkpoint import load_checkpoint
 from .cli import (USER_ERRORS, InputError, KeyValueAction, checkpoint_file, config_file,
                   device_name, ensure_parent, float_range, image_file, input_file, int_range, output_dir,
-                  output_file, python_command, run_tool)
+                  output_file, python_command, run_tool, wrap_title)
 from .config import config_name, load_config
 from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
@@ -35,5 +35,5 @@ __all__ = [
     'InputError', 'KeyValueAction', 'checkpoint_file', 'config_file', 'device_name',
     'ensure_parent',
     'float_range', 'image_file', 'input_file', 'int_range', 'output_dir', 'output_file',
-    'python_command'
+    'python_command', 'wrap_title'
 ]

@@ -32,8 +32,7 @@ from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckp
 __all__ = [
     'InputError', 'USER_ERRORS', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
     'image_file', 'output_file', 'output_dir', 'int_range', 'float_range', 'device_name',
-    'KeyValueAction',
-    'ensure_parent', 'python_command'
+    'KeyValueAction', 'ensure_parent', 'python_command', 'wrap_title'
 ]
 
 
@@ -73,7 +72,8 @@ def _is_url(path: str) -> bool:
 def _check_input(path: str, kind: str, suffixes: Sequence[str]) -> str:
     """``path`` if it is a readable, non-empty file (of one of ``suffixes``), else an
     ``ArgumentTypeError`` naming it, what is wrong and what ``kind`` of file to give."""
-    give = f'give a {kind} file' + (f' ({"/".join(suffixes)})' if suffixes else '')
+    give = f'give {"an" if kind[0] in "aeiou" else "a"} {kind} file' + (
+        f' ({"/".join(suffixes)})' if suffixes else '')
     if not osp.exists(path):
         why = 'does not exist'
         parent = osp.dirname(osp.abspath(path))
@@ -276,6 +276,15 @@ class KeyValueAction(DictAction):
 
 
 # ---------------------------------------------------------------------------- printing
+def wrap_title(text: str, width_inches: float, fontsize: float = 9) -> str:
+    """``text`` wrapped to lines that fit ``width_inches`` at ``fontsize`` points (a
+    character of a sans-serif font is at most about 0.6 em wide): a figure's title whole,
+    on as many lines as it needs (matplotlib cuts a long one at the figure's edge)."""
+    import textwrap
+    chars = max(20, int(width_inches * 72 / (0.6 * fontsize)))
+    return '\n'.join(textwrap.fill(line, chars) for line in text.split('\n'))
+
+
 def python_command(script: str, *args: str) -> str:
     """The command line that runs ``script`` (a path) with ``args`` with the interpreter
     running now (so a venv's ``.venv/bin/python`` is printed as such), paths relative to
