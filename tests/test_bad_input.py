@@ -7,7 +7,14 @@ says what to change, and nothing runs with random weights.
   argument parsing, naming the key and what it accepts, nothing written;
 - ``--swap-attn`` on a model with nothing to swap (Swin): exit 1 listing its attention;
 - a BEiT evaluated at a patch grid its bias tables were not built for: exit 1 saying to
-  evaluate at the training crop (``mode='slide'``) or to interpolate the table.
+  evaluate at the training crop (``mode='slide'``) or to interpolate the table;
+- careless input to every argument of every tool (:func:`careless_cases`: a missing file, a
+  directory, an empty, truncated or wrong kind of file, an output path under a file or ending
+  in ``/``, an out-of-range number, ``KEY`` without ``=VALUE``, ``router_topk`` above ``M``, a
+  launcher outside its starter): one message naming the input, exit 2 (usage) or 1
+  (``error:``), no traceback, nothing written; run in one interpreter through ``runpy`` (fast)
+  and a few as separate processes; and, with a trained model, ``layers=[9]``, ``--title``,
+  ``--json`` into a new folder and a sweep whose pools clamp to the grid.
 
 The tools run as subprocesses, two at a time.
 """

@@ -11,6 +11,11 @@ global attention layer, counted per image on the first test image(s) as the mode
 them (all crops in slide mode), and the whole-model count (a jit trace with attention
 handles, times the crops of the test mode).
 
+Each row says what ran: a pool larger than the patch grid runs on the grid and its row is
+labelled with the landmarks used (``MiTA M=16x16 k=49 (asked M=20x20)``), ``k >= N`` is
+``(every key)``, and a setting that runs exactly as an earlier row is not evaluated again
+(the progress line says so). ``--help`` shows the defaults.
+
 Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
