@@ -73,6 +73,7 @@ def attention_gmacs(model: nn.Module, batches: Sequence[dict],
     ``ran``, if given, receives the settings the MiTA calls ran with
     (:attr:`AttentionMacCounter.ran`)."""
     images = 0
+    model.eval()                          # a test-mode forward (BatchNorm, dropout)
     with AttentionMacCounter(model) as counter, torch.no_grad():
         for batch in batches:
             model.test_step(batch)
@@ -161,7 +162,7 @@ def swap_sweep(runner: Runner,
         if setting is None:
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
-            attn = attention_gmacs(model, batches)
+            attn = None     # after runner.test(), which loads the checkpoint, sets eval()
         else:
             pool, topk = setting
             swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
@@ -177,6 +178,8 @@ def swap_sweep(runner: Runner,
         progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
+        if attn is None:
+            attn = attention_gmacs(model, batches)
         row = dict(setting=label, M=M, topk=topk, mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
                    attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]))
