@@ -7,10 +7,19 @@ says what to change, and nothing runs with random weights.
   argument parsing, naming the key and what it accepts, nothing written;
 - ``--swap-attn`` on a model with nothing to swap (Swin): exit 1 listing its attention;
 - a BEiT evaluated at a patch grid its bias tables were not built for: exit 1 saying to
-  evaluate at the training crop (``mode='slide'``) or to interpolate the table.
+  evaluate at the training crop (``mode='slide'``) or to interpolate the table;
+- careless input to every argument of every tool (:func:`careless_cases`: a missing file, a
+  directory, an empty, truncated or wrong kind of file, an output path under a file or ending
+  in ``/``, an out-of-range number, ``KEY`` without ``=VALUE``, ``router_topk`` above ``M``, a
+  launcher outside its starter): one message naming the input, exit 2 (usage) or 1
+  (``error:``), no traceback, nothing written; run in one interpreter through ``runpy`` (fast)
+  and a few as separate processes; and, with a trained model, ``layers=[9]``, ``--title``,
+  ``--json`` into a new folder and a sweep whose pools clamp to the grid.
 
 The tools run as subprocesses, two at a time.
 """
+import csv
+import os
 import os.path as osp
 import subprocess
 import sys
@@ -214,3 +223,311 @@ def test_beit_at_another_grid_says_how_to_evaluate(tiny_data, tools, tmp_path):
                 'for a 32x32 patch grid') in out, out[-3000:]
         assert 'this input has a 40x40 grid' in out
         assert "test_cfg=dict(mode='slide', crop_size=<img_size>" in out
+
+
+# ---------------------------------------------------------------- careless input, per tool
+# Every argument of every tool given a missing file, a directory, an empty file, a file of the
+# wrong kind, a truncated file or an out-of-range number: one message naming the input and
+# what to give instead (argparse's usage and exit status 2 where the argument alone is wrong,
+# ``error: ...`` and exit status 1 where the file's content is), never a traceback, nothing
+# written.
+
+CFG = 'configs/baselines/segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py'
+
+# Runs each ``(tool, argv)`` as ``python tools/<tool>.py argv`` would (``runpy`` with
+# ``__name__ == '__main__'``) in ONE interpreter, so the imports are paid once; prints a JSON
+# list of (exit status, output) per case.
+DRIVER = r'''
+import contextlib, io, json, runpy, sys, traceback
+cases = json.loads(sys.argv[1])
+results = []
+for script, argv in cases:
+    out = io.StringIO()
+    code = 0
+    sys.argv = [script] + argv
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_path(script, run_name='__main__')
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 'traceback'
+    results.append((code, out.getvalue()))
+print('\nRESULTS ' + json.dumps(results))
+'''
+
+
+def run_cases(tools, cases, timeout=600):
+    """``{name: (tool, argv, ...)}`` -> ``{name: (exit status, output)}``, one interpreter."""
+    import json
+    names = list(cases)
+    payload = json.dumps([(f'tools/{cases[n][0]}.py', [str(a) for a in cases[n][1]])
+                          for n in names])
+    env = dict(tools.env, MALLOC_MMAP_THRESHOLD_='65536', COLUMNS='200')  # benchmark: no re-exec
+    proc = subprocess.run([sys.executable, '-c', DRIVER, payload], cwd=tools.root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert 'RESULTS ' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout.split('RESULTS ', 1)[1])
+    return dict(zip(names, results))
+
+
+@pytest.fixture(scope='module')
+def careless(tmp_path_factory):
+    """Files a careless hand gives: each name -> a path."""
+    import cv2
+    import numpy as np
+    d = tmp_path_factory.mktemp('careless')
+    (d / 'folder').mkdir()
+    (d / 'afile').write_text('not a folder\n')
+    (d / 'empty.pth').write_bytes(b'')
+    (d / 'empty.py').write_text('')
+    (d / 'text.jpg').write_text('hello, this is not an image\n')
+    png = cv2.imencode('.png', np.random.default_rng(0).integers(0, 255, (64, 64, 3),
+                                                                 dtype=np.uint8))[1].tobytes()
+    (d / 'truncated.png').write_bytes(png[:len(png) // 3])
+    (d / 'good.png').write_bytes(png)
+    (d / 'broken.py').write_text('model = dict(type="EncoderDecoder"\n')     # cut short
+    (d / 'nomodel.py').write_text('x = 1\n')
+    (d / 'fake.pth').write_bytes(b'\x00' * 64)      # exists: its content is read later
+    return {p.name: str(p) for p in d.iterdir()} | {'missing': str(d / 'nope.pth'),
+                                                    'dir': str(d / 'folder'),
+                                                    'root': str(d)}
+
+
+def careless_cases(f):
+    """``name -> (tool, argv, exit status, what the message must say)``."""
+    ck, img = f['fake.pth'], f['good.png']
+    miss, dirp, afile = f['missing'], f['dir'], f['afile']
+    c = {
+        # --- tools/test.py
+        'test/config-missing': ('test', ['configs/nope.py', ck], 2,
+                                "argument config: config 'configs/nope.py' does not exist"),
+        'test/config-dir': ('test', ['configs', ck], 2,
+                            "config 'configs' is a directory: give a config file"),
+        'test/config-wrong-kind': ('test', ['README.md', ck], 2,
+                                   "config 'README.md' is not a config file"),
+        'test/config-empty': ('test', [f['empty.py'], ck], 2, f"config '{f['empty.py']}' is empty"),
+        'test/config-truncated': ('test', [f['broken.py'], ck], 1,
+                                  f"error: config {f['broken.py']} cannot be read as an "
+                                  'mmengine config'),
+        'test/config-no-model': ('test', [f['nomodel.py'], ck], 1,
+                                 f"error: config {f['nomodel.py']} defines no model"),
+        'test/mmseg-name-missing': ('test', ['mmseg::segmenter/nope.py', ck], 1,
+                                    "error: config 'mmseg::segmenter/nope.py' does not exist"),
+        'test/ckpt-missing': ('test', [CFG, miss], 2, f"checkpoint '{miss}' does not exist"),
+        'test/ckpt-dir': ('test', [CFG, dirp], 2, f"checkpoint '{dirp}' is a directory"),
+        'test/ckpt-empty': ('test', [CFG, f['empty.pth']], 2,
+                            f"checkpoint '{f['empty.pth']}' is empty"),
+        'test/work-dir-file': ('test', [CFG, ck, '--work-dir', afile], 2,
+                               f"--work-dir '{afile}' is a file, not a folder"),
+        'test/out-under-file': ('test', [CFG, ck, '--out', afile + '/preds'], 2,
+                                f'{afile} is a file, not a folder'),
+        'test/show-interval-0': ('test', [CFG, ck, '--show-interval', 0], 2,
+                                 "argument --show-interval: '0': must be >= 1"),
+        'test/wait-time-negative': ('test', [CFG, ck, '--wait-time', -1], 2,
+                                    "argument --wait-time: '-1': must be >= 0"),
+        'test/mita-cfg-no-equals': ('test', [CFG, ck, '--mita-cfg', 'topk'], 2,
+                                    "--mita-cfg: 'topk' is not KEY=VALUE"),
+        'test/router-topk-above-M': ('test', [CFG, ck, '--mita-cfg', 'router_topk=100'], 2,
+                                     'router_topk=100 is more than the M=49 landmarks'),
+        'test/router-topk-above-pool': ('test', [CFG, ck, '--mita-cfg', 'pool_size=2',
+                                                 'router_topk=5'], 2,
+                                        'router_topk=5 is more than the M=4 landmarks'),
+        'test/cfg-options-no-equals': ('test', [CFG, ck, '--cfg-options', 'model'], 2,
+                                       "--cfg-options: 'model' is not KEY=VALUE"),
+        'test/launcher-without-torchrun': ('test', [CFG, ck, '--launcher', 'pytorch'], 1,
+                                           'error: --launcher pytorch: RANK, WORLD_SIZE, '
+                                           'MASTER_ADDR, MASTER_PORT not set; start the tool '
+                                           'through torchrun'),
+        # --- tools/train.py
+        'train/launcher-without-srun': ('train', [CFG, '--launcher', 'slurm'], 1,
+                                        'error: --launcher slurm: SLURM_PROCID'),
+        'train/config-dir': ('train', ['configs'], 2, "config 'configs' is a directory"),
+        'train/config-wrong-kind': ('train', ['README.md'], 2, 'is not a config file'),
+        'train/work-dir-file': ('train', [CFG, '--work-dir', afile], 2, 'is a file, not a folder'),
+        # --- tools/image_demo.py
+        'image_demo/image-text': ('image_demo', ['README.md', CFG, ck, '--out-file', 'x.png'], 2,
+                                  "image 'README.md' is not an image OpenCV can read"),
+        'image_demo/image-text-jpg': ('image_demo', [f['text.jpg'], CFG, ck, '--out-file',
+                                                     'x.png'], 2, 'is not an image OpenCV'),
+        'image_demo/image-truncated': ('image_demo', [f['truncated.png'], CFG, ck, '--out-file',
+                                                      'x.png'], 2, 'is not an image OpenCV'),
+        'image_demo/image-dir': ('image_demo', [dirp, CFG, ck, '--out-file', 'x.png'], 2,
+                                 f"image '{dirp}' is a directory"),
+        'image_demo/image-missing': ('image_demo', [miss, CFG, ck, '--out-file', 'x.png'], 2,
+                                     f"image '{miss}' does not exist"),
+        'image_demo/ckpt-dir': ('image_demo', [img, CFG, dirp, '--out-file', 'x.png'], 2,
+                                f"checkpoint '{dirp}' is a directory"),
+        'image_demo/out-file-slash': ('image_demo', [img, CFG, ck, '--out-file',
+                                                     f['root'] + '/new/'], 2,
+                                      '--out-file', ),
+        'image_demo/out-file-dir': ('image_demo', [img, CFG, ck, '--out-file', dirp], 2,
+                                    f"--out-file '{dirp}' is a directory: give a file name"),
+        'image_demo/out-file-kind': ('image_demo', [img, CFG, ck, '--out-file', 'x.txt'], 2,
+                                     "--out-file 'x.txt' must end with .png or .jpg"),
+        'image_demo/out-under-file': ('image_demo', [img, CFG, ck, '--out-file',
+                                                     afile + '/x.png'], 2,
+                                      f'{afile} is a file, not a folder'),
+        'image_demo/opacity-0': ('image_demo', [img, CFG, ck, '--out-file', 'x.png',
+                                                '--opacity', 0], 2, "'0': must be > 0 and <= 1"),
+        'image_demo/opacity-nan': ('image_demo', [img, CFG, ck, '--out-file', 'x.png',
+                                                  '--opacity', 'nan'], 2, 'must be > 0'),
+        'image_demo/opacity-word': ('image_demo', [img, CFG, ck, '--out-file', 'x.png',
+                                                   '--opacity', 'half'], 2,
+                                    "'half' is not a number"),
+        'image_demo/device': ('image_demo', [img, CFG, ck, '--out-file', 'x.png', '--device',
+                                             'gpu0'], 2, "argument --device: 'gpu0'"),
+        # --- tools/analyze_token_selection.py
+        'analyze/image-text': ('analyze_token_selection', [CFG, ck, img, 'README.md',
+                                                           '--out-dir', 'o'], 2,
+                               "image 'README.md' is not an image OpenCV can read"),
+        'analyze/out-dir-file': ('analyze_token_selection', [CFG, ck, img, '--out-dir', afile], 2,
+                                 f"--out-dir '{afile}' is a file"),
+        'analyze/config-dir': ('analyze_token_selection', ['configs', ck, img, '--out-dir', 'o'],
+                               2, 'is a directory'),
+        # --- tools/export_swapped.py
+        'export/out-dir-file': ('export_swapped', [CFG, ck, '--out-dir', afile], 2,
+                                f"--out-dir '{afile}' is a file, not a folder"),
+        'export/ckpt-missing': ('export_swapped', [CFG, miss, '--out-dir', 'o'], 2,
+                                'does not exist'),
+        'export/mita-cfg-layers': ('export_swapped', [CFG, ck, '--out-dir', 'o', '--mita-cfg',
+                                                      'layers=3'], 2, 'layers must be None'),
+        # --- tools/get_flops.py
+        'get_flops/json-dir': ('get_flops', [CFG, '--json', f['root'] + '/'], 2,
+                               '--json'),
+        'get_flops/json-kind': ('get_flops', [CFG, '--json', 'f.txt'], 2,
+                                "--json 'f.txt' must end with .json"),
+        'get_flops/shape-0': ('get_flops', [CFG, '--shape', 0], 2, "argument --shape: '0'"),
+        'get_flops/shape-3': ('get_flops', [CFG, '--shape', 1, 2, 3], 2,
+                              '--shape takes one or two positive ints (H [W]), got 3'),
+        'get_flops/sweep-negative': ('get_flops', [CFG, '--sweep', -512], 2, "'-512': must be"),
+        'get_flops/plot-needs-sweep': ('get_flops', [CFG, '--plot', 'p.png'], 2,
+                                       '--plot needs --sweep'),
+        'get_flops/config-missing': ('get_flops', ['nope.py'], 2, "config 'nope.py' does not"),
+        # --- tools/swap_sweep.py
+        'swap_sweep/pool-0': ('swap_sweep', [CFG, ck, '--pool-sizes', 0], 2,
+                              "argument --pool-sizes: '0': must be >= 1"),
+        'swap_sweep/topk-negative': ('swap_sweep', [CFG, ck, '--topks', -1], 2,
+                                     "argument --topks: '-1': must be >= 1"),
+        'swap_sweep/flops-images-0': ('swap_sweep', [CFG, ck, '--flops-images', 0], 2,
+                                      "'0': must be >= 1"),
+        'swap_sweep/owns-pool': ('swap_sweep', [CFG, ck, '--mita-cfg', 'pool_size=4'], 2,
+                                 "unknown MiTA setting 'pool_size'"),
+        'swap_sweep/router-topk': ('swap_sweep', [CFG, ck, '--pool-sizes', 5, 7, '--mita-cfg',
+                                                  'router_topk=30'], 2,
+                                   'router_topk=30 is more than the M=25 landmarks'),
+        'swap_sweep/out-dir': ('swap_sweep', [CFG, ck, '--out', dirp], 2, 'is a directory'),
+        'swap_sweep/plot-kind': ('swap_sweep', [CFG, ck, '--plot', 'p.md'], 2,
+                                 "--plot 'p.md' must end with .png"),
+        'swap_sweep/ckpt-empty': ('swap_sweep', [CFG, f['empty.pth']], 2, 'is empty'),
+        # --- tools/benchmark.py
+        'benchmark/topk-0': ('benchmark', ['--topk', 0], 2, "argument --topk: '0': must be >= 1"),
+        'benchmark/pool-above-grid': ('benchmark', ['--tokens', 17, '--pool-size', 20], 2,
+                                      '--pool-size 20 is larger than the grid of --tokens [17]'),
+        'benchmark/pool-above-default-grid': ('benchmark', ['--pool-size', 40], 2,
+                                              'is larger than the grid'),
+        'benchmark/tokens-not-square': ('benchmark', ['--tokens', 18], 2,
+                                        "'18': give 1 + s*s tokens"),
+        'benchmark/heads-0': ('benchmark', ['--heads', 0], 2, "'0': must be >= 1"),
+        'benchmark/min-run-time-0': ('benchmark', ['--min-run-time', 0], 2, "'0': must be > 0"),
+        'benchmark/profile-bias': ('benchmark', ['--profile', '--bias'], 2,
+                                   '--profile measures the fused CPU kernel without a bias'),
+        # --- tools/swap_study.py, tools/train_demo.py
+        'swap_study/iters-0': ('swap_study', ['--train-iters', 0], 2, "'0': must be >= 1"),
+        'swap_study/finetune-0': ('swap_study', ['--finetune', '0,49'], 2,
+                                  "'0,49': give POOL,TOPK"),
+        'swap_study/work-dir-file': ('swap_study', ['--work-dir', afile], 2, 'is a file'),
+        'train_demo/iters-0': ('train_demo', ['--iters', 0], 2, "'0': must be >= 1"),
+        'train_demo/data-root-file': ('train_demo', ['--data-root', afile], 2, 'is a file'),
+    }
+    return c
+
+
+def test_careless_input_every_tool(tools, careless):
+    cases = careless_cases(careless)
+    before = set(os.listdir(careless['root']))
+    results = run_cases(tools, cases)
+    failed = []
+    for name, (code, out) in results.items():
+        _, _, want_code, want = cases[name]
+        ok = (code == want_code and want in out and 'Traceback' not in out
+              and (want_code == 1 or 'usage:' in out))
+        if not ok:
+            failed.append(f'{name}: exit {code}, wanted {want_code} and {want!r}:\n'
+                          f'{out[-1500:]}')
+    assert not failed, '\n\n'.join(failed)
+    assert set(os.listdir(careless['root'])) == before          # nothing written
+    assert not os.path.exists(osp.join(tools.root, 'x.png'))
+    assert not os.path.exists(osp.join(tools.root, 'o'))
+
+
+def test_careless_input_as_users_run_it(tools, careless):
+    # the same checks, each tool in its own process as a user runs it
+    code, out = tools('tools/image_demo.py', 'README.md', CFG, careless['fake.pth'],
+                      '--out-file', 'x.png', check=False)
+    assert code == 2 and 'usage: image_demo.py' in out and 'Traceback' not in out
+    assert out.strip().endswith("image_demo.py: error: argument img: image 'README.md' is not "
+                                'an image OpenCV can read (%d bytes): give a .jpg/.jpeg/.png/'
+                                '.bmp/.tif... file' % os.path.getsize(
+                                    osp.join(tools.root, 'README.md'))), out
+    code, out = tools('tools/benchmark.py', '--topk', 0, check=False)
+    assert code == 2 and "argument --topk: '0': must be >= 1" in out and 'Traceback' not in out
+
+
+def test_swap_sweep_help_shows_defaults(tools):
+    _, out = tools('tools/swap_sweep.py', '--help')
+    flat = ' '.join(out.split())
+    assert '(default: [5, 7])' in flat and '(default: [25, 49])' in flat, out
+
+
+@pytest.mark.slow
+def test_careless_input_found_with_the_model(segmenter_ckpt, tiny_data, tools, tmp_path):
+    """What shows only once the model is built or the data read: one error line, exit 1,
+    nothing written; and what was wrong before: --title visible, --json into a new folder,
+    the sweep's rows say what ran."""
+    import cv2
+    config, ckpt = segmenter_ckpt
+    image = osp.join(tiny_data, 'images', 'validation', 'ADE_val_00000001.jpg')
+    opts = tools.data_options(tiny_data)
+    results = run_all(tools, {
+        'test-layers': ['tools/test.py', config, ckpt, '--work-dir', tmp_path / 't',
+                        '--mita-cfg', 'layers=[9]', '--cfg-options', *opts],
+        'export-layers': ['tools/export_swapped.py', config, ckpt, '--out-dir',
+                          tmp_path / 'ex', '--mita-cfg', 'layers=[9]'],
+        'demo-title': ['tools/image_demo.py', image, config, ckpt, '--out-file',
+                       tmp_path / 'new' / 'folder' / 'titled.png', '--title',
+                       'a long title that has to wrap over more than one line of a 128 pixel '
+                       'image, and is drawn whole'],
+        'demo-plain': ['tools/image_demo.py', image, config, ckpt, '--out-file',
+                       tmp_path / 'plain.png'],
+        'flops-json': ['tools/get_flops.py', config, '--device', 'meta', '--swap-attn', 'mita',
+                       '--json', tmp_path / 'a' / 'b' / 'f.json'],
+        # a 16x16 patch grid: pool 16 and 20 both run on 16x16 landmarks
+        'sweep-clamped': ['tools/swap_sweep.py', config, ckpt, '--pool-sizes', 16, 20,
+                          '--topks', 8, '--work-dir', tmp_path / 'sw', '--cfg-options', *opts],
+    })
+    for name in ('test-layers', 'export-layers'):
+        code, out = results[name]
+        assert code == 1 and 'Traceback' not in out, f'{name}\n{out[-3000:]}'
+        assert ('error: ' in out and 'layers [9] out of range: there are 4 encoder layers '
+                '(indices 0..3, or -4..-1 from the end)' in out), f'{name}\n{out[-3000:]}'
+        assert 'mIoU' not in out
+    assert not (tmp_path / 'ex').exists()
+    for name in ('demo-title', 'demo-plain', 'flops-json', 'sweep-clamped'):
+        assert results[name][0] == 0, f'{name}\n{results[name][1][-3000:]}'
+    titled = cv2.imread(str(tmp_path / 'new' / 'folder' / 'titled.png'))
+    plain = cv2.imread(str(tmp_path / 'plain.png'))
+    assert plain.shape[:2] == (128, 128)
+    # the title is a band above the very drawing, with dark text on it
+    assert titled.shape[1] == 128 and titled.shape[0] > 128 + 20
+    assert (titled[-128:] == plain).all()
+    assert (titled[:-128] < 128).any()
+    assert (tmp_path / 'a' / 'b' / 'f.json').stat().st_size > 0
+    code, out = results['sweep-clamped']
+    with open(tmp_path / 'sw' / 'swap_sweep.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [(r['setting'], r['M']) for r in rows] == [('baseline', ''),
+                                                      ('MiTA M=16x16 k=8', '256')]
+    assert "MiTA M=20x20 k=8 runs exactly as 'MiTA M=16x16 k=8' on these inputs: not " \
+           'evaluated again, no row' in out

@@ -73,11 +73,13 @@ def test_backbone_runs_on_small_grids(image, log_records):
     for out, ref in zip(outs, refs):
         assert out.shape == (2, 32, h, w)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    said = [m for m in log.messages if 'is smaller than' in m]
+    said = [m for m in log.messages if 'runs with fewer' in m]
     assert len(said) == 1, log.messages
-    assert (f'a {h}x{w} grid of N={1 + h * w} tokens is smaller than pool_size=(7, 7), '
-            f'topk=49, router_topk=1: running pool_size={(min(7, h), min(7, w))}, '
-            f'topk={1 + h * w}, router_topk=1') in said[0]
+    # each setting reduced, and why; router_topk=1 fits every grid and is not mentioned
+    assert (f'on a {h}x{w} grid (N={1 + h * w} tokens) runs with fewer: pool_size (7, 7) -> '
+            f'{(min(7, h), min(7, w))}: the grid is {h}x{w}; topk 49 -> {1 + h * w}: there '
+            f'are N={1 + h * w} tokens (logged once)') in said[0]
+    assert 'router_topk' not in said[0]
 
 
 def test_default_settings_on_a_1x1_grid():
@@ -89,10 +91,16 @@ def test_default_settings_on_a_1x1_grid():
     assert all(p.grad is not None for p in mita.parameters() if p.requires_grad)
 
 
-def test_router_topk_is_at_most_the_experts():
+def test_router_topk_is_at_most_the_experts(log_records):
+    attention._ADAPTED.clear()
     attn = MiTAAttention(32, 2, pool_size=3, topk=4, router_topk=4)
-    assert attn.effective_settings(1 + 2 * 1, (2, 1)) == ((2, 1), 3, 2)
-    assert attn.effective_settings(1 + 5 * 5, (5, 5)) == ((3, 3), 4, 4)   # nothing to adapt
+    with log_records() as log:
+        assert attn.effective_settings(1 + 2 * 1, (2, 1)) == ((2, 1), 3, 2)
+        assert attn.effective_settings(1 + 5 * 5, (5, 5)) == ((3, 3), 4, 4)  # nothing to adapt
+    assert log.messages == [
+        'MiTAAttention on a 2x1 grid (N=3 tokens) runs with fewer: pool_size (3, 3) -> (2, 1): '
+        'the grid is 2x1; topk 4 -> 3: there are N=3 tokens; router_topk 4 -> 2: there are '
+        'M=2 landmarks (logged once)']
 
 
 @pytest.mark.parametrize('grid', [(1, 1), (2, 3)])
@@ -125,7 +133,8 @@ def test_test_py_on_a_1x1_grid(segmenter_ckpt, tools, tmp_path):
     # route-only with k >= N (the head has 1 + 150 class tokens): softmax attention
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'b', '--mita-cfg',
                    'with_shared_expert=False', 'topk=1000', *opts)
-    assert 'a 1x1 grid of N=2 tokens is smaller than pool_size=(7, 7), topk=1000' in out
+    assert ('on a 1x1 grid (N=2 tokens) runs with fewer: pool_size (7, 7) -> (1, 1): the '
+            'grid is 1x1; topk 1000 -> 2: there are N=2 tokens') in out
     assert tools.miou(out) == base
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'c', '--swap-attn',
                    'mita', *opts)

@@ -66,9 +66,10 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
                    tmp_path / 'sweep.png')
     with open(tmp_path / 'sweep.csv') as f:
         rows = list(csv.DictReader(f))
+    # k at least N: every key, and the label says so
     assert [r['setting'] for r in rows] == [
-        'baseline', 'MiTA M=2x2 k=8', 'MiTA M=2x2 k=100000', 'MiTA M=4x4 k=8',
-        'MiTA M=4x4 k=100000']
+        'baseline', 'MiTA M=2x2 k=8', 'MiTA M=2x2 k=100000 (every key)', 'MiTA M=4x4 k=8',
+        'MiTA M=4x4 k=100000 (every key)']
     rows = [{k: (float(v) if k not in ('setting', 'M', 'topk') else v) for k, v in r.items()}
             for r in rows]
     base = rows[0]
@@ -83,7 +84,7 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
                 base['attn_GMACs'] - r['attn_GMACs'], rel=0.01)
     assert (tmp_path / 'sweep.md').read_text().startswith('| setting | M | topk | mIoU')
     assert (tmp_path / 'sweep.png').stat().st_size > 10000
-    assert f'{"MiTA M=2x2 k=100000":<28}{base["mIoU"]:8.2f}   +0.00' in out   # summary
+    assert f'{"MiTA M=2x2 k=100000 (every key)":<28}{base["mIoU"]:8.2f}   +0.00' in out
 
 
 @pytest.mark.slow

@@ -22,30 +22,31 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import ConfigDict, DictAction  # noqa: E402
+from mmengine.config import ConfigDict  # noqa: E402
 
 from mita_seg.analysis.token_selection import (plot_selection_overlay,  # noqa: E402
                                                record_image)
-from mita_seg.apis import add_mita_args, init_model, run_tool, swap_settings  # noqa: E402
+from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
+                           config_file, image_file, init_model, output_dir, run_tool,
+                           swap_settings)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Record which tokens MiTA experts select')
-    parser.add_argument('config', help="config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('images', nargs='+', help='image files')
-    parser.add_argument('--out-dir', required=True, help='where to write PNGs and JSON')
+    parser.add_argument('config', type=config_file,
+                        help="config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint file')
+    parser.add_argument('images', type=image_file, nargs='+', help='image files')
+    parser.add_argument('--out-dir', type=output_dir('--out-dir'), required=True,
+                        help='where to write PNGs and JSON (made if missing)')
     add_mita_args(parser, swap_flag=False)
     parser.add_argument('--which', choices=['selected', 'used'], default='selected',
                         help='map tokens selected by any expert, or only by experts '
                         'that some query is routed to')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
-    missing = [p for p in args.images if not osp.isfile(p)]
-    if missing:
-        parser.error(f'image files not found: {missing}')
     return args
 
 
@@ -56,10 +57,11 @@ def main(argv=None):
                        mita_cfg=args.mita)
     model.test_cfg = ConfigDict(mode='whole')   # one grid per image, aligned with the input
     patch = model.cfg.model.backbone.get('patch_size', None)
+    # every image is run before anything is written (no half-written output)
+    runs = [(path, *record_image(model, path)) for path in args.images]
     os.makedirs(args.out_dir, exist_ok=True)
     summary = {}
-    for path in args.images:
-        records, image = record_image(model, path)
+    for path, records, image in runs:
         name = osp.splitext(osp.basename(path))[0]
         png = plot_selection_overlay(
             image, records, osp.join(args.out_dir, f'{name}_{args.which}.png'),

@@ -582,13 +582,26 @@ def onnx_level(args):
     os.rmdir(tmp)
 
 
+def token_count(text):
+    """An argparse ``type``: a token count ``N = 1 + s*s``, ``s >= 1``."""
+    from mita_seg.apis.cli import int_range
+    n = int_range(2)(text)
+    side = int(round((n - 1) ** 0.5))
+    if side * side + 1 != n:
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give 1 + s*s tokens (a cls token and an s x s grid), e.g. '
+            f'{1 + side * side} or {2 + 2 * side + side * side}')
+    return n
+
+
 def parse_args():
+    from mita_seg.apis.cli import float_range, int_range
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'all'], default='op',
                    help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
                    help='where the tensors and models live')
-    p.add_argument('--tokens', type=int, nargs='+', default=None,
+    p.add_argument('--tokens', type=token_count, nargs='+', default=None,
                    help='token counts N = 1 + s*s (default: 1025 4097 16385 on CPU, '
                    'and 65537 on CUDA)')
     p.add_argument('--dtypes', nargs='+', default=None,
@@ -596,18 +609,20 @@ def parse_args():
                    help='default: float32 bfloat16 on CPU, float16 bfloat16 float32 on CUDA')
     p.add_argument('--passes', nargs='+', default=['fwd', 'fwd+bwd'],
                    choices=['fwd', 'fwd+bwd'])
-    p.add_argument('--heads', type=int, default=12)
-    p.add_argument('--head-dim', type=int, default=64)
-    p.add_argument('--pool-size', type=int, default=7)
-    p.add_argument('--topk', type=int, default=49)
+    p.add_argument('--heads', type=int_range(1), default=12)
+    p.add_argument('--head-dim', type=int_range(1), default=64)
+    p.add_argument('--pool-size', type=int_range(1), default=7,
+                   help='landmark grid side P (M = P*P), at most the grid side of every '
+                   '--tokens')
+    p.add_argument('--topk', type=int_range(1), default=49)
     p.add_argument('--merge-ratio', type=merge_ratio, default=None, metavar='R',
                    help='model level: also time token merging (ToMe, mita_seg.merge_tokens) '
                    'at this ratio of the grid tokens, in [0, 0.5]')
     p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
                                                    'upernet-vit-b'], choices=list(MODELS))
-    p.add_argument('--onnx-sizes', type=int, nargs='+', default=[512, 1024],
+    p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
-    p.add_argument('--threads', type=int, default=None,
+    p.add_argument('--threads', type=int_range(1), default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--bias', action='store_true',
                    help='operator level: with BEiT\'s relative position bias (each MiTA '
@@ -616,11 +631,21 @@ def parse_args():
                    help='fused CPU backend: under each row, the time of each phase of the '
                    'kernel (operator level), or the kernel\'s share of the swapped model\'s '
                    'time and the speed-up that leaves at most (model level)')
-    p.add_argument('--min-run-time', type=float, default=1.0,
+    p.add_argument('--min-run-time', type=float_range(0, low_open=True), default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
-    p.add_argument('--max-mmcv-gib', type=float, default=8.0,
+    p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path where its N x N weights exceed this')
-    return p.parse_args()
+    args = p.parse_args()
+    if args.level != 'model':       # default tokens: 1025 (32x32) and more
+        small = [n for n in args.tokens or [1025] if grid_side(n) < args.pool_size]
+        if small:
+            p.error(f'--pool-size {args.pool_size} is larger than the grid of --tokens '
+                    f'{small} ({grid_side(small[0])}x{grid_side(small[0])}): give --pool-size '
+                    f'<= {min(grid_side(n) for n in args.tokens or [1025])} or more tokens')
+    if args.profile and (args.bias or args.level == 'threads' or args.device != 'cpu'):
+        p.error('--profile measures the fused CPU kernel without a bias: use it with '
+                '--device cpu, --level op/model/all, and without --bias')
+    return args
 
 
 def main():

@@ -24,19 +24,22 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
+from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
+                           config_file, export_swapped, output_dir, python_command, run_tool,
+                           swap_settings)
 
-from mita_seg.apis import add_mita_args, export_swapped, run_tool, swap_settings  # noqa: E402
+TOOLS = osp.dirname(osp.abspath(__file__))
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Write a MiTA config + checkpoint pair')
-    parser.add_argument('config', help="config of the standard-attention model (a file or "
-                        "'mmseg::<dir>/<config>.py')")
-    parser.add_argument('checkpoint', help='its checkpoint')
-    parser.add_argument('--out-dir', required=True, help='where to write the pair')
+    parser.add_argument('config', type=config_file, help="config of the standard-attention "
+                        "model (a file or 'mmseg::<dir>/<config>.py')")
+    parser.add_argument('checkpoint', type=checkpoint_file, help='its checkpoint')
+    parser.add_argument('--out-dir', type=output_dir('--out-dir'), required=True,
+                        help='where to write the pair (made if missing)')
     add_mita_args(parser, swap_flag=False)
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings before exporting, key=value')
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
@@ -47,9 +50,10 @@ def main(argv=None):
     args = parse_args(argv)
     out_cfg, out_ckpt = export_swapped(args.config, args.checkpoint, args.out_dir,
                                        args.mita, args.cfg_options)
-    print(f'wrote {out_cfg}\nwrote {out_ckpt}\n'
-          f'evaluate: python tools/test.py {out_cfg} {out_ckpt}\n'
-          f'fine-tune: python tools/train.py {out_cfg}')
+    # runnable as printed: the interpreter running now (a venv's python), the tools' path
+    test = python_command(osp.join(TOOLS, 'test.py'), out_cfg, out_ckpt)
+    train = python_command(osp.join(TOOLS, 'train.py'), out_cfg)
+    print(f'wrote {out_cfg}\nwrote {out_ckpt}\nevaluate: {test}\nfine-tune: {train}')
     return out_cfg, out_ckpt
 
 

@@ -30,24 +30,24 @@ import time
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
 from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
 from mita_seg.analysis.segmentor_cost import (FlopComparison, SegmentorFlops,  # noqa: E402
                                               default_shape)
-from mita_seg.apis import (add_merge_args, add_mita_args, config_name,  # noqa: E402
-                           load_config, run_tool, swap_settings)
+from mita_seg.apis import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
+                           config_file, config_name, ensure_parent, int_range, load_config,
+                           output_file, run_tool, swap_settings, wrap_title)
 from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='FLOPs of a segmentor (attention included) and of its MiTA swap')
-    parser.add_argument('config', help="config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('--shape', type=int, nargs='+', default=None,
+    parser.add_argument('config', type=config_file,
+                        help="config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('--shape', type=int_range(1), nargs='+', default=None,
                         help='input shape H [W] of the counted forward (one crop); default: '
                         "the config's crop_size, else 512")
-    parser.add_argument('--image-shape', type=int, nargs='+', default=None,
+    parser.add_argument('--image-shape', type=int_range(1), nargs='+', default=None,
                         help='image shape H [W] for the whole-image cost under the '
                         "config's test_cfg (slide: crops x per-crop cost); default: --shape")
     add_mita_args(parser)
@@ -55,11 +55,14 @@ def parse_args(argv=None):
     parser.add_argument('--device', choices=['cpu', 'meta'], default='cpu',
                         help="'cpu' runs the forward (as mmseg's tool); 'meta' traces "
                         'shapes only (same counts, for large inputs)')
-    parser.add_argument('--json', help='write the figures (GFLOPs) to this JSON file')
-    parser.add_argument('--sweep', type=int, nargs='+', default=None,
+    parser.add_argument('--json', type=output_file('--json', ('.json', )),
+                        help='write the figures (GFLOPs) to this JSON file (its folder is '
+                        'made if missing)')
+    parser.add_argument('--sweep', type=int_range(1), nargs='+', default=None,
                         help='also count square inputs of these sizes (meta device)')
-    parser.add_argument('--plot', help='PNG of GFLOPs against input size (needs --sweep)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--plot', type=output_file('--plot', ('.png', '.pdf', '.svg')),
+                        help='PNG of GFLOPs against input size (needs --sweep)')
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
@@ -68,8 +71,9 @@ def parse_args(argv=None):
     for name in ('shape', 'image_shape'):
         value = getattr(args, name)
         if value is not None:
-            if len(value) not in (1, 2) or min(value) < 1:
-                parser.error(f'--{name.replace("_", "-")} takes one or two positive ints')
+            if len(value) not in (1, 2):
+                parser.error(f'--{name.replace("_", "-")} takes one or two positive ints '
+                             f'(H [W]), got {len(value)}')
             setattr(args, name, tuple(value) * (3 - len(value)))
     return args
 
@@ -133,7 +137,7 @@ def plot_sweep(rows, out: str, title: str):
     ax.set_xticks(sizes, [f'{s}' for s in sizes])
     ax.set_xlabel('input size (pixels, square)')
     ax.set_ylabel('GFLOPs (1 MAC = 1 FLOP)')
-    ax.set_title(title, fontsize=9)
+    ax.set_title(wrap_title(title, fig.get_figwidth()), fontsize=9)   # whole, on 2+ lines
     ax.grid(True, which='both', alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -242,10 +246,10 @@ def main(argv=None) -> dict:
         if args.plot:
             what = 'baseline' if counter.mita is None else (
                 f'baseline vs {comparison.label} ({mita_settings(counter) or "ToMe"})')
-            plot_sweep(result['sweep'], args.plot, f'{name}\n{what}')
+            plot_sweep(result['sweep'], ensure_parent(args.plot), f'{name}\n{what}')
             print(f'wrote {args.plot}')
     if args.json:
-        with open(args.json, 'w') as f:
+        with open(ensure_parent(args.json), 'w') as f:
             json.dump(result, f, indent=2)
         print(f'wrote {args.json}')
     return result

@@ -8,6 +8,8 @@ Usage::
         [--device cpu]
         [--opacity 0.5] [--title TITLE] [--cfg-options key=value ...]
 
+``--title`` is drawn in a band above the image.
+
 CONFIG is a file or ``mmseg::<dir>/<name>.py``; the checkpoint must fit the model exactly
 (:func:`mita_seg.apis.init_model`). Prints the classes found, by share of the pixels.
 """
@@ -17,31 +19,33 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import (add_mita_args, inference_model, init_model, run_tool,  # noqa: E402
+from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
+                           config_file, device_name, ensure_parent, float_range, image_file,
+                           inference_model, init_model, output_file, run_tool,
                            show_result_pyplot, swap_settings)
+from mita_seg.apis.inference import draw_title  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Segment one image')
-    parser.add_argument('img', help='image file')
-    parser.add_argument('config', help="config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('--out-file', required=True, help='where to write the drawing (PNG)')
+    parser.add_argument('img', type=image_file, help='image file')
+    parser.add_argument('config', type=config_file,
+                        help="config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint file')
+    parser.add_argument('--out-file', type=output_file('--out-file', ('.png', '.jpg', '.jpeg',
+                                                                      '.bmp')),
+                        required=True, help='where to write the drawing (PNG or JPEG; its '
+                        'folder is made if missing)')
     add_mita_args(parser)
-    parser.add_argument('--device', default='cpu', help='device, e.g. cpu or cuda:0')
-    parser.add_argument('--opacity', type=float, default=0.5,
+    parser.add_argument('--device', type=device_name, default='cpu',
+                        help='device, e.g. cpu or cuda:0')
+    parser.add_argument('--opacity', type=float_range(0, 1, low_open=True), default=0.5,
                         help='opacity of the painted segmentation, in (0, 1]')
-    parser.add_argument('--title', default='result', help='title of the drawing')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--title', help='a title drawn above the image (default: none)')
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
-    if not osp.isfile(args.img):
-        parser.error(f'image {args.img} not found')
-    if not 0 < args.opacity <= 1:
-        parser.error(f'--opacity must be in (0, 1], got {args.opacity}')
     return args
 
 
@@ -49,8 +53,12 @@ def main(argv=None):
     args = parse_args(argv)
     model = init_model(args.config, args.checkpoint, args.device, args.cfg_options, args.mita)
     result = inference_model(model, args.img)
-    show_result_pyplot(model, args.img, result, opacity=args.opacity, title=args.title,
-                       draw_gt=False, show=False, out_file=args.out_file)
+    drawn = show_result_pyplot(model, args.img, result, opacity=args.opacity,
+                               title=args.title or 'result', draw_gt=False, show=False)
+    if args.title:
+        drawn = draw_title(drawn, args.title)
+    import mmcv
+    mmcv.imwrite(drawn[..., ::-1], ensure_parent(args.out_file))   # RGB -> BGR
     pred = result.pred_sem_seg.data[0]
     ids, counts = pred.flatten().unique(return_counts=True)
     classes = model.dataset_meta['classes']

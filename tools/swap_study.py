@@ -25,7 +25,8 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mmengine.config import DictAction  # noqa: E402
+from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
+                               output_dir)
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
 MODELS = {
@@ -39,6 +40,8 @@ def pool_topk(text):
     """``'7,49'`` -> ``(7, 49)``."""
     try:
         pool, topk = (int(v) for v in text.split(','))
+        if pool < 1 or topk < 1:
+            raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f'{text!r}: give POOL,TOPK, e.g. 7,49') from None
     return pool, topk
@@ -53,44 +56,50 @@ def parse_args(argv=None):
                         f"{', '.join(f'{k}: {v}' for k, v in MODELS.items())})")
     parser.add_argument('--model', action='append', default=[], metavar='NAME=CONFIG',
                         help='a further standard-attention model (config file or mmseg::)')
-    parser.add_argument('--work-dir', default='work_dirs/swap_study')
-    parser.add_argument('--fig-dir', help='figures (default: WORK_DIR/figures)')
-    parser.add_argument('--data-root', default=DATA_ROOT,
+    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
+                        default='work_dirs/swap_study')
+    parser.add_argument('--fig-dir', type=output_dir('--fig-dir'),
+                        help='figures (default: WORK_DIR/figures)')
+    parser.add_argument('--data-root', type=output_dir('--data-root'), default=DATA_ROOT,
                         help='ADE20K-format data; written if missing (see --data-*)')
-    parser.add_argument('--data-size', type=int, default=256, help='image side if written')
-    parser.add_argument('--data-train', type=int, default=200, help='training images if written')
-    parser.add_argument('--data-val', type=int, default=40, help='validation images if written')
-    parser.add_argument('--train-iters', type=int, default=120)
+    parser.add_argument('--data-size', type=int_range(32), default=256,
+                        help='image side if written')
+    parser.add_argument('--data-train', type=int_range(1), default=200,
+                        help='training images if written')
+    parser.add_argument('--data-val', type=int_range(1), default=40,
+                        help='validation images if written')
+    parser.add_argument('--train-iters', type=int_range(1), default=120)
     parser.add_argument('--model-train-iters', nargs='*', default=['beit=400'],
                         metavar='NAME=ITERS', help='training iterations of some models '
                         'instead of --train-iters (default: beit=400, the tiny BEiT barely uses '
                         'its attention after 120; see docs/swap_study.md)')
-    parser.add_argument('--finetune-iters', type=int, default=40)
-    parser.add_argument('--finetune-lr-mult', type=float, default=0.1,
+    parser.add_argument('--finetune-iters', type=int_range(1), default=40)
+    parser.add_argument('--finetune-lr-mult', type=float_range(0, low_open=True), default=0.1,
                         help="fine-tune learning rate as a multiple of the config's")
-    parser.add_argument('--pool-sizes', type=int, nargs='+', default=[4, 5, 7],
+    parser.add_argument('--pool-sizes', type=int_range(1), nargs='+', default=[4, 5, 7],
                         help='landmark grid sides P of the sweep (M = P*P)')
-    parser.add_argument('--topks', type=int, nargs='+', default=[16, 49, 100],
+    parser.add_argument('--topks', type=int_range(1), nargs='+', default=[16, 49, 100],
                         help='keys per routed expert of the sweep')
     parser.add_argument('--finetune', type=pool_topk, nargs='*', default=[(7, 49)],
                         metavar='P,K', help='settings to export and fine-tune (none: no '
                         'fine-tune)')
     parser.add_argument('--selection', type=pool_topk, default=(7, 49), metavar='P,K',
                         help='setting of the token-selection maps')
-    parser.add_argument('--selection-images', type=int, default=2)
+    parser.add_argument('--selection-images', type=int_range(1), default=2)
     parser.add_argument('--no-control', action='store_true',
                         help='skip training the unswapped model as long as the fine-tune')
     parser.add_argument('--no-check', action='store_true',
                         help='skip the route-only every-key row (must equal unswapped)')
-    parser.add_argument('--speed-time', type=float, default=1.0,
+    parser.add_argument('--speed-time', type=float_range(0, low_open=True), default=1.0,
                         help='seconds of timing per row for images/s')
-    parser.add_argument('--threads', type=int, help="torch's intra-op threads (default: "
+    parser.add_argument('--threads', type=int_range(1), help="torch's intra-op threads (default: "
                         "torch's choice)")
-    parser.add_argument('--workers', type=int, default=0, help='dataloader worker processes')
+    parser.add_argument('--workers', type=int_range(0), default=0,
+                        help='dataloader worker processes')
     parser.add_argument('--reuse', action='store_true',
                         help='reuse results and checkpoints of the work dir made with the '
                         'same settings (to add a model to a finished study)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override settings of every config, key=value')
     parser.add_argument('--verbose', action='store_true',
                         help="print the Runner's config dumps and per-class tables")
@@ -115,12 +124,10 @@ def parse_args(argv=None):
     per_model = {}
     for item in args.model_train_iters:
         name, sep, iters = item.partition('=')
-        if not sep or not iters.isdigit():
+        if not sep or not iters.isdigit() or int(iters) < 1:
             parser.error(f'--model-train-iters {item!r}: give NAME=ITERS, e.g. beit=400')
         per_model[name] = int(iters)
     args.model_train_iters = per_model or None
-    if args.threads is not None and args.threads < 1:
-        parser.error(f'--threads must be >= 1, got {args.threads}')
     return args
 
 
@@ -165,6 +172,6 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    ARGS = parse_args()   # a bad argument stops here, before mmseg is imported
+    ARGS = parse_args()   # a bad argument stops here, before anything is run
     from mita_seg.apis import run_tool
     run_tool(lambda: main(ARGS))

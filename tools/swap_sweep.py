@@ -13,6 +13,11 @@ them (all crops in slide mode), and the whole-model count (a jit trace with atte
 handles, times the crops of the test mode). ``--mita-plan`` adds a row for a swap plan
 (per-layer settings, ``tools/calibrate_swap.py``) after the uniform settings.
 
+Each row says what ran: a pool larger than the patch grid runs on the grid and its row is
+labelled with the landmarks used (``MiTA M=16x16 k=49 (asked M=20x20)``), ``k >= N`` is
+``(every key)``, and a setting that runs exactly as an earlier row is not evaluated again
+(the progress line says so). ``--help`` shows the defaults.
+
 Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
@@ -23,46 +28,54 @@ Usage::
 import argparse
 import csv
 import copy
-import os
 import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import (add_merge_args, add_mita_args, build_runner,  # noqa: E402
-                           config_name, load_config, merge_model, prepare_config, run_tool,
-                           swap_model, swap_sweep)
+from mita_seg.apis import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
+                           build_runner, check_mita_cfg, checkpoint_file, config_file,
+                           config_name, ensure_parent, int_range, load_config, merge_model,
+                           output_dir, output_file, prepare_config, run_tool, swap_model,
+                           swap_sweep, wrap_title)
 from mita_seg.apis.sweep import FLOP_NOTE  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Sweep MiTA (pool size, top-k) settings '
-                                     'on a checkpoint trained with standard attention')
-    parser.add_argument('config', help="test config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('checkpoint', help='checkpoint file (standard attention)')
-    parser.add_argument('--pool-sizes', type=int, nargs='+', default=[5, 7],
-                        help='landmark grid sides P (M = P*P experts)')
-    parser.add_argument('--topks', type=int, nargs='+', default=[25, 49],
+                                     'on a checkpoint trained with standard attention',
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('config', type=config_file,
+                        help="test config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', type=checkpoint_file,
+                        help='checkpoint file (standard attention)')
+    parser.add_argument('--pool-sizes', type=int_range(1), nargs='+', default=[5, 7],
+                        help='landmark grid sides P (M = P*P experts; a P larger than the '
+                        'patch grid runs on the grid, and its row says so)')
+    parser.add_argument('--topks', type=int_range(1), nargs='+', default=[25, 49],
                         help='keys per routed expert')
     add_mita_args(parser, swap_flag=False, exclude=('pool_size', 'topk'))
     add_merge_args(parser, sweep=True)
-    parser.add_argument('--flops-images', type=int, default=1,
+    parser.add_argument('--flops-images', type=int_range(1), default=1,
                         help='test images to count attention MACs on (per-image mean)')
-    parser.add_argument('--work-dir', help='directory for logs and outputs (default: '
+    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
+                        help='directory for logs and outputs (default: '
                         'work_dirs/swap_sweep/<config>)')
-    parser.add_argument('--out', help='table path; both .md and .csv are written '
+    parser.add_argument('--out', type=output_file('--out', ('.md', '.csv')),
+                        help='table path; both .md and .csv are written '
                         '(default: WORK_DIR/swap_sweep.md)')
-    parser.add_argument('--plot', help='plot path (default: WORK_DIR/swap_sweep.png)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--plot', type=output_file('--plot', ('.png', '.pdf', '.svg')),
+                        help='plot path (default: WORK_DIR/swap_sweep.png)')
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     parser.add_argument('--verbose', action='store_true',
                         help="print the config dump and mmseg's per-class tables")
     args = parser.parse_args(argv)
-    bad = [v for v in args.pool_sizes + args.topks + [args.flops_images] if v < 1]
-    if bad:
-        parser.error(f'--pool-sizes, --topks and --flops-images must be >= 1, got {bad}')
+    if args.mita_cfg:     # router_topk at most the M = P*P landmarks of every pool swept
+        try:
+            check_mita_cfg(args.mita_cfg, ('pool_size', 'topk'), pool_sizes=args.pool_sizes)
+        except ValueError as e:
+            parser.error(f'--mita-cfg with --pool-sizes {min(args.pool_sizes)}: {e}')
     return args
 
 
@@ -122,7 +135,7 @@ def plot_sweep(rows, out_png, title):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('mIoU (%)')
     axes[1].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -136,8 +149,6 @@ def main(argv=None):
     prepare_config(cfg, checkpoint=args.checkpoint)
     out_md = args.out or osp.join(cfg.work_dir, 'swap_sweep.md')
     out_png = args.plot or osp.join(cfg.work_dir, 'swap_sweep.png')
-    for path in (out_md, out_png):
-        os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     runner = build_runner(cfg, args.verbose)
     # nothing to swap is an error before the baseline is evaluated
     swap_model(copy.deepcopy(runner.model), dict(args.mita_cfg or {}), verbose=False)
@@ -155,8 +166,8 @@ def main(argv=None):
     mode = cfg.model.get('test_cfg', {}).get('mode', 'whole')
     note = (f'{FLOP_NOTE}; counted on {args.flops_images} test batch(es), first input '
             f'{shape[0]}x{shape[1]}, test mode {mode!r}. Checkpoint: {args.checkpoint}.')
-    md, csv_path = write_tables(rows, out_md, note)
-    png = plot_sweep(rows, out_png, f'{osp.basename(args.config)} ({mode} inference)')
+    md, csv_path = write_tables(rows, ensure_parent(out_md), note)
+    png = plot_sweep(rows, ensure_parent(out_png), f'{osp.basename(args.config)} ({mode} inference)')
     print(f'\n{"setting":<28}{"mIoU":>8}{"delta":>8}{"model GFLOPs":>14}{"attn GMACs":>12}')
     for r in rows:
         print(f'{r["setting"]:<28}{r["mIoU"]:8.2f}{r["delta_mIoU"]:+8.2f}'

@@ -29,26 +29,30 @@ import sys
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import (add_merge_args, add_mita_args, build_runner,  # noqa: E402
-                           config_name, load_config, merge_model, prepare_config, run_tool,
-                           swap_model, swap_settings)
+from mita_seg.apis import (InputError, KeyValueAction, add_merge_args,  # noqa: E402
+                           add_mita_args, build_runner, checkpoint_file, config_file,
+                           config_name, float_range, int_range, load_config, merge_model,
+                           output_dir, prepare_config, run_tool, swap_model, swap_settings)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='MMSeg test (and eval) a model')
-    parser.add_argument('config', help="test config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('--work-dir', help='the dir for logs and the metrics json')
-    parser.add_argument('--out', help='the dir to save predictions (PNG) for offline evaluation')
+    parser.add_argument('config', type=config_file,
+                        help="test config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint file')
+    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
+                        help='the dir for logs and the metrics json')
+    parser.add_argument('--out', type=output_dir('--out'),
+                        help='the dir to save predictions (PNG) for offline evaluation')
     parser.add_argument('--show', action='store_true', help='show prediction results')
-    parser.add_argument('--show-dir', help='directory where painted images will be saved')
-    parser.add_argument('--show-interval', type=int, default=1,
+    parser.add_argument('--show-dir', type=output_dir('--show-dir'),
+                        help='directory where painted images will be saved')
+    parser.add_argument('--show-interval', type=int_range(1), default=1,
                         help='paint every n-th image with --show/--show-dir (default: every '
                         'image; mmseg configs say 50)')
-    parser.add_argument('--wait-time', type=float, default=2, help='the interval of show (s)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--wait-time', type=float_range(0), default=2,
+                        help='the interval of show (s)')
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override settings of the config, key=value')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                         default='none', help='job launcher')
@@ -60,8 +64,6 @@ def parse_args(argv=None):
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
-    if args.show_interval < 1:
-        parser.error(f'--show-interval must be >= 1, got {args.show_interval}')
     return args
 
 
@@ -71,13 +73,17 @@ def main(argv=None):
     if args.show or args.show_dir:
         hook = cfg.default_hooks.get('visualization')
         if hook is None:
-            raise ValueError('--show/--show-dir need default_hooks.visualization, e.g. '
+            raise InputError(f'--show/--show-dir: config {args.config} has no '
+                             'default_hooks.visualization; add one, e.g. '
                              'dict(type="SegVisualizationHook")')
         hook.update(draw=True, interval=args.show_interval, show=args.show,
                     wait_time=args.wait_time)
         if args.show_dir:
             cfg.visualizer['save_dir'] = args.show_dir
     if args.tta:
+        if not cfg.get('tta_model') or not cfg.get('tta_pipeline'):
+            raise InputError(f'--tta: config {args.config} has no tta_model/tta_pipeline '
+                             "(mmseg's configs have them); add them or leave out --tta")
         cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
         cfg.tta_model.module = cfg.model
         cfg.model = cfg.tta_model

@@ -18,21 +18,21 @@ import sys
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import (build_runner, config_name, load_config,  # noqa: E402
-                           prepare_config, run_tool)
+from mita_seg.apis import (KeyValueAction, build_runner, config_file,  # noqa: E402
+                           config_name, load_config, output_dir, prepare_config, run_tool)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train a segmentor')
-    parser.add_argument('config', help="train config file, or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('--work-dir', help='the dir to save logs and models')
+    parser.add_argument('config', type=config_file,
+                        help="train config file, or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
+                        help='the dir to save logs and models')
     parser.add_argument('--resume', action='store_true',
                         help='resume from the latest checkpoint in the work_dir automatically')
     parser.add_argument('--amp', action='store_true',
                         help='automatic mixed precision (fp16 on CUDA, bf16 on CPU)')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override settings of the config, key=value (a list: key="[a,b]")')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                         default='none', help='job launcher')

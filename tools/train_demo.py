@@ -64,15 +64,17 @@ def majority_miou(data_root: str) -> float:
 
 
 def main(argv=None):
+    sys.path.insert(0, ROOT)
+    from mita_seg.apis.cli import int_range, output_dir
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--iters', type=int, default=300,
+    parser.add_argument('--iters', type=int_range(1), default=300,
                         help='training iterations (the config has 600; 300 keep the demo to '
                         'a few minutes on 2 cores)')
-    parser.add_argument('--work-dir', default=osp.join(ROOT, 'work_dirs', 'demo'))
-    parser.add_argument('--data-root', default=osp.join(ROOT, 'data', 'ade', 'tiny_ade20k'))
+    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
+                        default=osp.join(ROOT, 'work_dirs', 'demo'))
+    parser.add_argument('--data-root', type=output_dir('--data-root'),
+                        default=osp.join(ROOT, 'data', 'ade', 'tiny_ade20k'))
     args = parser.parse_args(argv)
-    if args.iters < 1:
-        parser.error(f'--iters must be >= 1, got {args.iters}')
     py = sys.executable
 
     if not osp.isdir(osp.join(args.data_root, 'images', 'training')):

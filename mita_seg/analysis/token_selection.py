@@ -290,8 +290,10 @@ def plot_selection_overlay(image,
         ax.set_title(f'{rec.name}\nnever {which}: {100 * never:.0f}%', fontsize=8)
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8,
                  label=f'fraction of heads in which\nthe token is {which}')
-    if title:
-        fig.suptitle(title, fontsize=9)
+    if title:   # whole, wrapped to the figure's width (about 0.6 em a character)
+        import textwrap
+        fig.suptitle(textwrap.fill(title, max(20, int(fig.get_figwidth() * 72 / 5.4))),
+                     fontsize=9)
     fig.savefig(out_file, dpi=dpi)
     plt.close(fig)
     return out_file

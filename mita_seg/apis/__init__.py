@@ -11,11 +11,17 @@
   (:class:`StudySettings`), :func:`calibrate_swap` (:class:`SwapCalibrator`: per-layer
   settings for a FLOP budget, a :class:`~mita_seg.models.SwapPlan`);
 - deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
-- :func:`run_tool`: user errors end a tool with a message, exit status 1.
+- careless input (:mod:`mita_seg.apis.cli`): argument types that refuse a bad path or
+  number at parsing (:func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
+  :func:`input_file`, :func:`output_file`, :func:`output_dir`, :func:`int_range`,
+  :func:`float_range`, :func:`device_name`, :class:`KeyValueAction`), and :func:`run_tool`: user errors found
+  later end a tool with one ``error:`` line, exit status 1.
 """
 from mita_seg.utils.checkpoint import load_checkpoint
 from .calibrate import CalibrationError, SwapCalibrator, calibrate_swap
-from .cli import USER_ERRORS, run_tool
+from .cli import (USER_ERRORS, InputError, KeyValueAction, checkpoint_file, config_file,
+                  device_name, ensure_parent, float_range, image_file, input_file, int_range, output_dir,
+                  output_file, python_command, run_tool, wrap_title)
 from .config import config_name, load_config
 from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
@@ -34,5 +40,9 @@ __all__ = [
     'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
     'add_merge_args', 'merge_model',
     'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET',
-    'calibrate_swap', 'SwapCalibrator', 'CalibrationError'
+    'calibrate_swap', 'SwapCalibrator', 'CalibrationError',
+    'InputError', 'KeyValueAction', 'checkpoint_file', 'config_file', 'device_name',
+    'ensure_parent',
+    'float_range', 'image_file', 'input_file', 'int_range', 'output_dir', 'output_file',
+    'python_command', 'wrap_title'
 ]

@@ -1,27 +1,299 @@
-"""What every tool shares around its ``main``: errors a user can fix end the tool with a
-short message and exit status 1 instead of a traceback."""
-import sys
-from typing import Callable
+"""What every tool shares around its ``main``: one way to refuse careless input.
 
-from mita_seg.models import GridMismatchError, NothingToMergeError, NothingToSwapError, PlanError
+- Arguments wrong on their own are refused while parsing, with argparse's usage line and
+  exit status 2, before anything is imported, built or loaded: the argument types below
+  (:func:`input_file`, :func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
+  :func:`output_file`, :func:`output_dir`, :func:`int_range`, :func:`float_range`,
+  :func:`device_name`) and
+  :class:`KeyValueAction` (``--cfg-options``; ``--mita-cfg`` builds on it). Each message
+  names the argument, the value, and what to give instead.
+- Errors a user fixes by changing the command line, the config or the checkpoint but that
+  show only once a file is read or a model built (:data:`USER_ERRORS`: a config that does
+  not parse, a file that is no image or no checkpoint, a checkpoint that does not fit, a
+  layer that does not exist...) end the tool through :func:`run_tool` with one
+  ``error: <message>`` line and exit status 1.
+
+Output files are written after their folders are made (:func:`ensure_parent`), and only
+once everything they hold has been computed.
+"""
+import argparse
+import os
+import os.path as osp
+import shlex
+import sys
+from typing import Callable, Optional, Sequence
+
+from mmengine.config import DictAction
+
+from mita_seg.models import (GridMismatchError, MiTASettingError, NothingToMergeError,
+                             NothingToSwapError, PlanError)
 from mita_seg.ops.onnx import OnnxExportError
 from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        UnsafeCheckpointError)
 
+__all__ = [
+    'InputError', 'USER_ERRORS', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
+    'image_file', 'output_file', 'output_dir', 'int_range', 'float_range', 'device_name',
+    'KeyValueAction', 'ensure_parent', 'python_command', 'wrap_title'
+]
+
+
+class InputError(ValueError):
+    """A file the user gave cannot be used as what it was given for (a config that does not
+    parse or defines no model, a file that is no image); the message names the file and
+    what to give instead."""
+
+
 # What a user fixes by changing the command line, the config or the checkpoint.
-USER_ERRORS = (FileNotFoundError, UnreadableCheckpointError, UnsafeCheckpointError,
+USER_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+               InputError, UnreadableCheckpointError, UnsafeCheckpointError,
                CheckpointMismatchError, NothingToSwapError, GridMismatchError,
-               NothingToMergeError, OnnxExportError, PlanError)
+               MiTASettingError, NothingToMergeError, OnnxExportError, PlanError)
 
 
 def run_tool(main: Callable[[], object]) -> None:
-    """Run a tool's ``main()``; a user error (:data:`USER_ERRORS`: a missing file, an
-    unreadable, unsafe or non-fitting checkpoint, nothing to swap, a BEiT/MAE run at a grid
-    its bias tables do not fit, a swap plan that does not fit the model or a calibration
-    that cannot run) prints
-    ``error: <message>`` and exits with status 1."""
+    """Run a tool's ``main()``; a user error (:data:`USER_ERRORS`: a missing or unreadable
+    file, a config that does not parse, an unreadable, unsafe or non-fitting checkpoint,
+    nothing to swap or merge, a layer that does not exist, a BEiT/MAE run at a grid its
+    bias tables do not fit, a swap plan that does not fit the model, a calibration that
+    cannot run, an ONNX export that fails its check) prints ``error: <message>`` and exits with status 1."""
     try:
         main()
     except USER_ERRORS as e:
-        print(f'error: {e}', file=sys.stderr)
+        msg = str(e)
+        if isinstance(e, OSError) and e.filename is not None and e.strerror:
+            msg = f'{e.filename}: {e.strerror}'     # not "[Errno 21] Is a directory: 'x'"
+        print(f'error: {msg}', file=sys.stderr)
         sys.exit(1)
+
+
+# --------------------------------------------------------------------------- paths in
+def _is_url(path: str) -> bool:
+    return '://' in path
+
+
+def _check_input(path: str, kind: str, suffixes: Sequence[str]) -> str:
+    """``path`` if it is a readable, non-empty file (of one of ``suffixes``), else an
+    ``ArgumentTypeError`` naming it, what is wrong and what ``kind`` of file to give."""
+    give = f'give {"an" if kind[0] in "aeiou" else "a"} {kind} file' + (
+        f' ({"/".join(suffixes)})' if suffixes else '')
+    if not osp.exists(path):
+        why = 'does not exist'
+        parent = osp.dirname(osp.abspath(path))
+        if not osp.isdir(parent):
+            why += f' (no folder {osp.dirname(path) or parent})'
+        raise argparse.ArgumentTypeError(f'{kind} {path!r} {why}: {give}')
+    if osp.isdir(path):
+        raise argparse.ArgumentTypeError(f'{kind} {path!r} is a directory: {give}')
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f'{kind} {path!r} is not readable (permissions)')
+    if osp.getsize(path) == 0:
+        raise argparse.ArgumentTypeError(f'{kind} {path!r} is empty: {give}')
+    if suffixes and not path.lower().endswith(tuple(suffixes)):
+        raise argparse.ArgumentTypeError(f'{kind} {path!r} is not a {kind} file: {give}')
+    return path
+
+
+def input_file(kind: str, suffixes: Sequence[str] = ()) -> Callable[[str], str]:
+    """An argparse ``type``: an existing, readable, non-empty file, not a directory,
+    optionally ending with one of ``suffixes``.
+
+    Args:
+        kind (str): what the file is, for the messages (``'checkpoint'``).
+        suffixes (Sequence[str]): accepted endings, e.g. ``('.py', '.json')``; empty: any.
+    """
+    def check(path: str) -> str:
+        return _check_input(path, kind, suffixes)
+    check.__name__ = kind        # argparse's "invalid <name> value" if anything else raises
+    return check
+
+
+CONFIG_SUFFIXES = ('.py', '.json', '.yaml', '.yml')
+
+
+def config_file(path: str) -> str:
+    """An argparse ``type``: a config file (``.py``/``.json``/``.yaml``/``.yml``) or an
+    ``mmseg::<dir>/<name>.py`` config of the installed mmsegmentation (checked when
+    loaded, :func:`~mita_seg.apis.load_config`)."""
+    if '::' in path:
+        return path
+    try:
+        return _check_input(path, 'config', CONFIG_SUFFIXES)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{e}, or 'mmseg::<dir>/<config>.py' (a config of the mmsegmentation "
+            'package)') from None
+
+
+def checkpoint_file(path: str) -> str:
+    """An argparse ``type``: a local checkpoint file (any name; its content is checked when
+    loaded), or a URL (``https://...``) mmengine downloads."""
+    return path if _is_url(path) else _check_input(path, 'checkpoint', ())
+
+
+IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png', '.bmp', '.tif', '.tiff', '.webp', '.ppm', '.pgm')
+
+
+def image_file(path: str) -> str:
+    """An argparse ``type``: an image file OpenCV decodes (what mmseg's pipelines read)."""
+    _check_input(path, 'image', ())
+    import cv2
+    if cv2.imread(path, cv2.IMREAD_UNCHANGED) is None:
+        raise argparse.ArgumentTypeError(
+            f'image {path!r} is not an image OpenCV can read ({osp.getsize(path)} bytes): '
+            f'give a {"/".join(IMAGE_SUFFIXES[:5])}... file')
+    return path
+
+
+# -------------------------------------------------------------------------- paths out
+def _existing_file_above(path: str) -> Optional[str]:
+    """The first existing non-directory among the folders above ``path``, if any."""
+    parent = osp.dirname(osp.abspath(path))
+    while parent and not osp.exists(parent):
+        parent = osp.dirname(parent)
+    return parent if parent and not osp.isdir(parent) else None
+
+
+def output_file(kind: str = 'output', suffixes: Sequence[str] = ()) -> Callable[[str], str]:
+    """An argparse ``type``: a file to write (its folders are made when it is written,
+    :func:`ensure_parent`): not a directory, no file where a folder of it should be,
+    optionally ending with one of ``suffixes``.
+
+    Args:
+        kind (str): what the file is, for the messages (``'--json file'``).
+        suffixes (Sequence[str]): accepted endings, e.g. ``('.png',)``; empty: any.
+    """
+    def check(path: str) -> str:
+        if path.endswith(('/', os.sep)) or osp.isdir(path):
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r} is a directory: give a file name, e.g. '
+                f'{osp.join(path, "out" + (suffixes[0] if suffixes else ""))}')
+        blocker = _existing_file_above(path)
+        if blocker:
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r}: {blocker} is a file, not a folder')
+        if suffixes and not path.lower().endswith(tuple(suffixes)):
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r} must end with {" or ".join(suffixes)}')
+        return path
+    check.__name__ = kind
+    return check
+
+
+def output_dir(kind: str = 'output folder') -> Callable[[str], str]:
+    """An argparse ``type``: a folder to write into (made when written): not an existing
+    file, no file where a folder above it should be."""
+    def check(path: str) -> str:
+        if osp.exists(path) and not osp.isdir(path):
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r} is a file, not a folder: give a folder (made if missing)')
+        blocker = _existing_file_above(path)
+        if blocker:
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r}: {blocker} is a file, not a folder')
+        return path
+    check.__name__ = kind
+    return check
+
+
+def ensure_parent(path: str) -> str:
+    """Make the folders above the file ``path``; returns ``path``."""
+    parent = osp.dirname(osp.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return path
+
+
+# ---------------------------------------------------------------------------- numbers
+def _number_range(cast: type, name: str, low=None, high=None, low_open: bool = False):
+    def bounds() -> str:
+        parts = []
+        if low is not None:
+            parts.append(f'{">" if low_open else ">="} {low}')
+        if high is not None:
+            parts.append(f'<= {high}')
+        return ' and '.join(parts)
+
+    def check(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f'{text!r} is not {"an int" if cast is int else "a number"}'
+                + (f' ({bounds()})' if bounds() else '')) from None
+        if value != value or (low is not None and (value < low or (low_open and value == low))) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f'{text!r}: must be {bounds()}')
+        return value
+    check.__name__ = name
+    return check
+
+
+def int_range(low: Optional[int] = None, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[low, high]`` (a bound None is open);
+    ``int_range(1)`` is a positive int."""
+    return _number_range(int, 'int', low, high)
+
+
+def float_range(low: Optional[float] = None, high: Optional[float] = None,
+                low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``; a bound None is open)."""
+    return _number_range(float, 'float', low, high, low_open)
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type``: a torch device this machine has (``cpu``, ``cuda``,
+    ``cuda:1``)."""
+    import torch
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f'{text!r} is not a device: give cpu, cuda or '
+                                         'cuda:N') from None
+    if device.type == 'cuda':
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count or not count:
+            raise argparse.ArgumentTypeError(
+                f'{text!r}: torch sees {count} CUDA device(s) (torch {torch.__version__}, '
+                f'built for CUDA {torch.version.cuda}); give cpu')
+    elif device.type not in ('cpu', 'meta'):
+        raise argparse.ArgumentTypeError(f'{text!r}: give cpu, cuda or cuda:N')
+    return text
+
+
+# -------------------------------------------------------------------------- key=value
+class KeyValueAction(DictAction):
+    """mmengine's ``DictAction`` (``key=value`` pairs, values as Python literals; what
+    ``--cfg-options`` takes) whose malformed item (no ``=``, no key) is a usage error naming
+    it, not a traceback."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for kv in values:
+            key, sep, _ = kv.partition('=')
+            if not sep or not key:
+                parser.error(f'{option_string}: {kv!r} is not KEY=VALUE (e.g. '
+                             f'{self.example})')
+        super().__call__(parser, namespace, values, option_string)
+
+    example = 'train_cfg.max_iters=60'
+
+
+# ---------------------------------------------------------------------------- printing
+def wrap_title(text: str, width_inches: float, fontsize: float = 9) -> str:
+    """``text`` wrapped to lines that fit ``width_inches`` at ``fontsize`` points (a
+    character of a sans-serif font is at most about 0.6 em wide): a figure's title whole,
+    on as many lines as it needs (matplotlib cuts a long one at the figure's edge)."""
+    import textwrap
+    chars = max(20, int(width_inches * 72 / (0.6 * fontsize)))
+    return '\n'.join(textwrap.fill(line, chars) for line in text.split('\n'))
+
+
+def python_command(script: str, *args: str) -> str:
+    """The command line that runs ``script`` (a path) with ``args`` with the interpreter
+    running now (so a venv's ``.venv/bin/python`` is printed as such), paths relative to
+    the working directory where they are inside it."""
+    def rel(path: str) -> str:
+        full = osp.abspath(path)
+        inside = full.startswith(osp.abspath(os.getcwd()) + os.sep)
+        return osp.relpath(full) if inside else path
+    return ' '.join(shlex.quote(p) for p in (rel(sys.executable), rel(script), *args))

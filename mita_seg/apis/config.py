@@ -4,6 +4,8 @@ from typing import Optional
 
 from mmengine.config import Config
 
+from .cli import InputError
+
 
 def config_name(config: str) -> str:
     """``'configs/a.py'`` and ``'mmseg::vit/a.py'`` -> ``'a'``."""
@@ -26,19 +28,36 @@ def load_config(config: str,
         Config: the config, with ``work_dir`` set.
 
     Raises:
-        FileNotFoundError: the config file does not exist.
+        FileNotFoundError: the config file does not exist (IsADirectoryError: it is a
+            folder).
+        InputError: the file is no config (it does not parse, or defines no ``model``).
     """
+    if osp.isdir(config):
+        raise IsADirectoryError(f'config {config!r} is a directory: give a config file '
+                                '(.py/.json/.yaml) or \'mmseg::<dir>/<config>.py\'')
     if osp.isfile(config):
-        cfg = Config.fromfile(config)
+        try:
+            cfg = Config.fromfile(config)
+        except Exception as e:  # noqa: BLE001  (a file that is no config, re-raised)
+            raise InputError(f'config {config} cannot be read as an mmengine config '
+                             f'({type(e).__name__}: {e}): give a .py/.json/.yaml config '
+                             'file') from e
     elif '::' in config:
         from mmengine.hub import get_config
         try:
             cfg = get_config(config)
         except FileNotFoundError as e:
             raise FileNotFoundError(f'config {config!r} does not exist: {e}') from e
+        except Exception as e:  # noqa: BLE001  (another package, a name that is no config)
+            raise InputError(f'config {config!r} cannot be loaded ({type(e).__name__}: {e}):'
+                             " give 'mmseg::<dir>/<config>.py', a config of the installed "
+                             'mmsegmentation') from e
     else:
         raise FileNotFoundError(f'config {config!r} does not exist: give a config file or '
                          "'mmseg::<dir>/<config>.py' (a config of the mmsegmentation package)")
+    if not isinstance(cfg.get('model'), dict):
+        raise InputError(f'config {config} defines no model (no `model = dict(...)`): give '
+                         'an mmseg config, e.g. one of configs/')
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     if work_dir is not None:

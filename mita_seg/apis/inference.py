@@ -3,13 +3,44 @@ models, and :class:`MiTASegInferencer`, mmseg's ``MMSegInferencer`` with strict
 weights-only loading and an optional swap to MiTA."""
 from typing import Optional
 
+import numpy as np
 import torch.nn as nn
 from mmseg.apis import MMSegInferencer, inference_model, show_result_pyplot
 
 from mita_seg.utils.checkpoint import check_checkpoint_keys
 from .model import swap_model
 
-__all__ = ['inference_model', 'show_result_pyplot', 'MiTASegInferencer']
+__all__ = ['inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'draw_title']
+
+
+def draw_title(image: np.ndarray, title: str) -> np.ndarray:
+    """``image`` (``H x W x 3``, uint8) with ``title`` in a white band above it, in black,
+    wrapped to the image's width (the whole title, on as many lines as it needs)."""
+    import cv2
+    h, w = image.shape[:2]
+    font, scale = cv2.FONT_HERSHEY_SIMPLEX, max(0.35, min(1.0, w / 800))
+    thick = 1 if scale < 0.8 else 2
+
+    def width(text):
+        return cv2.getTextSize(text, font, scale, thick)[0][0]
+
+    lines = []
+    for word in title.split():
+        while width(word) > w - 8 and len(word) > 1:   # a word wider than the image
+            cut = max(i for i in range(1, len(word) + 1) if width(word[:i]) <= w - 8 or i == 1)
+            lines.append(word[:cut])
+            word = word[cut:]
+        if lines and width(lines[-1] + ' ' + word) <= w - 8:
+            lines[-1] += ' ' + word
+        else:
+            lines.append(word)
+    (_, ch), base = cv2.getTextSize('Xg', font, scale, thick)
+    step = ch + base + 4
+    band = np.full((max(1, len(lines)) * step + 6, w, 3), 255, np.uint8)
+    for i, line in enumerate(lines):
+        cv2.putText(band, line, (4, 3 + ch + i * step), font, scale, (0, 0, 0), thick,
+                    cv2.LINE_AA)
+    return np.concatenate([band, np.ascontiguousarray(image)], axis=0)
 
 
 class MiTASegInferencer(MMSegInferencer):

@@ -6,7 +6,8 @@ layers=[0,1] include_head=False``: the MiTA settings of
 :data:`~mita_seg.models.MITA_DEFAULTS`) and the layer choice of
 :func:`~mita_seg.swap_attention`. An unknown name or a bad value ends the tool at once with
 exit status 2 and a message naming the setting and what it accepts, before anything is
-built or loaded.
+built or loaded; so does ``router_topk`` above the ``M`` landmarks of the ``pool_size``
+given (or of the default pool, or of each pool a tool sweeps).
 
 ``--mita-plan PLAN.json`` (instead of ``--mita-cfg``): one setting per attention layer, dense
 allowed (:class:`~mita_seg.models.SwapPlan`, written by ``tools/calibrate_swap.py``); the file
@@ -18,11 +19,10 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mmengine.config import DictAction
-
 from mita_seg.models import (MITA_DEFAULTS, MITA_KEYS, SWAP_RULES, PlanError, SwapPlan,
                              check_settings)
 from mita_seg.models.attention import SETTING_RULES
+from .cli import KeyValueAction
 
 
 def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
@@ -33,24 +33,37 @@ def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
     return {k: v for k, v in rules.items() if k not in exclude}
 
 
-def check_mita_cfg(mita_cfg: Dict[str, Any], exclude: Sequence[str] = ()) -> Dict[str, Any]:
-    """Check a ``--mita-cfg`` dict (``ValueError`` naming the setting and what it accepts).
+def check_mita_cfg(mita_cfg: Dict[str, Any], exclude: Sequence[str] = (),
+                   pool_sizes: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
+    """Check a ``--mita-cfg`` dict (``MiTASettingError``, a ``ValueError``, naming the
+    setting and what it accepts).
 
     Args:
         mita_cfg (dict): parsed ``key=value`` pairs.
         exclude (Sequence[str]): settings a tool sets by other means.
+        pool_sizes (Sequence, optional): the pool sizes ``router_topk`` must fit, for a
+            tool that sets ``pool_size`` itself. Default: the ``pool_size`` given, else
+            the default one.
 
     Returns:
         dict: ``mita_cfg`` unchanged.
     """
-    return check_settings(mita_cfg, mita_cfg_rules(exclude))
+    check_settings(mita_cfg, mita_cfg_rules(exclude))
+    if 'router_topk' in mita_cfg:
+        pools = pool_sizes or [mita_cfg.get('pool_size', MITA_DEFAULTS['pool_size'])]
+        if not pool_sizes and 'pool_size' in exclude:
+            pools = []        # the tool sets the pools and checks them itself
+        for pool in pools:
+            check_settings(dict(pool_size=pool, router_topk=mita_cfg['router_topk']))
+    return mita_cfg
 
 
-class MiTACfgAction(DictAction):
+class MiTACfgAction(KeyValueAction):
     """mmengine's ``DictAction`` (``key=value`` pairs, values as Python literals) that
     checks names and values; a bad one is a usage error (exit status 2)."""
 
     exclude: Sequence[str] = ()
+    example = 'topk=49'
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)

@@ -11,6 +11,13 @@ from mmengine.runner import Runner
 from mita_seg.engine import use_amp, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
+from .cli import InputError
+
+# The environment each launcher reads (mmengine's init_dist), and what sets it.
+LAUNCHER_ENV = {'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
+                            'torchrun, e.g. tools/dist_train.sh / tools/dist_test.sh'),
+                'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_NODELIST'), 'srun'),
+                'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', ), 'mpirun (Open MPI)')}
 
 # Multi-line info records longer than this go to the log file only (config dump,
 # environment, mmseg's per-class table of 150 rows).
@@ -51,7 +58,16 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
 
     Returns:
         Config: ``cfg``, changed in place.
+
+    Raises:
+        InputError: ``launcher`` is not ``none`` and the process was not started by it.
     """
+    if launcher in LAUNCHER_ENV:
+        names, how = LAUNCHER_ENV[launcher]
+        missing = [n for n in names if n not in os.environ]
+        if missing:
+            raise InputError(f'--launcher {launcher}: {", ".join(missing)} not set; start the '
+                             f'tool through {how}, or leave out --launcher')
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = '0'
     cfg.launcher = launcher

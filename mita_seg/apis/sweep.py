@@ -39,6 +39,8 @@ class AttentionMacCounter:
                         if type(m) in (MultiheadAttention, MiTAAttention, ToMeAttention)
                         or isinstance(m, BEiTAttention)]
         self.macs = 0
+        # what the MiTA calls ran with: {(pool (h, w), topk, router_topk, N)}
+        self.ran = set()
         self._handles = []
 
     def __enter__(self):
@@ -67,20 +69,51 @@ class AttentionMacCounter:
             else:
                 grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
             (ph, pw), topk, router_topk = module.effective_settings(N, grid)
+            self.ran.add(((ph, pw), topk, router_topk, N))
             self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
                                     module.with_shared_expert, with_bias=with_bias)
         else:
             self.macs += attention_flops(B, H, N, d, with_bias=with_bias)
 
 
-def attention_gmacs(model: nn.Module, batches: Sequence[dict]) -> float:
-    """Per-image attention GMACs of ``model`` on ``batches`` (test-mode forward)."""
+def attention_gmacs(model: nn.Module, batches: Sequence[dict],
+                    ran: Optional[set] = None) -> float:
+    """Per-image attention GMACs of ``model`` on ``batches`` (test-mode forward);
+    ``ran``, if given, receives the settings the MiTA calls ran with
+    (:attr:`AttentionMacCounter.ran`)."""
     images = 0
+    model.eval()                          # a test-mode forward (BatchNorm, dropout)
     with AttentionMacCounter(model) as counter, torch.no_grad():
         for batch in batches:
             model.test_step(batch)
             images += len(batch['inputs'])
+    if ran is not None:
+        ran.update(counter.ran)
     return counter.macs / images / 1e9
+
+
+def ran_label(pool: int, topk: int, ran: set) -> Tuple[str, int]:
+    """The label of a sweep row asked as ``pool x pool``, ``topk`` that ran as ``ran``
+    (:attr:`AttentionMacCounter.ran`), and the number of landmarks that ran: a pool
+    larger than the patch grid runs on the grid (``'MiTA M=16x16 k=49 (asked M=20x20)'``), a
+    ``k`` of at least ``N`` reads every key (``'k=100000 (every key)'``)."""
+    pools = {p for p, *_ in ran} or {(pool, pool)}
+    if len(pools) == 1:
+        (ph, pw), = pools
+        label = f'MiTA M={ph}x{pw}'
+        M = ph * pw
+    else:   # grids of several sizes among the counted inputs
+        label = 'MiTA M=' + '/'.join(f'{h}x{w}' for h, w in sorted(pools))
+        M = max(h * w for h, w in pools)
+    label += f' k={topk}'
+    clamped = [k < topk for _, k, _, _ in ran]
+    if clamped and all(clamped):
+        label += ' (every key)'
+    elif any(clamped):
+        label += ' (every key in some layers)'
+    if pools != {(pool, pool)}:
+        label += f' (asked M={pool}x{pool})'
+    return label, M
 
 
 def model_gflops(model: nn.Module, batch: dict) -> float:
@@ -126,9 +159,12 @@ def swap_sweep(runner: Runner,
             uniform settings, one row each (``M`` = ``'plan'``). Default: ().
 
     Returns:
-        list[dict]: one row per setting, baseline first: ``setting, M, topk, mIoU, mAcc,
-        aAcc, attn_GMACs, model_GFLOPs, attn_reduction_%, model_reduction_%, delta_mIoU``
-        and ``measure``'s columns.
+        list[dict]: one row per setting that ran, baseline first: ``setting, M, topk,
+        mIoU, mAcc, aAcc, attn_GMACs, model_GFLOPs, attn_reduction_%, model_reduction_%,
+        delta_mIoU`` and ``measure``'s columns. ``setting`` and ``M`` say what ran
+        (:func:`ran_label`: a pool larger than the grid runs on the grid); a setting that
+        runs exactly as an earlier one (two pools clamped to the same grid, two ``k`` of at
+        least ``N``) is not evaluated again, and its row is left out (``progress`` says so).
     """
     progress = progress or (lambda line: None)
     settings: List[Optional[Tuple]] = [None]
@@ -137,38 +173,47 @@ def swap_sweep(runner: Runner,
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     rows: List[Dict] = []
+    seen: Dict[frozenset, str] = {}      # what ran -> the label of its row
     t0 = time.time()
     for i, setting in enumerate(settings):
         if merge_ratios and i == len(merge_ratios) + 1:
             merge_model(model, 0.0, verbose=False)  # exactly the unmerged model again
+        ran: set = set()
+        M = topk = merge_ratio = ''
+        attn = None     # after runner.test(), which loads the checkpoint, sets eval()
         if setting is None:
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
         elif isinstance(setting, tuple) and setting[0] == 'tome':
-            merge_model(model, setting[1], verbose=(i == 1))
-            label = merge_label(setting[1])
+            merge_ratio = setting[1]
+            merge_model(model, merge_ratio, verbose=(i == 1))
+            label = merge_label(merge_ratio)
         elif isinstance(setting, SwapPlan):
             swap_model(model, dict(plan=setting), verbose=False)
-            label = f'plan {osp.basename(setting.source) or i}'
+            label, M = f'plan {osp.basename(setting.source) or i}', 'plan'
         else:
             pool, topk = setting
             swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
                        verbose=(i == 1))
-            label = f'MiTA M={pool}x{pool} k={topk}'
+            attn = attention_gmacs(model, batches, ran)   # first: what runs
+            label, M = ran_label(pool, topk, ran)
+            same = seen.get(frozenset(ran))
+            if same is not None:
+                progress(f'[{i + 1}/{len(settings)}] MiTA M={pool}x{pool} k={topk} runs '
+                         f'exactly as {same!r} on these inputs: not evaluated again, no row')
+                continue
+            seen[frozenset(ran)] = label
         progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
-        tome = isinstance(setting, tuple) and setting[0] == 'tome'
-        plan = isinstance(setting, SwapPlan)
-        mita = setting is not None and not (tome or plan)
-        row = dict(setting=label, M='plan' if plan else setting[0]**2 if mita else '',
-                   topk=setting[1] if mita else '')
+        if attn is None:
+            attn = attention_gmacs(model, batches)
+        row = dict(setting=label, M=M, topk=topk)
         if merge_ratios:
-            row['merge_ratio'] = setting[1] if tome else ''
+            row['merge_ratio'] = merge_ratio
         row.update(mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
-                   attn_GMACs=attention_gmacs(model, batches),
-                   model_GFLOPs=model_gflops(model, batches[0]))
+                   attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]))
         base = rows[0] if rows else row
         row['attn_reduction_%'] = 100.0 * (1 - row['attn_GMACs'] / base['attn_GMACs'])
         row['model_reduction_%'] = 100.0 * (1 - row['model_GFLOPs'] / base['model_GFLOPs'])

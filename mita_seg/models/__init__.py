@@ -7,8 +7,8 @@ Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``
 (the high-level swap depends on the modules, never the reverse).
 """
 from mita_seg.utils.checkpoint import register_safe_globals
-from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingsMixin,
-                        check_settings, use_dense, use_mita)
+from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingError,
+                        MiTASettingsMixin, check_settings, use_dense, use_mita)
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .grid import GridContext, GridMismatchError, guard_grids
@@ -26,5 +26,5 @@ __all__ = [
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
-    'attention_layers', 'use_dense'
+    'attention_layers', 'use_dense', 'MiTASettingError'
 ]

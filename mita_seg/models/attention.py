@@ -46,6 +46,11 @@ SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
 }
 
 
+class MiTASettingError(ValueError):
+    """A MiTA setting (or a layer choice) that cannot be used: an unknown name, a bad value,
+    ``router_topk`` above the number of landmarks, a layer the model does not have."""
+
+
 def check_settings(settings: Dict[str, Any],
                    rules: Optional[Dict[str, Tuple[str, Callable]]] = None) -> Dict[str, Any]:
     """Check names and values of settings against ``rules`` (default: the MiTA settings).
@@ -59,17 +64,25 @@ def check_settings(settings: Dict[str, Any],
         dict: ``settings`` (unchanged) when every name is known and every value valid.
 
     Raises:
-        ValueError: an unknown name (the message lists the allowed ones) or a bad value
-            (the message says what the value must be).
+        MiTASettingError: an unknown name (the message lists the allowed ones), a bad value
+            (the message says what the value must be), or ``router_topk`` above the
+            ``M = Ph * Pw`` landmarks of ``pool_size`` given with it.
     """
     rules = SETTING_RULES if rules is None else rules
     for key, value in settings.items():
         if key not in rules:
-            raise ValueError(f'unknown MiTA setting {key!r}; allowed: '
-                             + ', '.join(f'{k} ({rules[k][0]})' for k in rules))
+            raise MiTASettingError(f'unknown MiTA setting {key!r}; allowed: '
+                                   + ', '.join(f'{k} ({rules[k][0]})' for k in rules))
         what, ok = rules[key]
         if not ok(value):
-            raise ValueError(f'{key}={value!r}: {key} must be {what}')
+            raise MiTASettingError(f'{key}={value!r}: {key} must be {what}')
+    if 'pool_size' in settings and 'router_topk' in settings:
+        ph, pw = pair(settings['pool_size'], 'pool_size')
+        if settings['router_topk'] > ph * pw:
+            raise MiTASettingError(
+                f"router_topk={settings['router_topk']} is more than the M={ph * pw} "
+                f"landmarks (experts) of pool_size={settings['pool_size']}: a query reads at "
+                f'most M experts; give router_topk <= {ph * pw} or a larger pool_size')
     return settings
 
 
@@ -100,15 +113,20 @@ class MiTASettingsMixin:
         pool = (min(ph, h), min(pw, w))
         topk = min(self.topk, num_tokens)
         router_topk = min(self.router_topk, pool[0] * pool[1])
-        if (pool, router_topk) != ((ph, pw), self.router_topk) or topk < self.topk:
-            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk < self.topk)
+        if (pool, router_topk, topk) != ((ph, pw), self.router_topk, self.topk):
+            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk)
             if key not in _ADAPTED:
                 _ADAPTED.add(key)
-                print_log(
-                    f'{type(self).__name__}: a {h}x{w} grid of N={num_tokens} tokens is smaller '
-                    f'than pool_size={(ph, pw)}, topk={self.topk}, router_topk={self.router_topk}'
-                    f': running pool_size={pool}, topk={topk}, router_topk={router_topk} '
-                    '(logged once)', logger='current')
+                why = []   # each setting reduced, and why
+                if pool != (ph, pw):
+                    why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
+                if topk != self.topk:
+                    why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
+                if router_topk != self.router_topk:
+                    why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
+                               f'M={pool[0] * pool[1]} landmarks')
+                print_log(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) '
+                          f'runs with fewer: {"; ".join(why)} (logged once)', logger='current')
         return pool, topk, router_topk
 
     def extra_repr(self) -> str:
@@ -302,7 +320,9 @@ def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
     ids = list(range(num_layers)) if layers is None else list(layers)
     bad = [i for i in ids if not -num_layers <= i < num_layers]
     if bad:
-        raise ValueError(f'{name} {bad} out of range: there are {num_layers} encoder layers')
+        raise MiTASettingError(
+            f'{name} {bad} out of range: there are {num_layers} encoder layers (indices '
+            f'0..{num_layers - 1}, or -{num_layers}..-1 from the end)')
     return sorted({i % num_layers for i in ids})
 
 

@@ -104,11 +104,14 @@ def load_local_checkpoint(filename: str,
         The unpickled checkpoint (a dict for mmengine checkpoints).
 
     Raises:
-        FileNotFoundError: ``filename`` does not exist.
+        FileNotFoundError: ``filename`` does not exist (IsADirectoryError: it is a folder).
         UnsafeCheckpointError: the file holds objects outside the allow-list.
         UnreadableCheckpointError: the file is not a checkpoint torch can read.
     """
     filename = osp.expanduser(filename)
+    if osp.isdir(filename):
+        raise IsADirectoryError(f'checkpoint {filename} is a directory: give a checkpoint '
+                                'file (.pth)')
     if not osp.isfile(filename):
         raise FileNotFoundError(f'checkpoint {filename} does not exist')
     try:

@@ -128,6 +128,9 @@ def parse_args(argv=None):
     parser.add_argument('--size', type=int, default=128, help='image side in pixels')
     parser.add_argument('--seed', type=int, default=0, help='random seed')
     args = parser.parse_args(argv)
+    if osp.exists(args.out) and not osp.isdir(args.out):
+        parser.error(f'--out {args.out!r} is a file, not a folder: give a folder (made if '
+                     'missing)')
     if args.train < 1 or args.val < 1:
         parser.error(f'--train and --val must be >= 1, got {args.train} and {args.val}')
     if args.size < 32:
