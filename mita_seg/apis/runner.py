@@ -11,6 +11,7 @@ from mmengine.runner import Runner
 from mita_seg.engine import use_amp, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
+from .config import use_slim_inference
 
 # Multi-line info records longer than this go to the log file only (config dump,
 # environment, mmseg's per-class table of 150 rows).
@@ -40,7 +41,9 @@ class QuietRunner(Runner):
 
 def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str] = None,
                    resume: bool = False, amp: bool = False) -> Config:
-    """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner.
+    """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner
+    (with :func:`~mita_seg.apis.use_slim_inference`: an ``EncoderDecoder`` tests and
+    validates on ``SlimEncoderDecoder`` unless the config says ``slim_inference=False``).
 
     Args:
         cfg (Config): from :func:`~mita_seg.apis.load_config` (``work_dir`` set).
@@ -61,6 +64,7 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
     if amp:
         use_amp(cfg)
     use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
+    use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to)
     setup_cpu_distributed(cfg, launcher)
     return cfg
 
