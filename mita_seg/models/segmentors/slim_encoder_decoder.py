@@ -94,6 +94,10 @@ class SlimEncoderDecoder(EncoderDecoder):
                 # change the image shape to patch shape
                 batch_img_metas[0]['img_shape'] = crop_img.shape[2:]
                 logit = self.encode_decode(crop_img, batch_img_metas)
+                if torch.promote_types(logit.dtype, preds.dtype) == preds.dtype:
+                    # widened exactly, once, as the sum would (bf16 logits under autocast):
+                    # same values, and the sums below run on one dtype (much faster)
+                    logit = logit.to(preds.dtype)
                 window = preds[:, :, y1:y2, x1:x2]
                 if tiled:
                     top = min(max(rows_end - y1, 0), y2 - y1)   # rows covered above
