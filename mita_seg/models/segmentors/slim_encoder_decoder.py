@@ -1,6 +1,6 @@
 """mmseg's ``EncoderDecoder`` with the same results from lighter slide inference and
 post-processing."""
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
