@@ -4,6 +4,8 @@
 _base_ = ['mmseg::mae/mae-base_upernet_8xb2-amp-160k_ade20k-512x512.py']
 custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
-model = dict(backbone=dict(type='MiTAMAE', mita_cfg=dict(pool_size=7, topk=49)))
+model = dict(
+    type='SlimEncoderDecoder',  # mmseg's EncoderDecoder, lighter slide inference
+    backbone=dict(type='MiTAMAE', mita_cfg=dict(pool_size=7, topk=49)))
 # crash-safe saves, strict weights-only loads (mita_seg.engine), with any train/test tool
 default_hooks = dict(checkpoint=dict(type='SafeCheckpointHook'))

@@ -5,6 +5,7 @@ custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_fail
 
 mita_cfg = dict(pool_size=7, topk=49)
 model = dict(
+    type='SlimEncoderDecoder',  # mmseg's EncoderDecoder, lighter slide inference
     backbone=dict(type='MiTAVisionTransformer', mita_cfg=mita_cfg),
     decode_head=dict(type='MiTASegmenterMaskTransformerHead', mita_cfg=mita_cfg))
 # crash-safe saves, strict weights-only loads (mita_seg.engine), with any train/test tool

@@ -14,6 +14,7 @@ embed_dims = 64
 norm_cfg = dict(type='BN', requires_grad=True)
 
 model = dict(
+    type='SlimEncoderDecoder',  # mmseg's EncoderDecoder, lighter slide inference
     pretrained=None,
     data_preprocessor=dict(size=crop_size),
     backbone=dict(

@@ -17,11 +17,15 @@ that takes it on the device (``fused_cpu`` and ``varlen`` on CPU) and SDPA with 
 call (MiTA's landmark means, SDPA's gather), and in fwd+bwd the table gets a gradient too.
 
 Model level (``--level model``): images per second and peak memory of mmseg segmenters
-(``mmseg::`` configs, random weights) unswapped and swapped to MiTA, at the configs' test
-mode (slide) or whole-image at a given size. The two are timed in turn, a call of each per
-round (a call takes seconds; timed one after the other, their ratio carried the host's drift).
-With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R is a
-third column, timed in the same rounds.
+(``mmseg::`` configs, random weights) at the configs' test mode (slide) or whole-image at a
+given size, four ways so MiTA's share stays visible: mmseg as released, swapped to MiTA with
+mmseg's slide inference, swapped with the lighter slide inference of
+:class:`~mita_seg.models.SlimEncoderDecoder` (the same results, bit for bit), and unswapped
+with it. The four are timed in turn, a call of each per round (a call takes seconds; timed
+one after the other, their ratios carried the host's drift). ``--dtypes bfloat16``: each
+under ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it). With ``--merge-ratio R``,
+token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R with the lighter slide inference
+is a fifth column, timed in the same rounds.
 
 ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped and swapped
 to MiTA (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`), images per second of
@@ -47,6 +51,7 @@ Examples::
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
     python tools/benchmark.py --level model --profile         # + the kernel's share
+    python tools/benchmark.py --level model --models segmenter-vit-b --dtype bfloat16
     python tools/benchmark.py --level threads --tokens 1025 4097 --dtypes float32
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
@@ -434,6 +439,15 @@ def op_bias_level(args):
                 del q, k, v, grad, table, bias, index
 
 
+# the model level's columns: (label, swapped to MiTA, segmentor type)
+MODEL_VARIANTS = (
+    ('base', False, 'EncoderDecoder'),            # mmseg as released
+    ('MiTA', True, 'EncoderDecoder'),             # swapped, mmseg's slide inference
+    ('MiTA+slim', True, 'SlimEncoderDecoder'),    # swapped, the lighter slide inference
+    ('base+slim', False, 'SlimEncoderDecoder'),   # unswapped, the lighter slide inference
+)
+
+
 def model_level(args):
     from mmengine.hub import get_config
     from mmengine.registry import init_default_scope
@@ -446,17 +460,25 @@ def model_level(args):
     init_default_scope('mmseg')
     dev = torch.device(args.device)
     where = describe(dev)
+    variants = MODEL_VARIANTS + ((('ToMe+slim', False, 'SlimEncoderDecoder'), )
+                                 if args.merge_ratio is not None else ())
+    names = [v[0] for v in variants]
     print(f'# model level: random weights, batch 1, eval, no_grad; {dev.type} ({where}); '
-          'baseline = mmseg as released (mmcv MultiheadAttention)')
-    header = (f"{'model':>22} {'image':>10} {'mode':>6} | {'base img/s':>10} "
-              f"{'MiTA img/s':>10} {'speed-up':>8} | {'base MiB':>8} {'MiTA MiB':>8}")
-    tome = args.merge_ratio is not None
-    if tome:  # token merging (ToMe) at --merge-ratio, timed in the same rounds
-        print(f'# ToMe: tokens merged at ratio {args.merge_ratio:g} before each attention '
-              'and MLP of the ViT layers (mita_seg.merge_tokens)')
-        header += f" | {'ToMe img/s':>10} {'speed-up':>8} {'ToMe MiB':>8}"
+          'base = mmseg as released (mmcv MultiheadAttention, EncoderDecoder); MiTA = '
+          'swapped to MiTA; +slim = SlimEncoderDecoder (same results, lighter slide '
+          "inference); bfloat16/float16 = the model's float32 weights under torch.autocast")
+    print('# img/s of each, timed in turn; speed-up = img/s over base in this run; memory = '
+          'peak rise (MiB)')
+    header = (f"{'model':>22} {'image':>10} {'mode':>6} {'dtype':>8} | " +
+              ' '.join(f'{n:>9}' for n in names) + ' | ' +
+              ' '.join(f'{n:>9}' for n in names[1:]) + ' | ' +
+              ' '.join(f'{n:>9}' for n in names))
+    if args.merge_ratio is not None:  # token merging (ToMe) at --merge-ratio, same rounds
+        print(f'# ToMe+slim = tokens merged at ratio {args.merge_ratio:g} before each attention '
+              'and MLP of the ViT layers (mita_seg.merge_tokens), SlimEncoderDecoder')
     print(header)
     print('-' * len(header))
+
     def build(name):  # (mode, image size, {variant: one predict call})
         cfg_path, size = MODELS[name]
         cfg = get_config(cfg_path)
@@ -471,39 +493,48 @@ def model_level(args):
         img = torch.randn(1, 3, h, w, device=dev)
         meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
                                             pad_shape=(h, w)))]
-        swapped = copy.deepcopy(model)
-        swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
-        variants = [('base', model), ('MiTA', swapped)]
-        if tome:
-            merged = copy.deepcopy(model)
-            merge_tokens(merged, args.merge_ratio, verbose=False)
-            variants.append(('ToMe', merged))
-        runs = {variant: (lambda m=m: m.predict(img, meta))  # noqa
-                for variant, m in variants}
+        runs = {}
+        for variant, swap, kind in variants:
+            m = SEG_MODELS.build(dict(cfg.model, type=kind)).eval().to(dev)
+            m.load_state_dict(model.state_dict())     # the same weights in each
+            if swap:
+                swap_attention(m, pool_size=args.pool_size, topk=args.topk, verbose=False)
+            if variant.startswith('ToMe'):
+                merge_tokens(m, args.merge_ratio, verbose=False)
+            runs[variant] = lambda m=m: m.predict(img, meta)
         return cfg.model.test_cfg.get('mode', 'whole'), (h, w), runs
 
+    def autocast(dtype, fn):  # the call under autocast, as one serving in that dtype runs it
+        dt = getattr(torch, dtype)
+
+        def run():
+            with torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32):
+                return fn()
+        return run
+
     models = {name: build(name) for name in args.models}
+    rows = [(name, dtype) for name in models for dtype in args.model_dtypes]
     with torch.no_grad():
-        # memory first, every model, before any timing (see op_level)
-        peaks = {name: {} for name in models}
-        for name, (_, _, runs) in models.items():
-            for variant, run in runs.items():
-                peaks[name][variant] = peak_memory_rise(run, dev)[1]
-        for name, (mode, (h, w), runs) in models.items():
-            mems = peaks[name]
-            times = interleaved_median_times(list(runs.values()), args.min_run_time, dev)
-            base, mita = times[:2]
-            line = (f"{name:>22} {f'{h}x{w}':>10} {mode:>6} | {1 / base:10.3f} "
-                    f"{1 / mita:10.3f} {base / mita:7.2f}x | {mems['base']:8.0f} "
-                    f"{mems['MiTA']:8.0f}")
-            if tome:
-                line += f" | {1 / times[2]:10.3f} {base / times[2]:7.2f}x {mems['ToMe']:8.0f}"
-            print(line, flush=True)
+        # memory first, every row, before any timing (see op_level)
+        peaks = {row: {v: peak_memory_rise(autocast(row[1], run), dev)[1]
+                       for v, run in models[row[0]][2].items()} for row in rows}
+        for name, dtype in rows:
+            mode, (h, w), runs = models[name]
+            runs = {v: autocast(dtype, run) for v, run in runs.items()}
+            mems = peaks[(name, dtype)]
+            times = dict(zip(runs, interleaved_median_times(list(runs.values()),
+                                                            args.min_run_time, dev)))
+            mem = lambda v: f'{mems[v]:9.0f}' if mems[v] is not None else f"{'n/a':>9}"  # noqa
+            print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} {dtype:>8} | " +
+                  ' '.join(f'{1 / times[v]:9.3f}' for v in names) + ' | ' +
+                  ' '.join(f"{times['base'] / times[v]:8.2f}x" for v in names[1:]) +
+                  ' | ' + ' '.join(mem(v) for v in names), flush=True)
             if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
-                kernel = sum(profiled(runs['MiTA'], reps=2)[1].values())
-                print(f'#   MiTA {mita:.2f} s per image, {kernel:.2f} s of it in the kernel '
-                      f'({100 * kernel / mita:.0f}%); with the kernel free the speed-up would '
-                      f'be {base / (mita - kernel):.2f}x', flush=True)
+                mita = times['MiTA+slim']
+                kernel = sum(profiled(runs['MiTA+slim'], reps=2)[1].values())
+                print(f'#   MiTA+slim {mita:.2f} s per image, {kernel:.2f} s of it in the '
+                      f'kernel ({100 * kernel / mita:.0f}%); with the kernel free the speed-up '
+                      f"would be {times['base'] / (mita - kernel):.2f}x", flush=True)
 
 
 def cpu_name():
@@ -604,9 +635,11 @@ def parse_args():
     p.add_argument('--tokens', type=token_count, nargs='+', default=None,
                    help='token counts N = 1 + s*s (default: 1025 4097 16385 on CPU, '
                    'and 65537 on CUDA)')
-    p.add_argument('--dtypes', nargs='+', default=None,
+    p.add_argument('--dtypes', '--dtype', nargs='+', default=None,
                    choices=['float32', 'bfloat16', 'float16'],
-                   help='default: float32 bfloat16 on CPU, float16 bfloat16 float32 on CUDA')
+                   help='operator level: the inputs\' dtype (default: float32 bfloat16 on '
+                   'CPU, float16 bfloat16 float32 on CUDA); model level: float32, or the '
+                   'float32 model under torch.autocast to this dtype (default: float32)')
     p.add_argument('--passes', nargs='+', default=['fwd', 'fwd+bwd'],
                    choices=['fwd', 'fwd+bwd'])
     p.add_argument('--heads', type=int_range(1), default=12)
@@ -654,6 +687,7 @@ def main():
     if cuda and not torch.cuda.is_available():
         raise SystemExit('--device cuda: torch sees no CUDA device '
                          f'(torch {torch.__version__}, built for CUDA {torch.version.cuda})')
+    args.model_dtypes = args.dtypes or ['float32']
     if args.tokens is None:
         args.tokens = [1025, 4097, 16385] + ([65537] if cuda else [])
     if args.dtypes is None:

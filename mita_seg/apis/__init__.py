@@ -1,7 +1,7 @@
 """The one place tools and users call (as mmseg's ``mmseg.apis`` keeps its tools thin).
 
 - configs: :func:`load_config` (files and ``mmseg::`` configs, ``--cfg-options``,
-  ``work_dir``);
+  ``work_dir``), :func:`use_slim_inference` (mmseg's results, lighter slide inference);
 - models: :func:`init_model` (strict weights-only checkpoint loading, optional swap to
   MiTA), :func:`swap_model`, :func:`inference_model`, :class:`MiTASegInferencer`;
 - ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
@@ -22,7 +22,7 @@ from .calibrate import CalibrationError, SwapCalibrator, calibrate_swap
 from .cli import (USER_ERRORS, InputError, KeyValueAction, checkpoint_file, config_file,
                   device_name, ensure_parent, float_range, image_file, input_file, int_range, output_dir,
                   output_file, python_command, run_tool, wrap_title)
-from .config import config_name, load_config
+from .config import config_name, load_config, use_slim_inference
 from .export import export_swapped, mita_config
 from .inference import MiTASegInferencer, inference_model, show_result_pyplot
 from .mita_cfg import add_mita_args, check_mita_cfg, swap_settings
@@ -34,7 +34,7 @@ from .swap_study import StudySettings, run_swap_study
 from .token_merge import add_merge_args, merge_model
 
 __all__ = [
-    'load_config', 'config_name', 'init_model', 'swap_model', 'load_checkpoint',
+    'load_config', 'config_name', 'use_slim_inference', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
     'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',

@@ -1,4 +1,5 @@
-"""Configs for the tools: a file or ``mmseg::<dir>/<name>.py``, ``--cfg-options``, work_dir."""
+"""Configs for the tools: a file or ``mmseg::<dir>/<name>.py``, ``--cfg-options``, work_dir,
+and the segmentor that gives mmseg's results with lighter inference."""
 import os.path as osp
 from typing import Optional
 
@@ -64,4 +65,37 @@ def load_config(config: str,
         cfg.work_dir = work_dir
     elif cfg.get('work_dir', None) is None:
         cfg.work_dir = osp.join('./work_dirs', config_name(config))
+    return cfg
+
+
+# segmentor type -> the one with the same results and lighter slide inference
+SLIM_SEGMENTORS = {'EncoderDecoder': 'SlimEncoderDecoder',
+                   'mmseg.EncoderDecoder': 'SlimEncoderDecoder'}
+
+
+def use_slim_inference(cfg: Config) -> Config:
+    """Put an ``EncoderDecoder`` model of ``cfg`` on
+    :class:`~mita_seg.models.SlimEncoderDecoder` (the same seg logits and class maps, bit
+    for bit, from lighter slide inference and post-processing), in place; a TTA model's
+    ``module`` too. A config with ``slim_inference = False`` (``--cfg-options
+    slim_inference=False``) gets mmseg's ``EncoderDecoder`` instead, also where it named
+    ``SlimEncoderDecoder`` itself. Other segmentors are left as they are; a switched
+    config imports ``mita_seg.models`` (``custom_imports``), so its dump builds anywhere.
+
+    Returns:
+        Config: ``cfg``.
+    """
+    slim = cfg.get('slim_inference', True)
+    model = cfg.get('model')
+    while isinstance(model, dict):
+        kind = model.get('type')
+        if slim and kind in SLIM_SEGMENTORS:
+            model['type'] = SLIM_SEGMENTORS[kind]
+            imports = list(cfg.get('custom_imports', {}).get('imports', []))
+            if 'mita_seg.models' not in imports:   # a dumped config builds it too
+                cfg.custom_imports = dict(imports=imports + ['mita_seg.models'],
+                                          allow_failed_imports=False)
+        elif not slim and kind in ('SlimEncoderDecoder', 'mmseg.SlimEncoderDecoder'):
+            model['type'] = 'EncoderDecoder'
+        model = model.get('module')     # SegTTAModel wraps the segmentor
     return cfg

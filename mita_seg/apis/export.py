@@ -5,7 +5,9 @@ backbone switched to ``MiTAVisionTransformer`` (``mita_cfg``, ``mita_layers``), 
 ``MAE`` backbone to ``MiTABEiT`` / ``MiTAMAE``, and Segmenter's
 ``SegmenterMaskTransformerHead`` to ``MiTASegmenterMaskTransformerHead``, ``mita_seg.models``
 and ``mita_seg.engine`` in ``custom_imports``, the crash-safe checkpoint hook, pretrained
-initialisation removed and ``load_from`` pointing at the written checkpoint. MiTA adds no
+initialisation removed, an ``EncoderDecoder`` on ``SlimEncoderDecoder`` (mmseg's results,
+lighter slide inference; not with ``slim_inference=False``) and ``load_from`` pointing at
+the written checkpoint. MiTA adds no
 parameters, so the checkpoint holds the very same ``state_dict``. Both models are built and
 the checkpoint is loaded into each strictly before anything is written.
 
@@ -25,7 +27,7 @@ from mita_seg.engine import use_safe_checkpoint
 from mita_seg.models import (MITA_KEYS, NothingToSwapError, PlanError, SwapPlan,
                              attention_layers)
 from mita_seg.utils import load_local_checkpoint
-from .config import config_name, load_config
+from .config import config_name, load_config, use_slim_inference
 from .model import init_model
 
 # backbone type -> its MiTA version
@@ -115,7 +117,7 @@ def _finish(cfg: Config) -> Config:
     imports += [m for m in ('mita_seg.models', 'mita_seg.engine') if m not in imports]
     cfg.custom_imports = dict(imports=imports, allow_failed_imports=False)
     use_safe_checkpoint(cfg)
-    return cfg
+    return use_slim_inference(cfg)
 
 
 def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,

@@ -8,6 +8,7 @@ import torch.nn as nn
 from mmseg.apis import MMSegInferencer, inference_model, show_result_pyplot
 
 from mita_seg.utils.checkpoint import check_checkpoint_keys
+from .config import use_slim_inference
 from .model import swap_model
 
 __all__ = ['inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'draw_title']
@@ -44,7 +45,9 @@ def draw_title(image: np.ndarray, title: str) -> np.ndarray:
 
 
 class MiTASegInferencer(MMSegInferencer):
-    """``MMSegInferencer`` whose checkpoint must fit the model exactly, optionally on MiTA.
+    """``MMSegInferencer`` whose checkpoint must fit the model exactly, optionally on MiTA,
+    an ``EncoderDecoder`` on :class:`~mita_seg.models.SlimEncoderDecoder` (mmseg's results,
+    lighter slide inference; not where the config says ``slim_inference=False``).
 
     Example::
 
@@ -68,6 +71,11 @@ class MiTASegInferencer(MMSegInferencer):
         self.mita_cfg = mita_cfg
         self.weights_source = weights
         super().__init__(model, weights=weights, **kwargs)
+
+    def _init_model(self, cfg, weights: Optional[str], device: str = 'cpu') -> nn.Module:
+        """``MMSegInferencer``'s model, built as ``SlimEncoderDecoder`` where the config has
+        an ``EncoderDecoder`` (:func:`~mita_seg.apis.use_slim_inference`)."""
+        return super()._init_model(use_slim_inference(cfg), weights, device)
 
     def _load_weights_to_model(self, model: nn.Module, checkpoint: Optional[dict], cfg) -> None:
         """Check the checkpoint's keys, let mmseg load it (and its class names), then

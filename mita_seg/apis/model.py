@@ -8,7 +8,7 @@ from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 
 from mita_seg.models import guard_grids, swap_attention
 from mita_seg.utils.checkpoint import load_checkpoint
-from .config import load_config
+from .config import load_config, use_slim_inference
 
 
 def swap_model(model: nn.Module, mita_cfg: dict, verbose: bool = True) -> int:
@@ -45,8 +45,10 @@ def init_model(config: Union[str, Config],
                device: str = 'cpu',
                cfg_options: Optional[dict] = None,
                mita_cfg: Optional[dict] = None) -> nn.Module:
-    """mmseg's ``init_model``, with the checkpoint loaded strictly and weights-only, and an
-    optional swap to MiTA.
+    """mmseg's ``init_model``, with the checkpoint loaded strictly and weights-only, an
+    ``EncoderDecoder`` on :class:`~mita_seg.models.SlimEncoderDecoder` (mmseg's results,
+    lighter slide inference; ``slim_inference=False`` in ``cfg_options`` keeps mmseg's), and
+    an optional swap to MiTA.
 
     Args:
         config (str | Config): a config file, ``'mmseg::...'``, or a ``Config``.
@@ -69,6 +71,7 @@ def init_model(config: Union[str, Config],
     cfg = config if isinstance(config, Config) else load_config(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
+    use_slim_inference(cfg)
     model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
     guard_grids(model)           # a BEiT/MAE at another grid: an error that says what to do
     if mita_cfg is not None:

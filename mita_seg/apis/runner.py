@@ -12,6 +12,7 @@ from mita_seg.engine import use_amp, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
 from .cli import InputError
+from .config import use_slim_inference
 
 # The environment each launcher reads (mmengine's init_dist), and what sets it.
 LAUNCHER_ENV = {'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
@@ -47,7 +48,9 @@ class QuietRunner(Runner):
 
 def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str] = None,
                    resume: bool = False, amp: bool = False) -> Config:
-    """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner.
+    """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner
+    (with :func:`~mita_seg.apis.use_slim_inference`: an ``EncoderDecoder`` tests and
+    validates on ``SlimEncoderDecoder`` unless the config says ``slim_inference=False``).
 
     Args:
         cfg (Config): from :func:`~mita_seg.apis.load_config` (``work_dir`` set).
@@ -77,6 +80,7 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
     if amp:
         use_amp(cfg)
     use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
+    use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to)
     setup_cpu_distributed(cfg, launcher)
     return cfg
 

@@ -4,7 +4,7 @@ mmengine load local checkpoints weights-only with mmengine's few safe globals al
 
 Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
 <- ``plan`` <- ``swap`` <- ``token_merge``
-(the high-level swap depends on the modules, never the reverse).
+(the high-level swap depends on the modules, never the reverse); ``segmentors`` stands apart.
 """
 from mita_seg.utils.checkpoint import register_safe_globals
 from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingError,
@@ -14,6 +14,7 @@ from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .plan import PLAN_FORMAT, PlanError, SwapPlan
+from .segmentors import SlimEncoderDecoder
 from .swap import SWAP_RULES, NothingToSwapError, attention_layers, swap_attention
 from .token_merge import NothingToMergeError, ToMeAttention, ToMeFFN, TokenMerger, merge_tokens
 
@@ -22,6 +23,7 @@ register_safe_globals()
 __all__ = [
     'MiTAAttention', 'MiTABEiTAttention', 'MiTAMAEAttention', 'MiTASettingsMixin',
     'MiTAVisionTransformer', 'MiTABEiT', 'MiTAMAE', 'MiTASegmenterMaskTransformerHead',
+    'SlimEncoderDecoder',
     'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',

@@ -1,0 +1,3 @@
+from .slim_encoder_decoder import SlimEncoderDecoder
+
+__all__ = ['SlimEncoderDecoder']
