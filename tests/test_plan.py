@@ -153,7 +153,7 @@ def test_plan_for_another_model(segmenter_ckpt):
     # a plan of another layer count: a plan for another model
     plan = SwapPlan.from_dict(plan_dict(MIXED[:5]), source='other.json')
     with pytest.raises(PlanError, match='plan other.json is for a model with 5 attention '
-                       r'layers; EncoderDecoder has 6 \(backbone.layers.0-3.attn, '
+                       r'layers; SlimEncoderDecoder has 6 \(backbone.layers.0-3.attn, '
                        r'decode_head.layers.0-1.attn\)'):
         swap_attention(model, plan=plan)
     # same count, a layer the model does not have

@@ -25,9 +25,9 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import calibrate_swap, config_name, run_tool  # noqa: E402
+from mita_seg.apis import (KeyValueAction, calibrate_swap, checkpoint_file,  # noqa: E402
+                           config_file, config_name, ensure_parent, float_range, int_range,
+                           output_file, python_command, run_tool)
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, parse_candidate  # noqa: E402
 from mita_seg.models.plan import setting_label  # noqa: E402
 
@@ -43,36 +43,33 @@ def candidate(text: str) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Per-layer MiTA settings for a FLOP budget, from a few training images')
-    parser.add_argument('config', help="config of the standard-attention model (a file or "
+    parser.add_argument('config', type=config_file, help="config of the standard-attention model (a file or "
                         "'mmseg::<dir>/<config>.py')")
-    parser.add_argument('checkpoint', help='its checkpoint')
+    parser.add_argument('checkpoint', type=checkpoint_file, help='its checkpoint')
     budget = parser.add_mutually_exclusive_group(required=True)
-    budget.add_argument('--reduction', type=float,
+    budget.add_argument('--reduction', type=float_range(0, 1),
                         help='FLOPs to save, as a fraction of the dense model\'s (0.4: the '
                         'plan costs at most 60%% of dense)')
-    budget.add_argument('--budget-gflops', type=float,
+    budget.add_argument('--budget-gflops', type=float_range(0, low_open=True),
                         help='the plan\'s FLOPs at most this (GFLOPs of one crop at the '
                         'config\'s crop size, as tools/get_flops.py counts)')
     budget.add_argument('--budget-uniform', type=candidate, metavar='P:K[:route]',
                         help='the FLOPs of every layer on this setting, e.g. 7:49 (one of '
                         'the candidates): the plan for the cost of that uniform swap')
-    parser.add_argument('--out', required=True, help='the plan file to write (JSON)')
-    parser.add_argument('--images', type=int, default=16,
+    parser.add_argument('--out', required=True, type=output_file('--out', ('.json', )),
+                        help='the plan file to write (JSON)')
+    parser.add_argument('--images', type=int_range(1), default=16,
                         help='calibration images from the training split (default: 16)')
     parser.add_argument('--candidates', nargs='+', type=candidate,
                         default=list(DEFAULT_CANDIDATES), metavar='SETTING',
                         help='candidate settings of every layer: dense, P:K (shared expert) '
                         'or P:K:route (default: dense and P 4/5/7 x K 16/49/100, both kinds)')
-    parser.add_argument('--seed', type=int, default=0, help='which training images')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--seed', type=int_range(0), default=0, help='which training images')
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     if args.reduction is not None and not 0 <= args.reduction < 1:
         parser.error(f'--reduction must be in [0, 1), got {args.reduction}')
-    if args.budget_gflops is not None and args.budget_gflops <= 0:
-        parser.error(f'--budget-gflops must be > 0, got {args.budget_gflops}')
-    if args.images < 1:
-        parser.error(f'--images must be >= 1, got {args.images}')
     return args
 
 
@@ -106,12 +103,13 @@ def main(argv=None):
         progress=lambda line: print(f'[calibrate_swap] {line}', file=sys.stderr, flush=True),
         budget_uniform=args.budget_uniform)
     plan.info['model']['config'] = str(args.config)
-    plan.save(args.out)
+    plan.save(ensure_parent(args.out))
     plan.source = args.out
     print(f'{config_name(args.config)}: swap plan')
     print(format_plan(plan))
-    print(f'wrote {args.out}\nuse: python tools/test.py {args.config} {args.checkpoint} '
-          f'--mita-plan {args.out}')
+    test = python_command(osp.join(osp.dirname(osp.abspath(__file__)), 'test.py'),
+                          args.config, args.checkpoint, '--mita-plan', args.out)
+    print(f'wrote {args.out}\nuse: {test}')
     return plan
 
 

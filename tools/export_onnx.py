@@ -23,34 +23,24 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import DictAction  # noqa: E402
-
-from mita_seg.apis import (MIN_OPSET, add_mita_args, export_onnx, run_tool,  # noqa: E402
-                           swap_settings)
-
-
-def positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
-    return value
+from mita_seg.apis import (MIN_OPSET, KeyValueAction, add_mita_args,  # noqa: E402
+                           checkpoint_file, config_file, export_onnx, int_range, output_file,
+                           run_tool, swap_settings)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Export a segmentor to ONNX (MiTA as '
                                      'standard ONNX operators), checked in ONNX Runtime')
-    parser.add_argument('config', help="config file or 'mmseg::<dir>/<config>.py'")
-    parser.add_argument('checkpoint', help='checkpoint (loaded strictly, weights only)')
-    parser.add_argument('--out', required=True, help='the .onnx file to write')
-    parser.add_argument('--shape', type=positive_int, nargs=2, metavar=('H', 'W'),
+    parser.add_argument('config', type=config_file, help="config file or 'mmseg::<dir>/<config>.py'")
+    parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint (loaded strictly, weights only)')
+    parser.add_argument('--out', required=True, type=output_file('--out', ('.onnx', )),
+                        help='the .onnx file to write')
+    parser.add_argument('--shape', type=int_range(1), nargs=2, metavar=('H', 'W'),
                         help='input height and width (default: the config\'s crop size)')
-    parser.add_argument('--opset', type=int, default=MIN_OPSET,
+    parser.add_argument('--opset', type=int_range(1), default=MIN_OPSET,
                         help=f'ONNX opset, {MIN_OPSET} or later (default: {MIN_OPSET})')
     add_mita_args(parser)
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     if args.opset < MIN_OPSET:
