@@ -195,5 +195,5 @@ def test_calibrate_swap_tool(segmenter_ckpt, tools, tmp_path):
     other.save(str(tmp_path / 'other.json'))
     code, log = tools('tools/test.py', config, ckpt, '--mita-plan', tmp_path / 'other.json',
                       '--work-dir', tmp_path / 'o', check=False)
-    assert code == 1 and 'is for a model with 4 attention layers; EncoderDecoder has 6' in log
+    assert code == 1 and 'is for a model with 4 attention layers; SlimEncoderDecoder has 6' in log
     assert 'Traceback' not in log

@@ -160,7 +160,7 @@ def test_plan_for_another_model(segmenter_ckpt):
     data = plan_dict(MIXED)
     data['layers'][5]['name'] = 'decode_head.layers.7.attn'
     with pytest.raises(PlanError, match='names layer decode_head.layers.7.attn, which '
-                       'EncoderDecoder does not have'):
+                       'SlimEncoderDecoder does not have'):
         swap_attention(model, plan=SwapPlan.from_dict(data))
     # a plan and settings at once
     with pytest.raises(ValueError, match='give a plan or settings'):
