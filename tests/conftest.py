@@ -63,6 +63,22 @@ def tools():
     return Tools()
 
 
+@pytest.fixture(scope='module')
+def tiny_cfg():
+    """mmseg's Segmenter ViT-T config, narrowed: 64 channels, 2 + 1 layers, patch 8, 10
+    classes, 64x64 crops with stride 48 (two by two crops on a 112x112 image)."""
+    from mita_seg.apis import load_config
+    return load_config('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', {
+        'model.backbone.embed_dims': 64, 'model.backbone.num_layers': 2,
+        'model.backbone.num_heads': 4, 'model.backbone.patch_size': 8,
+        'model.backbone.img_size': (64, 64), 'model.decode_head.in_channels': 64,
+        'model.decode_head.channels': 64, 'model.decode_head.embed_dims': 64,
+        'model.decode_head.num_heads': 4, 'model.decode_head.num_layers': 1,
+        'model.decode_head.num_classes': 10, 'model.test_cfg.crop_size': (64, 64),
+        'model.test_cfg.stride': (48, 48)
+    })
+
+
 @pytest.fixture(scope='session')
 def tiny_data(tmp_path_factory, tools):
     """A tiny ADE20K-format dataset: 8 training and 4 validation images of 128x128."""

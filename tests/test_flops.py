@@ -182,20 +182,6 @@ def test_mita_count_is_mita_flops(grid, pool, topk, router_topk, shared, batch,
 # ----------------------------------------------------------------------------------------
 # Small segmentors from mmseg's Segmenter config.
 # ----------------------------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def tiny_cfg():
-    """mmseg's Segmenter ViT-T config, narrowed: 64 channels, 2 + 1 layers, patch 8."""
-    return load_config(SEGMENTER_T, {
-        'model.backbone.embed_dims': 64, 'model.backbone.num_layers': 2,
-        'model.backbone.num_heads': 4, 'model.backbone.patch_size': 8,
-        'model.backbone.img_size': (64, 64), 'model.decode_head.in_channels': 64,
-        'model.decode_head.channels': 64, 'model.decode_head.embed_dims': 64,
-        'model.decode_head.num_heads': 4, 'model.decode_head.num_layers': 1,
-        'model.decode_head.num_classes': 10, 'model.test_cfg.crop_size': (64, 64),
-        'model.test_cfg.stride': (48, 48)
-    })
-
-
 MITA_TINY = dict(pool_size=3, topk=12)
 
 

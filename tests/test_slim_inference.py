@@ -165,6 +165,20 @@ def test_swapped_batch_flip_padding(tiny):
     check_equal(ref, slim, inputs, samples(2, (70, 90), **meta))
 
 
+def test_with_autograd_on(tiny):
+    """``predict`` called with autograd on (as ``test_step`` outside a test loop is): the
+    same values as mmseg's, and a gradient reaches the input through the slide's sums."""
+    ref, slim = tiny
+    inputs = torch.randn(1, 3, 64, 86, generator=torch.Generator().manual_seed(6))
+    x_ref, x_slim = inputs.clone().requires_grad_(), inputs.clone().requires_grad_()
+    want = ref.predict(x_ref, samples(1, (64, 86)))[0].seg_logits.data
+    got = slim.predict(x_slim, samples(1, (64, 86)))[0].seg_logits.data
+    assert got.requires_grad and torch.equal(bits(got.detach()), bits(want.detach()))
+    want.sum().backward()
+    got.sum().backward()
+    assert torch.allclose(x_slim.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_no_data_samples(tiny):
     """``predict`` without data samples: the logits as they are, and their class map."""
     ref, slim = tiny

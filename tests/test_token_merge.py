@@ -27,7 +27,6 @@ from mita_seg.ops.token_merge import (bipartite_soft_matching, merge, merge_flop
                                       merged_count, merged_sizes,
                                       proportional_attention_bias, unmerge)
 
-SEGMENTER_T = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
 BEIT_TINY = 'configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py'
 
 # (batch, prefix, grid tokens, suffix, channels): odd grids, a cls token, class tokens
@@ -143,20 +142,6 @@ def small_vit(**kwargs):
                             num_heads=4, out_indices=(1, 2), **kwargs)
     vit.eval()   # mmseg's ViT.train() returns None
     return vit
-
-
-@pytest.fixture(scope='module')
-def tiny_cfg():
-    """mmseg's Segmenter ViT-T config, narrowed as in test_flops.py."""
-    return load_config(SEGMENTER_T, {
-        'model.backbone.embed_dims': 64, 'model.backbone.num_layers': 2,
-        'model.backbone.num_heads': 4, 'model.backbone.patch_size': 8,
-        'model.backbone.img_size': (64, 64), 'model.decode_head.in_channels': 64,
-        'model.decode_head.channels': 64, 'model.decode_head.embed_dims': 64,
-        'model.decode_head.num_heads': 4, 'model.decode_head.num_layers': 1,
-        'model.decode_head.num_classes': 10, 'model.test_cfg.crop_size': (64, 64),
-        'model.test_cfg.stride': (48, 48)
-    })
 
 
 @pytest.fixture(scope='module')

@@ -104,8 +104,13 @@ class SlimEncoderDecoder(EncoderDecoder):
                     left = min(max(cols_end - x1, 0), x2 - x1)  # columns covered left
                     window[:, :, :top] += logit[:, :, :top]
                     window[:, :, top:, :left] += logit[:, :, top:, :left]
-                    # the rest: 0 + x, as mmseg's sum has it (-0.0 becomes 0.0)
-                    torch.add(logit[:, :, top:, left:], 0.0, out=window[:, :, top:, left:])
+                    # the rest: 0 + x, as mmseg's sum has it (-0.0 becomes 0.0); out= is
+                    # not differentiable, so with autograd on through a temporary
+                    rest = logit[:, :, top:, left:]
+                    if rest.requires_grad:
+                        window[:, :, top:, left:] = rest + 0.0
+                    else:
+                        torch.add(rest, 0.0, out=window[:, :, top:, left:])
                     cols_end = x2
                 else:
                     window += logit
