@@ -141,10 +141,10 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     """
     cfg = load_config(config, cfg_options)
     plan = mita_cfg.get('plan')
+    new_cfg = mita_config(cfg, mita_cfg)    # first: a config MiTA cannot take says so
     base = init_model(copy.deepcopy(cfg), checkpoint)  # strict
     if plan is not None:
         plan.check_fits([name for name, _, _ in attention_layers(base)], config_name(config))
-    new_cfg = mita_config(cfg, mita_cfg)
     models = [base, init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
     meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
     os.makedirs(out_dir, exist_ok=True)
