@@ -18,7 +18,11 @@ shape is fixed at export. A tile needs the ``k`` keys of one expert: the routed 
 batched ``[T, d] x [d, k]`` MatMul, not a per-query gather of ``N k d`` keys (the other
 formulation, ``formulation='gather'``, kept for measurement: it is slower in ONNX Runtime, see
 the README's Deploy section). The shared and routed partial softmaxes are merged with their
-maxima, as in FlashAttention.
+maxima, as in FlashAttention. The top-k of the scores is one unsorted ``TopK`` over
+``[B H M, N]`` rows. Measured and left out (slower in ONNX Runtime 1.32.0): a fixed
+capacity per expert (one ``[B H M, cap, d]`` MatMul with cap the largest expert's count:
+routing is uneven, so 3x the slots at N = 1025), keys and values gathered side by side, and a
+per-expert ``[M, k, d]`` copy gathered again per tile.
 
 With a relative position bias the graph forms BEiT's dense bias ``[H, N, N]`` once per layer
 (as BEiT's own attention does) and pools it with the same averaging matrix, instead of the
@@ -61,10 +65,11 @@ def pool_matrix(hw_shape: Tuple[int, int], pool_size: Tuple[int, int]) -> np.nda
 
 
 def onnx_block_size(num_tokens: int, router_topk: int, num_experts: int) -> int:
-    """Tile size ``T`` of the ONNX graph: twice the blocked backend's choice
-    (:func:`~mita_seg.ops.blocked.default_block_size`), in ``[8, 64]``: ONNX Runtime runs a
-    batched MatMul as one small GEMM per tile, whose call costs more than padding slots."""
-    return int(min(64, max(8, 2 * default_block_size(num_tokens * router_topk, num_experts))))
+    """Tile size ``T`` of the ONNX graph: four times the blocked backend's choice
+    (:func:`~mita_seg.ops.blocked.default_block_size`), in ``[8, 64]`` (16 at N = 1025, 64 at
+    N = 4097 with 49 experts): ONNX Runtime runs a batched MatMul as one small GEMM per tile,
+    whose call costs more than padding slots."""
+    return int(min(64, max(8, 4 * default_block_size(num_tokens * router_topk, num_experts))))
 
 
 def onnx_unsupported(dtype: torch.dtype, shape: Tuple[int, ...]) -> List[str]:
@@ -182,7 +187,11 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             S = op.Reshape(op.Add(op.Reshape(S, const([B, H, M, N])), Bq), const([BH, M, N]))
             G = op.Reshape(op.Add(op.Reshape(G, const([B, H, N, M])), Bk), const([BH, N, M]))
             dense_flat = op.Reshape(dense, const([-1]))                      # [H N N]
-        _, keys = op.TopK(S, const([topk]), axis=-1)                         # [BH, M, k]
+        # one TopK over [BH M, N] rows, unsorted (the order of an expert's keys does not
+        # matter; ONNX Runtime spreads 2-D TopK rows over its threads, not 3-D ones)
+        _, keys = op.TopK(op.Reshape(S, const([BH * M, N])), const([topk]), axis=-1,
+                          sorted=0)
+        keys = op.Reshape(keys, const([BH, M, topk]))                        # [BH, M, k]
         if r == 1:
             choice = op.ArgMax(G, axis=-1, keepdims=1)                       # [BH, N, 1]
         else:
@@ -257,17 +266,17 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             op.Cast(op.LessOrEqual(op.Unsqueeze(tile_end, const([1])),
                                    op.Unsqueeze(tile_ids, const([0, 2]))), to=7),
             const([2]), keepdims=0), const(M - 1))                           # [BH, NTu]
-        # Each expert's keys and values once ([BH, M, k, d]), then one slice per tile.
-        flat_keys = op.Reshape(keys, const([BH, M * topk]))
-        K_e = gather_rows(k3, flat_keys, BH, N, [d])                         # [BH, Mk, d]
-        V_e = gather_rows(v3, flat_keys, BH, N, [d])
-        Kt = gather_rows(K_e, tile_expert, BH, M, [topk, d])                 # [BH,NTu,k,d]
-        Vt = gather_rows(V_e, tile_expert, BH, M, [topk, d])
+        # Each tile's k keys and values, gathered straight from K and V (an intermediate
+        # [BH, M, k, d] copy of the experts costs more); K^T comes in as MatMul's transB.
+        tile_keys = op.Reshape(gather_rows(keys, tile_expert, BH, M, [topk]),
+                               const([BH, -1]))                              # [BH, NTu k]
+        shape_kv = const([BH, -1, topk, d])
+        Kt = op.Reshape(gather_rows(op.Mul(k3, const(scale, np.float32)), tile_keys, BH, N,
+                                    [d]), shape_kv)                          # [BH,NTu,k,d]
+        Vt = op.Reshape(gather_rows(v3, tile_keys, BH, N, [d]), shape_kv)
         Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, -1, T, d]))
-        logits = op.MatMul(Qs, op.Transpose(op.Mul(Kt, const(scale, np.float32)),
-                                            perm=[0, 1, 3, 2]))              # [BH,NTu,T,k]
+        logits = op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2]))          # [BH,NTu,T,k]
         if dense_flat is not None:
-            tile_keys = gather_rows(keys, tile_expert, BH, M, [topk])        # [BH, NTu, k]
             logits = op.Add(logits, routed_bias(
                 op.Reshape(slot_query, const([BH, -1, T, 1])),
                 op.Reshape(tile_keys, const([BH, -1, 1, topk])), 4))
