@@ -23,8 +23,8 @@ mmseg's slide inference, swapped with the lighter slide inference of
 :class:`~mita_seg.models.SlimEncoderDecoder` (the same results, bit for bit), and unswapped
 with it. The four are timed in turn, a call of each per round (a call takes seconds; timed
 one after the other, their ratios carried the host's drift). ``--dtypes bfloat16``: each
-under ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it). With ``--merge-ratio R``,
-token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R with the lighter slide inference
+under ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it).
+With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R with the lighter slide inference
 is a fifth column, timed in the same rounds.
 
 ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped and swapped
@@ -537,18 +537,6 @@ def model_level(args):
                       f"would be {times['base'] / (mita - kernel):.2f}x", flush=True)
 
 
-def cpu_name():
-    """The CPU's model name (``/proc/cpuinfo``)."""
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return 'unknown CPU'
-
-
 def onnx_level(args):
     """``--level onnx``: unswapped and MiTA exports of one random-weight checkpoint, timed
     in turn in ONNX Runtime (median of ``--min-run-time`` seconds each, three rounds)."""
@@ -563,11 +551,12 @@ def onnx_level(args):
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
     from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
+    from mita_seg.apis.swap_study import machine
 
     init_default_scope('mmseg')
     threads = args.threads or None
     print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
-          f'threads, on {cpu_name()} ({os.cpu_count()} logical CPUs); random weights, batch '
+          f'threads, on {machine()["cpu"]} ({os.cpu_count()} logical CPUs); random weights, batch '
           f'1, whole image; MiTA pool_size={args.pool_size} topk={args.topk}')
     header = (f"{'model':>16} {'image':>10} {'N':>6} | {'base img/s':>10} "
               f"{'MiTA img/s':>10} {'speed-up':>8} | {'max |diff|':>10}")
