@@ -24,8 +24,8 @@ mmseg's slide inference, swapped with the lighter slide inference of
 with it. The four are timed in turn, a call of each per round (a call takes seconds; timed
 one after the other, their ratios carried the host's drift). ``--dtypes bfloat16``: each
 under ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it).
-With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R with the lighter slide inference
-is a fifth column, timed in the same rounds.
+With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R
+with the lighter slide inference is a fifth column, timed in the same rounds.
 
 ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped and swapped
 to MiTA (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`), images per second of
