@@ -1,8 +1,11 @@
 """``tools/swap_study.py`` end to end at toy scale, through the same code path as
 ``make swap-study`` (:func:`mita_seg.apis.run_swap_study`): the tiny 128x128 Segmenter of
 ``configs/baselines`` (a 16x16 grid) on ``conftest.tiny_data`` (8 + 4 images), trained 2
-iterations, two sweep points, the route-only check, one exported and fine-tuned setting, the
-control, one selection map; then the table, JSON and figures are checked against each other.
+iterations, two sweep points, ToMe and MiTA + ToMe, the route-only check, calibrated plans
+at two budgets (and with fewer images), one exported and fine-tuned setting, the control, one
+selection map, and the same model trained with MiTA, evaluated at another setting and mapped;
+then the table, JSON and figures are checked against each other, and the MiTA-trained
+checkpoint is evaluated through ``tools/test.py`` at its own setting and at a larger one.
 """
 import json
 import os.path as osp
@@ -11,6 +14,7 @@ import re
 import pytest
 
 from mita_seg.apis.swap_study import StudySettings, run_swap_study
+from mita_seg.models import SwapPlan
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
@@ -29,7 +33,20 @@ def test_settings_errors(tmp_path, tiny_data):
     # a model's own iterations replace train_iters for it only
     s = StudySettings(data_root=tiny_data, model_train_iters=dict(b=7))
     assert s.for_model('b').train_iters == 7 and s.for_model('a').train_iters == 120
-    assert s.for_model('a').key() == StudySettings(data_root=tiny_data).key()
+    assert s.for_model('a').key() == StudySettings(data_root=tiny_data, native=(),
+                                                   native_models=None).key()
+    # the MiTA-trained runs go to the models native_models names (all if None)
+    assert s.for_model('segmenter').native == ((4, 16), (7, 49))
+    assert StudySettings(data_root=tiny_data, native_models=None).for_model('a').native
+    # ToMe merges at most half the tokens; a plan budget is a candidate's FLOPs or ToMe's
+    with pytest.raises(ValueError, match=r'merge ratios must be in \[0, 0.5\]'):
+        StudySettings(data_root=tiny_data, merge_ratios=(0.6, )).check()
+    with pytest.raises(ValueError, match="plan budget '3:3': give P:K of a calibration"):
+        StudySettings(data_root=tiny_data, plan_budgets=('3:3', )).check()
+    with pytest.raises(ValueError, match="budget 'tome' needs merge_ratios"):
+        StudySettings(data_root=tiny_data, merge_ratios=(), merged_swaps=()).check()
+    with pytest.raises(ValueError, match='calibration_images and calibration_counts'):
+        StudySettings(data_root=tiny_data, calibration_counts=(0, )).check()
     # pool sizes and k are >= 1, in the sweep and in the fine-tune settings
     with pytest.raises(ValueError, match='must be >= 1'):
         StudySettings(data_root=tiny_data, finetune=((0, 49), )).check()
@@ -50,16 +67,28 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and "'7': give POOL,TOPK" in out
     code, out = tools('tools/swap_study.py', '--model', 'x=nowhere.py', check=False)
     assert code == 2 and "config(s) not found: ['nowhere.py']" in out
+    code, out = tools('tools/swap_study.py', '--merged-swaps', '7,49,0.7', check=False)
+    assert code == 2 and "'7,49,0.7': give POOL,TOPK,RATIO" in out
+    code, out = tools('tools/swap_study.py', '--plan-budgets', 'half', check=False)
+    assert code == 2 and "'half': give P:K" in out
+    code, out = tools('tools/swap_study.py', '--merge-ratios', '0.9', check=False)
+    assert code == 2 and '0.9' in out and '0.5' in out
+
+
+STUDY_ARGS = ['--train-iters', 2, '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,
+              '--finetune', '4,8', '--selection', '4,8', '--selection-images', 1,
+              '--speed-time', 0.02, '--threads', 1, '--merge-ratios', 0.4,
+              '--merged-swaps', '4,8,0.4', '--plan-budgets', '4:8', 'tome',
+              '--calibration-images', 2, '--calibration-counts', 1, '--candidates', 'dense',
+              '2:8', '4:8', '4:8:route', '--native', '2,8', '--native-models', 'tiny']
 
 
 def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     work = tmp_path / 'study'
     _, out = tools('tools/swap_study.py', '--model', f'tiny={TINY_SEGMENTER}', '--data-root',
-                   tiny_data, '--work-dir', work, '--train-iters', 2, '--finetune-iters', 2,
-                   '--pool-sizes', 2, 4, '--topks', 8, '--finetune', '4,8', '--selection',
-                   '4,8', '--selection-images', 1, '--speed-time', 0.02, '--threads', 1)
+                   tiny_data, '--work-dir', work, *STUDY_ARGS)
     # progress lines, the table printed, the outputs named
-    assert '[swap_study +' in out and 'tiny: sweep [3/3] MiTA M=4x4 k=8: mIoU' in out
+    assert '[swap_study +' in out and 'tiny: sweep [4/5] MiTA M=4x4 k=8: mIoU' in out
     assert 'wrote ' + str(work / 'swap_study.json') in out
 
     with open(work / 'swap_study.json') as f:
@@ -68,9 +97,11 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     (res, ) = study['models']
     rows = {r['setting']: r for r in res['rows']}
     assert [r['kind'] for r in res['rows']] == [
-        'baseline', 'swap', 'swap', 'check', 'finetune', 'control']
+        'baseline', 'tome', 'swap', 'swap', 'swap+tome', 'check', 'plan', 'plan', 'plan',
+        'finetune', 'control']
     base, m4, m16 = (rows['unswapped (softmax attention)'], rows['MiTA M=2x2 k=8'],
                      rows['MiTA M=4x4 k=8'])
+    tome, both = rows['ToMe r=0.40'], rows['MiTA M=4x4 k=8 + ToMe r=0.40']
     ft = rows['MiTA M=4x4 k=8, fine-tuned 2 it']
     ctl = rows['unswapped, trained 2 it more (control)']
     # route-only MiTA with every key is softmax attention: the same mIoU
@@ -80,11 +111,30 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert base['attn_GMACs'] > m16['attn_GMACs'] > m4['attn_GMACs'] > 0
     assert m16['model_reduction_%'] == pytest.approx(
         100 * (1 - m16['model_GFLOPs'] / base['model_GFLOPs']))
+    # ToMe: fewer tokens, fewer FLOPs (matching counted); with MiTA the attention is MiTA's
+    assert base['model_GFLOPs'] > tome['model_GFLOPs'] and tome['merge_ratio'] == 0.4
+    assert both['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
+    assert both['model_GFLOPs'] != pytest.approx(m16['model_GFLOPs'])
+
+    # the plans: within their budgets as the sweep counts them, written, each evaluated
+    plans = [r for r in res['rows'] if r['kind'] == 'plan']
+    assert [(p['plan']['budget'], p['plan']['images']) for p in plans] == [
+        ('4:8', 2), ('tome', 2), ('4:8', 1)]
+    assert plans[0]['setting'] == 'calibrated plan, the FLOPs of MiTA M=4x4 k=8, 2 images'
+    assert plans[0]['model_GFLOPs'] <= m16['model_GFLOPs'] * (1 + 1e-9)
+    assert plans[1]['model_GFLOPs'] <= tome['model_GFLOPs'] * (1 + 1e-9)
+    for p in plans:
+        saved = SwapPlan.load(p['plan']['file'])
+        assert len(saved.layers) == 6 and p['plan']['calibration_seconds'] > 0
+        assert list(p['plan']['layers'].values()) == [
+            'dense' if v is None else v for v in (
+                p['plan']['layers'][n] for n in saved.layers)]
+
     # the exported, fine-tuned model is the swapped architecture; the control is the original
     assert ft['model_GFLOPs'] == pytest.approx(m16['model_GFLOPs'])
     assert ft['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
     assert ctl['model_GFLOPs'] == pytest.approx(base['model_GFLOPs'])
-    for r in (base, m4, m16, ft, ctl):
+    for r in (base, m4, m16, ft, ctl, tome, both, *plans):
         assert r['img_per_s'] > 0 and 0 <= r['mIoU'] <= 100
         assert r['delta_mIoU'] == pytest.approx(r['mIoU'] - base['mIoU'])
     assert res['train']['iters'] == 2 and res['input'] == [128, 128]
@@ -97,32 +147,66 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert logs and f'Load checkpoint from {exp_ckpt}' in logs[0].read_text()
     assert osp.isfile(ft['checkpoint']) and osp.isfile(ctl['checkpoint'])
 
-    # the markdown table holds the JSON's numbers
+    # trained with MiTA at M=2x2 k=8: as trained, at the other setting, with every key
+    (native, ) = res['native']
+    assert native['train']['iters'] == 2 and osp.isfile(native['train']['checkpoint'])
+    assert [(r['setting'], r['kind']) for r in native['rows']] == [
+        ('trained M=2x2 k=8, tested as trained', 'native'),
+        ('trained M=2x2 k=8, tested at M=4x4 k=8', 'native'),
+        ('trained M=2x2 k=8, tested with softmax attention (route-only, every key)',
+         'native-dense')]
+    trained, larger = native['rows'][:2]
+    assert trained['trained_setting'] and not larger.get('trained_setting')
+    # the same architecture as the swapped standard-attention model at each setting
+    assert trained['model_GFLOPs'] == pytest.approx(m4['model_GFLOPs'])
+    assert larger['model_GFLOPs'] == pytest.approx(m16['model_GFLOPs'])
+    assert set(native['selection']['layers']) == set(res['selection']['layers'])
+    logs = list((work / 'tiny' / 'native_p2_k8' / 'train').glob('*/*.log'))
+    assert logs and "type='MiTAVisionTransformer'" in logs[0].read_text()
+
+    # the markdown tables hold the JSON's numbers
     md = (work / 'swap_study.md').read_text()
-    for r in res['rows']:
+    for r in res['rows'] + native['rows']:
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['setting']} |"))
         assert f"| {r['mIoU']:.2f} |" in line
         if r.get('model_GFLOPs'):
             assert f"| {r['model_GFLOPs']:.4f} |" in line
     assert re.search(r'\| backbone\.layers\.0\.attn \| 16x16 \| 257 \| [\d.]+% \| [\d.]+% \|', md)
+    # at equal FLOPs: the plan beside the best uniform setting that costs no more
+    line = next(ln for ln in md.splitlines()
+                if ln.startswith(f"| {plans[0]['setting']} | {plans[0]['model_GFLOPs']:.4f}"))
+    assert 'MiTA M=' in line or 'none as cheap' in line
+    assert f"| M=2x2 k=8 | {m4['model_GFLOPs']:.4f} | {m4['mIoU']:.2f} | **{trained['mIoU']:.2f}** |" in md
 
-    # figures: the plot and one selection map, real PNGs
+    # figures: the plot, the MiTA-trained plot, two selection maps, real PNGs
     sel = res['selection']
     assert sel['pool_size'] == 4 and len(sel['figures']) == 1
     assert set(sel['layers']) == {f'backbone.layers.{i}.attn' for i in range(4)} | {
         'decode_head.layers.0.attn', 'decode_head.layers.1.attn'}
+    assert len(study['figures']) == 4
     for png in study['figures']:
         with open(png, 'rb') as f:
             assert f.read(8) == b'\x89PNG\r\n\x1a\n'
-    assert study['figures'][0] == str(work / 'figures' / 'swap_study.png')
+    assert study['figures'][:2] == [str(work / 'figures' / 'swap_study.png'),
+                                    str(work / 'figures' / 'tiny_native.png')]
+
+    # the MiTA-trained checkpoint through tools/test.py: at its own setting it gives the
+    # study's mIoU, at a larger one the modules run the setting asked for
+    ckpt, cfg = native['train']['checkpoint'], native['train']['config']
+    data = ['--cfg-options', *tools.data_options(tiny_data)]
+    _, out = tools('tools/test.py', cfg, ckpt, '--work-dir', tmp_path / 't1', *data)
+    assert tools.miou(out) == pytest.approx(trained['mIoU'], abs=0.01)
+    assert ('attention as evaluated: M=2x2 k=8: backbone.layers.0-3.attn, '
+            'decode_head.layers.0-1.attn') in out
+    _, out = tools('tools/test.py', cfg, ckpt, '--work-dir', tmp_path / 't2', '--mita-cfg',
+                   'pool_size=4', 'topk=8', *data)
+    assert tools.miou(out) == pytest.approx(larger['mIoU'], abs=0.01)
+    assert ('attention as evaluated: M=4x4 k=8: backbone.layers.0-3.attn, '
+            'decode_head.layers.0-1.attn') in out
 
     # --reuse: the finished model is not run again
     _, out = tools('tools/swap_study.py', '--model', f'tiny={TINY_SEGMENTER}', '--data-root',
-                   tiny_data, '--work-dir', work, '--train-iters', 2, '--finetune-iters', 2,
-                   '--pool-sizes', 2, 4, '--topks', 8, '--finetune', '4,8', '--selection',
-                   '4,8', '--selection-images', 1, '--speed-time', 0.02, '--threads', 1,
-                   '--reuse')
+                   tiny_data, '--work-dir', work, *STUDY_ARGS, '--reuse')
     assert 'tiny: reusing' in out and 'Iter(train)' not in out
     with open(work / 'swap_study.json') as f:
         assert json.load(f)['models'][0]['rows'] == res['rows']
-

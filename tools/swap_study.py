@@ -4,9 +4,11 @@ For each standard-attention model (a tiny Segmenter, and a tiny BEiT once its co
 the generated ADE20K-format data at 256x256 (patch 8: a 32x32 grid, N = 1025 tokens with cls,
 the paper's token count): train it with MMEngine's Runner, evaluate it unswapped and swapped
 to MiTA over a (pool size, top-k) sweep with no retraining, export and fine-tune the swap at
-the paper's M = k = 49 (plus a control: the unswapped model trained as long), with model
-GFLOPs and measured images/s on every row, and the token-selection maps
-(:func:`mita_seg.apis.swap_study.run_swap_study`). Writes ``WORK_DIR/swap_study.{json,md}``,
+the paper's M = k = 49 (plus a control: the unswapped model trained as long), beside its
+training-free peer ToMe (token merging) and per-layer plans calibrated for FLOP budgets, with
+model GFLOPs and measured images/s on every row, and the token-selection maps; and the
+Segmenter trained from scratch with MiTA (small and paper-size experts), evaluated over the
+same grid (:func:`mita_seg.apis.swap_study.run_swap_study`). Writes ``WORK_DIR/swap_study.{json,md}``,
 ``FIG_DIR/swap_study.png`` and the selection maps; ``make swap-study`` runs it as in
 docs/swap_study.md.
 
@@ -16,6 +18,9 @@ Usage::
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
         [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40] [--pool-sizes 4 5 7] [--topks 16 49 100]
         [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
+        [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7,49,0.5] [--plan-budgets 7:49 tome]
+        [--calibration-images 16] [--calibration-counts 4 8] [--native 4,16 7,49]
+        [--native-models segmenter]
 """
 import argparse
 import os.path as osp
@@ -27,6 +32,7 @@ sys.path.insert(0, ROOT)
 
 from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
                                output_dir)
+from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
 MODELS = {
@@ -45,6 +51,31 @@ def pool_topk(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f'{text!r}: give POOL,TOPK, e.g. 7,49') from None
     return pool, topk
+
+
+def pool_topk_ratio(text):
+    """``'7,49,0.5'`` -> ``(7, 49, 0.5)``."""
+    try:
+        pool, topk, ratio = text.split(',')
+        value = pool_topk(f'{pool},{topk}') + (merge_ratio(ratio), )
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give POOL,TOPK,RATIO, e.g. 7,49,0.5 (ratio in [0, 0.5])') from None
+    return value
+
+
+def plan_budget(text):
+    """``'7:49'`` (the FLOPs of uniform MiTA M=7x7 k=49) or ``'tome'``."""
+    if text != 'tome':
+        try:
+            pool, topk = (int(v) for v in text.split(':'))
+            if pool < 1 or topk < 1:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give P:K (the FLOPs of uniform MiTA at pool P, top-k K, e.g. 7:49) "
+                "or 'tome' (the FLOPs of the largest --merge-ratios)") from None
+    return text
 
 
 def parse_args(argv=None):
@@ -86,6 +117,29 @@ def parse_args(argv=None):
     parser.add_argument('--selection', type=pool_topk, default=(7, 49), metavar='P,K',
                         help='setting of the token-selection maps')
     parser.add_argument('--selection-images', type=int_range(1), default=2)
+    parser.add_argument('--merge-ratios', type=merge_ratio, nargs='*',
+                        default=[0.2, 0.3, 0.4, 0.5], metavar='R',
+                        help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
+    parser.add_argument('--no-merge-head', action='store_true',
+                        help="ToMe merges in the backbone only, not in Segmenter's mask head")
+    parser.add_argument('--merged-swaps', type=pool_topk_ratio, nargs='*',
+                        default=[(7, 49, 0.5)], metavar='P,K,R',
+                        help='MiTA (P, K) with ToMe at ratio R together')
+    parser.add_argument('--plan-budgets', type=plan_budget, nargs='*',
+                        default=['7:49', '7:16', '4:16', 'tome'], metavar='P:K|tome',
+                        help='FLOP budgets of the calibrated per-layer plans (none: no plans)')
+    parser.add_argument('--calibration-images', type=int_range(1), default=16,
+                        help='training images each plan is calibrated on')
+    parser.add_argument('--calibration-counts', type=int_range(1), nargs='*', default=[4, 8],
+                        metavar='N', help='also calibrate the first budget on N images')
+    parser.add_argument('--candidates', nargs='+', metavar='C',
+                        help='per-layer candidates of the calibration (dense, P:K, '
+                        'P:K:route; default: those of tools/calibrate_swap.py)')
+    parser.add_argument('--native', type=pool_topk, nargs='*', default=[(4, 16), (7, 49)],
+                        metavar='P,K', help='also train the model from scratch with MiTA at '
+                        'each setting and evaluate it over the grid (none: no such runs)')
+    parser.add_argument('--native-models', nargs='+', default=['segmenter'], metavar='NAME',
+                        help='the models that get the --native runs')
     parser.add_argument('--no-control', action='store_true',
                         help='skip training the unswapped model as long as the fine-tune')
     parser.add_argument('--no-check', action='store_true',
@@ -155,6 +209,12 @@ def main(argv=None):
         finetune=tuple(args.finetune), control=not args.no_control,
         exact_check=not args.no_check, selection=args.selection,
         selection_images=args.selection_images, speed_min_run_time=args.speed_time,
+        merge_ratios=tuple(args.merge_ratios), merge_head=not args.no_merge_head,
+        merged_swaps=tuple(args.merged_swaps), plan_budgets=tuple(args.plan_budgets),
+        calibration_images=args.calibration_images,
+        calibration_counts=tuple(args.calibration_counts),
+        calibration_candidates=tuple(args.candidates) if args.candidates else None,
+        native=tuple(args.native), native_models=tuple(args.native_models),
         workers=args.workers, cfg_options=args.cfg_options, reuse=args.reuse,
         verbose=args.verbose)
     try:

@@ -33,6 +33,7 @@ from mita_seg.apis import (InputError, KeyValueAction, add_merge_args,  # noqa: 
                            add_mita_args, build_runner, checkpoint_file, config_file,
                            config_name, float_range, int_range, load_config, merge_model,
                            output_dir, prepare_config, run_tool, swap_model, swap_settings)
+from mita_seg.models import MITA_DEFAULTS, current_plan  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -103,6 +104,9 @@ def main(argv=None):
     images = len(runner.test_dataloader.dataset)
     print(f'{config_name(args.config)} on {images} images{swapped}: ' + '  '.join(
         f'{k}: {v:.2f}' for k, v in metrics.items() if isinstance(v, float)))
+    plan = current_plan(runner.model)
+    if plan.layers:   # what the modules ran with, read from them
+        print(f'attention as evaluated: {plan.describe(MITA_DEFAULTS)}')
     if args.out:
         print(f'predictions: {args.out}')
     if args.show_dir:

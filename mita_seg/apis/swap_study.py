@@ -5,23 +5,34 @@ data, :func:`run_swap_study`:
 
 1. trains it with MMEngine's Runner (what ``tools/train.py`` runs: :func:`load_config`,
    :func:`prepare_config`, :func:`build_runner`) for ``train_iters`` iterations;
-2. evaluates it unswapped and swapped to MiTA with no retraining for every (pool size, top-k)
-   of the sweep (:func:`~mita_seg.apis.swap_sweep`: the test loop of ``tools/test.py``), each
-   row with the whole-model GFLOPs, the attention GMACs and the measured images/s; then
-   route-only MiTA with every key in every expert, which is exactly softmax attention, so its
-   mIoU must equal the unswapped one (a check of the whole path);
-3. for each fine-tune setting, writes the MiTA config + checkpoint pair with
+2. evaluates it unswapped, with its training-free peer, token merging (ToMe,
+   :func:`~mita_seg.merge_tokens`) at every merge ratio, swapped to MiTA with no retraining
+   for every (pool size, top-k) of the sweep, and MiTA with ToMe together
+   (:func:`~mita_seg.apis.swap_sweep`: the test loop of ``tools/test.py``), each row with the
+   whole-model GFLOPs, the attention GMACs and the measured images/s; then route-only MiTA
+   with every key in every expert, which is exactly softmax attention, so its mIoU must equal
+   the unswapped one (a check of the whole path);
+3. calibrates per-layer swap plans (:class:`~mita_seg.apis.calibrate.SwapCalibrator`, on
+   training images) at several FLOP budgets (the FLOPs of uniform settings, and ToMe's
+   largest reduction) and with fewer calibration images, and evaluates each plan on the
+   validation images;
+4. for each fine-tune setting, writes the MiTA config + checkpoint pair with
    :func:`~mita_seg.apis.export_swapped` (``tools/export_swapped.py``) and fine-tunes that pair
    with the Runner for ``finetune_iters``; as a control, trains the unswapped model for the
    same iterations from the same checkpoint with the same schedule;
-4. records which tokens the routed experts select at one setting (the paper's M = k = 49 by
-   default) on a few validation images (:mod:`mita_seg.analysis.token_selection`).
+5. records which tokens the routed experts select at one setting (the paper's M = k = 49 by
+   default) on a few validation images (:mod:`mita_seg.analysis.token_selection`);
+6. trains the same architecture from scratch *with MiTA* at each ``native`` setting (the
+   paper's second claim: train with small experts, enlarge them at inference) for as many
+   iterations, evaluates each over the same (pool size, top-k) grid with no retraining, and
+   maps its token selection by depth.
 
 It writes ``WORK_DIR/swap_study.json`` (every number, the machine, the settings, the times),
-``WORK_DIR/swap_study.md`` (the table) and the figures (mIoU against GFLOPs and against
-images/s, the selection maps). Each model's results are also kept in
-``WORK_DIR/<name>/result.json``; with ``reuse=True`` a model whose results were computed with
-the same settings is not run again (so a model can be added to a finished study).
+``WORK_DIR/swap_study.md`` (the tables) and the figures (mIoU against GFLOPs and against
+images/s, mIoU against the test-time setting of the MiTA-trained models, the selection maps).
+Each model's results are also kept in ``WORK_DIR/<name>/result.json``; with ``reuse=True`` a
+model whose results were computed with the same settings is not run again (so a model can be
+added to a finished study), and trained checkpoints already there are taken as they are.
 """
 import copy
 import gc
@@ -38,12 +49,18 @@ import torch
 import torch.nn as nn
 from mmengine.config import Config, ConfigDict
 from mmengine.model import is_model_wrapper
+from mmengine.runner import Runner
 
 from .config import load_config
-from .export import export_swapped
+from mita_seg.models import NothingToMergeError, SwapPlan
+from mita_seg.models.plan import setting_label
+from .calibrate import (DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator,
+                        parse_candidate)
+from .export import export_swapped, mita_config
 from .model import init_model, swap_model
 from .runner import build_runner, prepare_config
 from .sweep import FLOP_NOTE, attention_gmacs, model_gflops, swap_sweep
+from .token_merge import merge_model
 
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
 # route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
@@ -80,6 +97,27 @@ class StudySettings:
         selection (tuple[int, int], optional): (P, k) of the token-selection maps; None for
             none. Default: (7, 49).
         selection_images (int): validation images mapped. Default: 2.
+        merge_ratios (tuple[float]): token-merging (ToMe) ratios evaluated beside the sweep,
+            in ``[0, 0.5]``; none for no ToMe rows. Default: (0.2, 0.3, 0.4, 0.5).
+        merge_head (bool): ToMe merges in Segmenter's mask head too (MiTA swaps it too).
+            Default: True.
+        merged_swaps (tuple[tuple[int, int, float]]): ``(P, k, ratio)``: MiTA with ToMe
+            (the MLPs of MiTA layers merged). Default: ((7, 49, 0.5), ).
+        plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: ``'P:K'`` the
+            FLOPs of every layer on MiTA ``(P, k)``, ``'tome'`` the reduction of the largest
+            ToMe ratio. Default: ('7:49', '7:16', '4:16', 'tome').
+        calibration_images (int): training images each plan is calibrated on. Default: 16.
+        calibration_counts (tuple[int]): further image counts, calibrated at the first
+            budget only (how the plan moves with the images). Default: (4, 8).
+        calibration_candidates (tuple[str], optional): per-layer candidates
+            (:func:`~mita_seg.apis.calibrate.parse_candidate`); None for the calibration's
+            defaults (dense, pool 4/5/7 x k 16/49/100, with and without the shared expert).
+            Default: None.
+        native (tuple[tuple[int, int]]): ``(P, k)`` settings the architecture is also
+            trained with from scratch, with MiTA, for as many iterations, then evaluated over
+            the sweep's grid. Default: ((4, 16), (7, 49)).
+        native_models (tuple[str], optional): the models that get the ``native`` runs; None
+            for all. Default: ('segmenter', ).
         speed_min_run_time (float): seconds of timing per row (images/s is the median of
             ``torch.utils.benchmark.Timer`` over one test batch). Default: 1.0.
         workers (int): dataloader worker processes. Default: 0.
@@ -101,6 +139,15 @@ class StudySettings:
     exact_check: bool = True
     selection: Optional[Tuple[int, int]] = (7, 49)
     selection_images: int = 2
+    merge_ratios: Tuple[float, ...] = (0.2, 0.3, 0.4, 0.5)
+    merge_head: bool = True
+    merged_swaps: Tuple[Tuple[int, int, float], ...] = ((7, 49, 0.5), )
+    plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
+    calibration_images: int = 16
+    calibration_counts: Tuple[int, ...] = (4, 8)
+    calibration_candidates: Optional[Tuple[str, ...]] = None
+    native: Tuple[Tuple[int, int], ...] = ((4, 16), (7, 49))
+    native_models: Optional[Tuple[str, ...]] = ('segmenter', )
     speed_min_run_time: float = 1.0
     workers: int = 0
     cfg_options: Optional[dict] = None
@@ -120,7 +167,8 @@ class StudySettings:
             if value < 2:
                 raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got {value}')
         values = list(self.pool_sizes) + list(self.topks) + [
-            v for pk in self.finetune for v in pk] + list(self.selection or ())
+            v for pk in self.finetune + self.native for v in pk] + [
+            v for p, k, _ in self.merged_swaps for v in (p, k)] + list(self.selection or ())
         if not self.pool_sizes or not self.topks or min(values) < 1:
             raise ValueError('pool sizes, top-k values and the (P, k) of fine-tune and '
                              f'selection must be >= 1, got pool_sizes={self.pool_sizes}, '
@@ -132,21 +180,41 @@ class StudySettings:
         if self.selection_images < 0 or self.workers < 0:
             raise ValueError('selection_images and workers must be >= 0, got '
                              f'{self.selection_images} and {self.workers}')
+        ratios = list(self.merge_ratios) + [r for *_, r in self.merged_swaps]
+        if any(not 0 <= r <= 0.5 for r in ratios):
+            raise ValueError(f'merge ratios must be in [0, 0.5] (bipartite matching merges at '
+                             f'most half of the tokens), got {ratios}')
+        if self.calibration_images < 1 or any(n < 1 for n in self.calibration_counts):
+            raise ValueError('calibration_images and calibration_counts must be >= 1, got '
+                             f'{self.calibration_images} and {self.calibration_counts}')
+        candidates = self.calibration_candidates or DEFAULT_CANDIDATES
+        settings = [parse_candidate(c) for c in candidates]   # a bad candidate: ValueError
+        for budget in self.plan_budgets:
+            if budget == 'tome':
+                if not self.merge_ratios:
+                    raise ValueError("plan budget 'tome' needs merge_ratios (it is the FLOPs "
+                                     'of the largest ratio): give some, or drop the budget')
+            elif parse_candidate(budget) not in settings:
+                raise ValueError(f'plan budget {budget!r}: give P:K of a calibration '
+                                 f"candidate ({' '.join(candidates)}) or 'tome'")
         return self
 
     def for_model(self, name: str) -> 'StudySettings':
         """The settings of model ``name``: ``train_iters`` from ``model_train_iters`` if it
-        names the model."""
-        return replace(self, model_train_iters=None, train_iters=(
-            self.model_train_iters or {}).get(name, self.train_iters))
+        names the model; no ``native`` runs unless ``native_models`` names it (or is None)."""
+        native = self.native if self.native_models is None or name in self.native_models \
+            else ()
+        return replace(self, model_train_iters=None, native_models=None, native=native,
+                       train_iters=(self.model_train_iters or {}).get(name, self.train_iters))
 
     def key(self) -> dict:
         """The settings that determine a model's results (not ``reuse``/``verbose``)."""
         d = asdict(self)
         for k in ('reuse', 'verbose'):
             d.pop(k)
-        if d['model_train_iters'] is None:   # resolved into train_iters by for_model
-            d.pop('model_train_iters')
+        for k in ('model_train_iters', 'native_models'):   # resolved by for_model
+            if d[k] is None:
+                d.pop(k)
         return json.loads(json.dumps(d))
 
 
@@ -317,10 +385,10 @@ def validation_images(cfg: Config, count: int) -> List[str]:
 
 
 def selection_maps(cfg: Config, checkpoint: str, pool: int, topk: int, images: Sequence[str],
-                   fig_dir: str, name: str) -> dict:
-    """Token-selection maps of the standard-attention checkpoint swapped to MiTA (P, k):
-    one PNG per image in ``fig_dir`` and the per-layer fractions of tokens that no routed
-    expert selects / reads, averaged over ``images``."""
+                   fig_dir: str, name: str, how: str = 'swapped without retraining') -> dict:
+    """Token-selection maps of the checkpoint on MiTA (P, k) (a standard-attention one
+    swapped, or a MiTA one set to (P, k)): one PNG per image in ``fig_dir`` and the per-layer
+    fractions of tokens that no routed expert selects / reads, averaged over ``images``."""
     from mita_seg.analysis.token_selection import plot_selection_overlay, record_image
     model = init_model(copy.deepcopy(cfg), checkpoint,
                        mita_cfg=dict(pool_size=pool, topk=topk))
@@ -334,21 +402,24 @@ def selection_maps(cfg: Config, checkpoint: str, pool: int, topk: int, images: S
             image, records, osp.join(fig_dir, f'{name}_token_selection_{stem}.png'),
             cell_size=(patch, patch) if patch else None,
             title=f'{name}, {stem}: tokens selected by MiTA routed experts (M={pool}x{pool}, '
-            f'k={topk}, swapped without retraining)'))
+            f'k={topk}, {how})'))
         for r in records:
             never_sel.setdefault(r.name, []).append(r.frac_never_selected)
             never_used.setdefault(r.name, []).append(r.frac_never_used)
             layers[r.name] = dict(grid=list(r.hw_shape), M=r.num_experts, topk=r.topk,
                                   tokens=int(r.selected.shape[-1]))
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    return dict(pool_size=pool, topk=topk, images=list(images), figures=figures,
+    return dict(pool_size=pool, topk=topk, how=how, images=list(images), figures=figures,
                 layers={k: dict(v, never_selected=mean(never_sel[k]),
                                 never_used=mean(never_used[k])) for k, v in layers.items()})
 
 
-def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict]) -> dict:
+def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict],
+         merge_ratio: Optional[float] = None) -> dict:
     """A table row with the reductions against ``base`` (the unswapped row)."""
     row = dict(setting=setting, kind=kind, M=M, topk=topk)
+    if merge_ratio is not None:
+        row['merge_ratio'] = merge_ratio
     row.update({k: values.get(k) for k in ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs',
                                            'model_GFLOPs', 'img_per_s')})
     base = base or row
@@ -358,6 +429,91 @@ def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict]) -
     if row['img_per_s'] is not None:
         row['speedup'] = row['img_per_s'] / base['img_per_s']
     return row
+
+
+def _kind(sweep_row: dict) -> str:
+    """``baseline``, ``tome``, ``swap`` or ``swap+tome``: what a :func:`swap_sweep` row ran."""
+    merged = bool(sweep_row.get('merge_ratio'))
+    if sweep_row['M'] == '':
+        return 'tome' if merged else 'baseline'
+    return 'swap+tome' if merged else 'swap'
+
+
+def _setting(sweep_row: dict) -> str:
+    """The table's label of a :func:`swap_sweep` row."""
+    if sweep_row['M'] == '' and not sweep_row.get('merge_ratio'):
+        return 'unswapped (softmax attention)'
+    return sweep_row['setting']
+
+
+def _test_runner(config, opts: dict, checkpoint: str, work_dir: str, s: StudySettings,
+                 mita_cfg: Optional[dict] = None) -> Tuple[Runner, nn.Module]:
+    """A Runner with the test loop of ``config`` (on MiTA with ``mita_cfg`` if given) and
+    ``checkpoint``, and its model."""
+    cfg = load_config(config, opts, work_dir)
+    if mita_cfg:
+        cfg = mita_config(cfg, mita_cfg)
+    prepare_config(cfg, checkpoint=checkpoint)
+    runner = build_runner(cfg, s.verbose)
+    return runner, _unwrap(runner.model)
+
+
+def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
+                    s: StudySettings, rows: Sequence[dict], progress: Callable[[str], None],
+                    notes: List[str]) -> List[Tuple[SwapPlan, dict]]:
+    """Per-layer swap plans of ``checkpoint`` calibrated on training images: one per budget of
+    ``s.plan_budgets`` with ``s.calibration_images`` images, and one at the first budget for
+    each count of ``s.calibration_counts``; each saved as ``WORK_DIR/plans/<tag>.json``.
+
+    Args:
+        rows (Sequence[dict]): the study's rows so far (budget ``'tome'``: the reduction of
+            the ToMe row of the largest ratio).
+        notes (list[str]): gets a line for each budget skipped (no ToMe row, or ToMe
+            cheaper than the cheapest plan).
+
+    Returns:
+        list[tuple[SwapPlan, dict]]: each plan and what the table says of it: ``label``,
+        ``budget``, ``images``, ``file``, ``summary``, ``layers`` (each layer's setting),
+        ``predicted_error``, ``calibration_seconds``.
+    """
+    candidates = s.calibration_candidates or DEFAULT_CANDIDATES
+    tome = [r for r in rows if r['kind'] == 'tome']
+    out = []
+    counts = [s.calibration_images] + [n for n in s.calibration_counts
+                                       if n != s.calibration_images]
+    for count in counts:
+        cal = SwapCalibrator(load_config(config, opts), checkpoint, count, candidates,
+                             progress=progress)
+        budgets = s.plan_budgets if count == s.calibration_images else s.plan_budgets[:1]
+        for budget in budgets:
+            if budget == 'tome':
+                if not tome:
+                    notes.append("no plan at budget 'tome': this model has no ToMe rows")
+                    continue
+                top = max(tome, key=lambda r: r['merge_ratio'])
+                what = f"the FLOPs of ToMe r={top['merge_ratio']:.2f}"
+                tag = 'tome'
+                try:
+                    plan = cal.plan(reduction=top['model_reduction_%'] / 100)
+                except CalibrationError as e:    # ToMe cheaper than any plan: a finding
+                    notes.append(f'no plan at {what}: {e}')
+                    continue
+            else:
+                plan = cal.plan(budget_uniform=budget)
+                pool, topk = budget.split(':')[:2]
+                what = f'the FLOPs of MiTA M={pool}x{pool} k={topk}'
+                tag = f'p{pool}_k{topk}'
+            os.makedirs(osp.join(work_dir, 'plans'), exist_ok=True)
+            path = plan.save(osp.join(work_dir, 'plans', f'{tag}_{count}img.json'))
+            info = dict(label=f'calibrated plan, {what}, {count} images', budget=budget,
+                        images=count, file=path, summary=plan.summary(),
+                        layers={n: setting_label(v) for n, v in plan.layers.items()},
+                        predicted_error=plan.info['calibration']['predicted_error'],
+                        calibration_seconds=plan.info['calibration']['seconds'])
+            progress(f"plan at {what}, {count} images: {info['summary']}; "
+                     + ', '.join(f'{n}: {v}' for n, v in info['layers'].items()))
+            out.append((plan, info))
+    return out
 
 
 def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
@@ -373,7 +529,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     s = settings
     opts = dict(data_options(s.data_root, s.workers), **(s.cfg_options or {}))
     result = dict(name=name, config=config, settings=s.key(), rows=[], errors=[], load=[],
-                  started=time.strftime('%Y-%m-%d %H:%M:%S'))
+                  notes=[], native=[], started=time.strftime('%Y-%m-%d %H:%M:%S'))
 
     def load(stage):
         result['load'].append((stage, round(os.getloadavg()[0], 2)))
@@ -405,49 +561,87 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1), checkpoint=ckpt,
                            reused=reused)
 
-    # 2. unswapped, the sweep, route-only check
+    # 2. unswapped, ToMe, the sweep, MiTA + ToMe, route-only check
     measure = lambda model, batch: images_per_second(model, batch,  # noqa: E731
                                                      s.speed_min_run_time)
+    merge_cfg = dict(include_head=s.merge_head)
 
     def do_sweep():
-        cfg = load_config(config, opts, osp.join(work_dir, 'sweep'))
-        prepare_config(cfg, checkpoint=ckpt)
-        runner = build_runner(cfg, s.verbose)
-        model = _unwrap(runner.model)
+        runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'sweep'), s)
         swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
+        ratios, merged = s.merge_ratios, s.merged_swaps
+        if ratios or merged:
+            try:
+                merge_model(copy.deepcopy(model), 0.5, verbose=False, **merge_cfg)
+            except NothingToMergeError as e:
+                result['notes'].append(f'no ToMe rows: {e}')
+                progress(f'{name}: no ToMe rows: {e}')
+                ratios, merged = (), ()
         rows = swap_sweep(runner, s.pool_sizes, s.topks, None, 1,
                           progress=lambda line: progress(f'{name}: sweep {line}'),
-                          measure=measure)
+                          measure=measure, merge_ratios=ratios, merge_cfg=merge_cfg,
+                          merged_swaps=merged)
         batch = next(iter(runner.test_dataloader))
         result['input'] = list(batch['inputs'][0].shape[-2:])
         result['test_images'] = len(runner.test_dataloader.dataset)
-        result['patch_size'] = cfg.model.backbone.get('patch_size')
+        result['patch_size'] = runner.cfg.model.backbone.get('patch_size')
         exact = None
         if s.exact_check:
             progress(f'{name}: route-only MiTA with every key (exactly softmax attention)')
+            if ratios or merged:
+                merge_model(model, 0.0, verbose=False, **merge_cfg)
             swap_model(model, dict(EXACT, pool_size=min(s.pool_sizes)), verbose=False)
             exact = float(runner.test()['mIoU'])
         del runner, model
         gc.collect()
         return rows, exact
 
-    swept = stage(f'unswapped and {len(s.pool_sizes) * len(s.topks)} MiTA settings, '
-                  'no retraining', do_sweep)
+    swept = stage(f'unswapped, {len(s.merge_ratios)} ToMe ratios, '
+                  f'{len(s.pool_sizes) * len(s.topks)} MiTA settings and '
+                  f'{len(s.merged_swaps)} MiTA + ToMe, no retraining', do_sweep)
     if swept is None:
         return result
     rows, exact = swept
     base = None
     for r in rows:
-        kind = 'baseline' if r['M'] == '' else 'swap'
-        setting = 'unswapped (softmax attention)' if kind == 'baseline' else (
-            f"MiTA M={int(r['M']**0.5)}x{int(r['M']**0.5)} k={r['topk']}")
-        result['rows'].append(_row(setting, kind, r['M'] or None, r['topk'] or None, r, base))
+        result['rows'].append(_row(_setting(r), _kind(r), r['M'] or None, r['topk'] or None,
+                                   r, base, merge_ratio=r.get('merge_ratio') or None))
         base = base or result['rows'][0]
     if exact is not None:
         result['rows'].append(_row('route-only MiTA, every key (check: = unswapped)', 'check',
                                    None, 'N', dict(mIoU=exact), base))
 
-    # 3. fine-tune the exported pair, and the control
+    # 3. calibrated per-layer plans at several budgets, then evaluated
+    if s.plan_budgets:
+        plans = stage(f'calibrated plans at {len(s.plan_budgets)} budget(s) on '
+                      f'{s.calibration_images} training images, and at the first with '
+                      f'{list(s.calibration_counts)} images',
+                      lambda: calibrate_plans(config, opts, ckpt, work_dir, s, result['rows'],
+                                              lambda line: progress(f'{name}: {line}'),
+                                              result['notes']))
+        if plans:
+            def do_plans():
+                runner, _ = _test_runner(config, opts, ckpt, osp.join(work_dir, 'plans'), s)
+                out = swap_sweep(runner, (), (), None, 1, measure=measure,
+                                 plans=[p for p, _ in plans],
+                                 progress=lambda line: progress(f'{name}: plans {line}'))
+                del runner
+                gc.collect()
+                return out
+
+            evaluated = stage(f'{len(plans)} calibrated plan(s) on the validation images',
+                              do_plans)
+            if evaluated is not None:
+                if evaluated[0]['mIoU'] != base['mIoU']:   # the same model, the same test
+                    result['errors'].append(
+                        f"plans: the unswapped model gave mIoU {evaluated[0]['mIoU']} before "
+                        f"the plans, {base['mIoU']} in the sweep")
+                for r, (plan, info) in zip(evaluated[1:], plans):
+                    row = _row(info['label'], 'plan', None, None, r, base)
+                    row.update(plan=info)
+                    result['rows'].append(row)
+
+    # 4. fine-tune the exported pair, and the control
     for pool, topk in s.finetune:
         tag = f'p{pool}_k{topk}'
 
@@ -489,7 +683,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             row.update(checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
             result['rows'].append(row)
 
-    # 4. token selection at one setting
+    # 5. token selection at one setting
     if s.selection and s.selection_images:
         pool, topk = s.selection
 
@@ -502,6 +696,75 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                     f'{s.selection_images} validation image(s)', do_selection)
         if sel is not None:
             result['selection'] = sel
+
+    # 6. trained with MiTA from scratch, evaluated over the grid
+    for pool, topk in s.native:
+        native = dict(pool_size=pool, topk=topk, rows=[])
+        mita = dict(pool_size=pool, topk=topk)
+        ndir = osp.join(work_dir, f'native_p{pool}_k{topk}')
+
+        def do_native_train(mita=mita, ndir=ndir):
+            cfg = mita_config(load_config(config, opts), mita)
+            os.makedirs(ndir, exist_ok=True)
+            cfg.dump(osp.join(ndir, 'config.py'))   # for tools/test.py --mita-cfg ...
+            return train(schedule(cfg, s.train_iters), osp.join(ndir, 'train'), s.verbose,
+                         s.reuse)
+
+        trained = stage(f'training {s.train_iters} iterations with MiTA M={pool}x{pool} '
+                        f'k={topk} from scratch', do_native_train)
+        if trained is None:
+            continue
+        n_ckpt, n_s, n_reused = trained
+        native['train'] = dict(iters=s.train_iters, seconds=round(n_s, 1), checkpoint=n_ckpt,
+                               reused=n_reused, config=osp.join(ndir, 'config.py'))
+
+        def do_native_sweep(mita=mita, ndir=ndir, n_ckpt=n_ckpt):
+            runner, model = _test_runner(config, opts, n_ckpt, osp.join(ndir, 'sweep'), s,
+                                         mita)
+            rows = swap_sweep(runner, s.pool_sizes, s.topks, None, 1, measure=measure,
+                              progress=lambda line: progress(f'{name}: native {line}'))
+            exact = None
+            if s.exact_check:
+                swap_model(model, dict(EXACT, pool_size=min(s.pool_sizes)), verbose=False)
+                exact = float(runner.test()['mIoU'])
+            del runner, model
+            gc.collect()
+            return rows, exact
+
+        swept = stage(f'MiTA-trained M={pool}x{pool} k={topk}: as trained and at '
+                      f'{len(s.pool_sizes) * len(s.topks)} test-time settings', do_native_sweep)
+        if swept is not None:
+            rows, exact = swept
+            trained = f'trained M={pool}x{pool} k={topk}'
+            trained_row = _row(f'{trained}, tested as trained', 'native', pool * pool, topk,
+                               rows[0], base)
+            trained_row['trained_setting'] = True
+            native['rows'].append(trained_row)
+            for r in rows[1:]:
+                if (r['M'], r['topk']) == (pool * pool, topk):   # the same model again
+                    if r['mIoU'] != trained_row['mIoU']:
+                        result['errors'].append(
+                            f"native M={pool}x{pool} k={topk}: set to its own setting at test "
+                            f"time it gave mIoU {r['mIoU']}, as trained {trained_row['mIoU']}")
+                    continue
+                native['rows'].append(_row(f"{trained}, tested at {r['setting'][5:]}",
+                                           'native', r['M'], r['topk'], r, base))
+            if exact is not None:
+                native['rows'].append(_row(f'{trained}, tested with softmax attention '
+                                           '(route-only, every key)', 'native-dense', None, 'N',
+                                           dict(mIoU=exact), base))
+        if s.selection_images:
+            def do_native_selection(mita=mita, n_ckpt=n_ckpt, pool=pool, topk=topk):
+                cfg = mita_config(load_config(config, opts), mita)
+                return selection_maps(cfg, n_ckpt, pool, topk,
+                                      validation_images(cfg, s.selection_images), fig_dir,
+                                      f'{name}_native_p{pool}_k{topk}', how='trained with it')
+
+            sel = stage(f'token selection of the MiTA-trained M={pool}x{pool} k={topk}',
+                        do_native_selection)
+            if sel is not None:
+                native['selection'] = sel
+        result['native'].append(native)
 
     load('end')
     result['seconds'] = round(time.time() - t_model, 1)
@@ -517,8 +780,121 @@ def _fmt(v, digits=2) -> str:
     return str(v)
 
 
+COLUMNS = ['setting', 'M', 'k', 'mIoU', 'delta', 'model GFLOPs', 'FLOPs saved', 'attn GMACs',
+           'img/s', 'speed-up']
+
+
+def _table(rows: Sequence[dict]) -> List[str]:
+    """Rows (:func:`_row`) as a markdown table of :data:`COLUMNS`."""
+    out = ['| ' + ' | '.join(COLUMNS) + ' |',
+           '|' + '|'.join(['---'] + ['---:'] * (len(COLUMNS) - 1)) + '|']
+    for r in rows:
+        out.append('| ' + ' | '.join([
+            r['setting'], _fmt(r['M']), _fmt(r['topk']), _fmt(r['mIoU']),
+            f"{r['delta_mIoU']:+.2f}", _fmt(r.get('model_GFLOPs'), 4),
+            _fmt(r.get('model_reduction_%'), 1) + ('%' if r.get('model_GFLOPs') else ''),
+            _fmt(r.get('attn_GMACs'), 4), _fmt(r.get('img_per_s'), 2),
+            (_fmt(r.get('speedup'), 2) + 'x') if r.get('speedup') else ''
+        ]) + ' |')
+    return out
+
+
+def best_uniform(rows: Sequence[dict], gflops: float) -> Optional[dict]:
+    """The uniform MiTA row (no retraining) of highest mIoU at ``gflops`` or fewer."""
+    within = [r for r in rows if r['kind'] == 'swap' and r['model_GFLOPs'] <= gflops + 1e-9]
+    return max(within, key=lambda r: r['mIoU']) if within else None
+
+
+def _equal_flops(rows: Sequence[dict]) -> List[str]:
+    """ToMe, MiTA + ToMe and the calibrated plans, each beside the best uniform MiTA setting
+    of the sweep at equal or lower FLOPs."""
+    others = [r for r in rows if r['kind'] in ('tome', 'swap+tome', 'plan')]
+    if not others:
+        return []
+    out = ['', 'At equal or lower FLOPs: each ToMe, MiTA + ToMe and calibrated-plan row beside '
+           'the best uniform MiTA setting of the sweep (no retraining) that costs no more:', '',
+           '| row | GFLOPs | delta | best uniform MiTA at <= its GFLOPs | its GFLOPs | its delta '
+           '| row minus uniform |', '|---|---:|---:|---|---:|---:|---:|']
+    for r in others:
+        u = best_uniform(rows, r['model_GFLOPs'])
+        out.append(f"| {r['setting']} | {r['model_GFLOPs']:.4f} | {r['delta_mIoU']:+.2f} | " + (
+            f"{u['setting']} | {u['model_GFLOPs']:.4f} | {u['delta_mIoU']:+.2f} | "
+            f"{r['mIoU'] - u['mIoU']:+.2f} |" if u else 'none as cheap | | | |'))
+    plans = [r for r in rows if r['kind'] == 'plan']
+    if plans:
+        layers = list(plans[0]['plan']['layers'])
+        out += ['', "The plans' choice per layer (calibration error: the sum over layers of the "
+                'mean per-pixel KL of the logits with that layer alone swapped, on the '
+                'calibration images):', '',
+                '| plan | ' + ' | '.join(n.replace('.attn', '') for n in layers) +
+                ' | predicted error | calibration s |',
+                '|---|' + '---|' * len(layers) + '---:|---:|']
+        for r in plans:
+            p = r['plan']
+            out.append(f"| {r['setting']} | " + ' | '.join(p['layers'].get(n, '')
+                                                          for n in layers)
+                       + f" | {p['predicted_error']:.4f} | {p['calibration_seconds']:.0f} |")
+    return out
+
+
+def _native(res: dict) -> List[str]:
+    """The MiTA-trained models: their rows, a cross table against the standard-attention
+    model's swap, and token selection by depth."""
+    natives = [n for n in res.get('native', []) if n.get('rows')]
+    if not natives:
+        return []
+    out = ['', f"### {res['name']}: trained with MiTA from scratch, experts changed at test "
+           'time', '']
+    for n in natives:
+        t = n['train']
+        out += [f"Trained {t['iters']} iterations with MiTA M={n['pool_size']}x{n['pool_size']} "
+                f"k={n['topk']} from random weights in {t['seconds']:.0f} s"
+                + (' (an earlier run; checkpoint reused)' if t['reused'] else '') +
+                '; evaluated at each setting with no retraining ("delta" against the '
+                'standard-attention model unswapped):', '']
+        out += _table(n['rows']) + ['']
+    swaps = {(r['M'], r['topk']): r for r in res['rows'] if r['kind'] == 'swap'}
+    keys = [(r['M'], r['topk']) for r in natives[0]['rows'] if r['kind'] == 'native']
+    keys = sorted(set(keys), key=lambda mk: (mk[0], mk[1]))
+    head = ['test-time setting', 'model GFLOPs', 'standard attention, swapped'] + [
+        f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}" for n in natives]
+    out += ['mIoU by test-time setting (the trained setting in bold):', '',
+            '| ' + ' | '.join(head) + ' |', '|---|' + '---:|' * (len(head) - 1)]
+    for M, k in keys:
+        p = int(round(M ** 0.5))
+        cells = [f'M={p}x{p} k={k}', _fmt(swaps.get((M, k), {}).get('model_GFLOPs'), 4),
+                 _fmt(swaps.get((M, k), {}).get('mIoU'))]
+        for n in natives:
+            r = next((r for r in n['rows'] if (r['M'], r['topk']) == (M, k)), None)
+            v = _fmt(r['mIoU']) if r else ''
+            cells.append(f'**{v}**' if r and r.get('trained_setting') else v)
+        out.append('| ' + ' | '.join(cells) + ' |')
+    dense = [next((r for r in n['rows'] if r['kind'] == 'native-dense'), None) for n in natives]
+    if any(dense):
+        base = next(r for r in res['rows'] if r['kind'] == 'baseline')
+        out.append('| softmax attention (every key) | ' + _fmt(base['model_GFLOPs'], 4) +
+                   f" | {base['mIoU']:.2f} | " + ' | '.join(_fmt(d['mIoU']) if d else ''
+                                                         for d in dense) + ' |')
+    sels = [(f"standard attention, swapped to M={res['selection']['pool_size']}x"
+             f"{res['selection']['pool_size']} k={res['selection']['topk']}",
+             res['selection'])] if res.get('selection') else []
+    sels += [(f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}", n['selection'])
+             for n in natives if n.get('selection')]
+    if sels:
+        layers = list(sels[0][1]['layers'])
+        out += ['', 'Tokens no routed expert selects, by depth (mean over '
+                f"{len(sels[0][1]['images'])} validation image(s)):", '',
+                '| layer | ' + ' | '.join(w for w, _ in sels) + ' |',
+                '|---|' + '---:|' * len(sels)]
+        for layer in layers:
+            out.append(f'| {layer} | ' + ' | '.join(
+                f"{100 * sel['layers'][layer]['never_selected']:.1f}%"
+                if layer in sel['layers'] else '' for _, sel in sels) + ' |')
+    return out
+
+
 def markdown(study: dict) -> str:
-    """The study as markdown: the machine, then per model the table and the selection."""
+    """The study as markdown: the machine, then per model the tables and the selection."""
     m = study['machine']
     s = study['settings']
     out = [f"# MiTA swap study ({study['started']} to {study['finished']})", '',
@@ -532,12 +908,11 @@ def markdown(study: dict) -> str:
            f"; fine-tune and "
            f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "
            f"config's learning rate. img/s: test-mode `test_step` on one test batch, median "
-           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row).", '',
+           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row). ToMe rows "
+           f"merge in the backbone{' and the mask head' if s.get('merge_head') else ''}.", '',
            f'Cost columns: {FLOP_NOTE}.', '',
            f'The paper reports {PAPER_CLAIMS}. The rows below are what a toy model trained for '
            'minutes on generated data shows, not what ADE20K gives.', '']
-    cols = ['setting', 'M', 'k', 'mIoU', 'delta', 'model GFLOPs', 'FLOPs saved',
-            'attn GMACs', 'img/s', 'speed-up']
     for res in study['models']:
         out.append(f"## {res['name']} (`{res['config']}`)")
         out.append('')
@@ -554,16 +929,8 @@ def markdown(study: dict) -> str:
                        f"{shape[0] if shape else '?'}x{shape[1] if shape else '?'}{grid}; "
                        f"this model's study took {res.get('seconds', 0):.0f} s.")
             out.append('')
-        out.append('| ' + ' | '.join(cols) + ' |')
-        out.append('|' + '|'.join(['---'] + ['---:'] * (len(cols) - 1)) + '|')
-        for r in res['rows']:
-            out.append('| ' + ' | '.join([
-                r['setting'], _fmt(r['M']), _fmt(r['topk']), _fmt(r['mIoU']),
-                f"{r['delta_mIoU']:+.2f}", _fmt(r.get('model_GFLOPs'), 4),
-                _fmt(r.get('model_reduction_%'), 1) + ('%' if r.get('model_GFLOPs') else ''),
-                _fmt(r.get('attn_GMACs'), 4), _fmt(r.get('img_per_s'), 2),
-                (_fmt(r.get('speedup'), 2) + 'x') if r.get('speedup') else ''
-            ]) + ' |')
+        out += _table(res['rows'])
+        out += _equal_flops(res['rows'])
         sel = res.get('selection')
         if sel:
             out += ['', f"Tokens no routed expert selects (never read by one), swapped to "
@@ -574,6 +941,9 @@ def markdown(study: dict) -> str:
             for layer, v in sel['layers'].items():
                 out.append(f"| {layer} | {v['grid'][0]}x{v['grid'][1]} | {v['tokens']} | "
                            f"{100 * v['never_selected']:.1f}% | {100 * v['never_used']:.1f}% |")
+        out += _native(res)
+        for note in res.get('notes', []):
+            out += ['', f'Note: {note}']
         for e in res['errors']:
             out += ['', f'**Failed**: {e}']
         out.append('')
@@ -584,8 +954,10 @@ def markdown(study: dict) -> str:
 def plot_study(models: Sequence[dict], out_png: str) -> str:
     """mIoU against model GFLOPs (top) and against measured images/s (bottom), one column
     per model: the unswapped model (star), the sweep (one colour per M, k annotated; joined
-    in increasing k on the GFLOPs panel), the fine-tuned swaps (diamonds; on the GFLOPs
-    panel an arrow from the same setting without retraining) and the control (triangle)."""
+    in increasing k on the GFLOPs panel), ToMe (squares, r annotated), MiTA + ToMe (X), the
+    calibrated plans (plus signs; those of the main image count joined), the fine-tuned
+    swaps (diamonds; on the GFLOPs panel an arrow from the same setting without retraining)
+    and the control (triangle)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -613,6 +985,34 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 for r in sel:
                     ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
                                 textcoords='offset points', xytext=(3, 3))
+            tome = sorted((r for r in rows if r['kind'] == 'tome'),
+                          key=lambda r: r['merge_ratio'])
+            if tome:
+                ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
+                        's--' if row_i == 0 else 's', c='tab:purple', ms=5,
+                        label='ToMe, no retraining')
+                for r in tome:
+                    ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
+                                textcoords='offset points', xytext=(3, -9), c='tab:purple')
+            for r in (r for r in rows if r['kind'] == 'swap+tome'):
+                ax.scatter([r[key]], [r['mIoU']], marker='X', s=70, c='tab:brown', zorder=5,
+                           label=r['setting'])
+            plans = [r for r in rows if r['kind'] == 'plan']
+            if plans:
+                main = max(p['plan']['images'] for p in plans)
+                line = sorted((r for r in plans if r['plan']['images'] == main),
+                              key=lambda r: r[key])
+                ax.plot([r[key] for r in line], [r['mIoU'] for r in line],
+                        'P-' if row_i == 0 else 'P', c='tab:green', ms=8, zorder=5,
+                        label=f'calibrated per-layer plans ({main} images)')
+                other = [r for r in plans if r['plan']['images'] != main]
+                if other:
+                    ax.scatter([r[key] for r in other], [r['mIoU'] for r in other], marker='P',
+                               s=50, c='yellowgreen', zorder=5,
+                               label='plans, fewer calibration images')
+                    for r in other:
+                        ax.annotate(f"{r['plan']['images']} img", (r[key], r['mIoU']),
+                                    fontsize=7, textcoords='offset points', xytext=(3, 3))
             for r in (r for r in rows if r['kind'] == 'finetune'):
                 ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, c='tab:red', zorder=5,
                            label=r['setting'])
@@ -626,8 +1026,71 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
             if row_i == 0:
                 ax.set_title(res['name'], fontsize=10)
                 ax.legend(fontsize=7, loc='best', framealpha=0.7)
-    fig.suptitle('MiTA swap on a toy segmenter (generated data, CPU): mIoU against cost',
-                 fontsize=10)
+    fig.suptitle('MiTA swap on toy segmenters (generated data, CPU) beside ToMe and '
+                 'calibrated plans: mIoU against cost', fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def plot_native(res: dict, out_png: str) -> str:
+    """Model ``res``'s MiTA-trained runs: mIoU against the test-time setting (left; one line
+    per training setting, its own setting ringed, the standard-attention model's swap beside
+    them, softmax attention at the right end) and the share of tokens no routed expert
+    selects by layer (right)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    natives = [n for n in res['native'] if n.get('rows')]
+    swaps = [r for r in res['rows'] if r['kind'] == 'swap']
+    keys = sorted({(r['M'], r['topk']) for n in natives for r in n['rows']
+                   if r['kind'] == 'native'} | {(r['M'], r['topk']) for r in swaps})
+    labels = [f'M={int(round(M ** 0.5))}²\nk={k}' for M, k in keys] + ['softmax']
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6),
+                                  gridspec_kw=dict(width_ratios=[1.7, 1]))
+    base = next(r for r in res['rows'] if r['kind'] == 'baseline')
+    series = [('standard attention, swapped', 'k', swaps, base)]
+    series += [(f"trained with MiTA M={n['pool_size']}x{n['pool_size']} k={n['topk']}", c,
+                [r for r in n['rows'] if r['kind'] == 'native'],
+                next((r for r in n['rows'] if r['kind'] == 'native-dense'), None))
+               for n, c in zip(natives, ('tab:blue', 'tab:orange', 'tab:green', 'tab:red'))]
+    for label, colour, rows, dense in series:
+        by = {(r['M'], r['topk']): r for r in rows}
+        xs = [i for i, mk in enumerate(keys) if mk in by]
+        ax.plot(xs, [by[keys[i]]['mIoU'] for i in xs], 'o-', c=colour, ms=4, label=label)
+        if dense is not None:
+            ax.plot([len(keys)], [dense['mIoU']], 'o', c=colour, ms=6)
+        for i in xs:
+            if by[keys[i]].get('trained_setting'):
+                ax.plot([i], [by[keys[i]]['mIoU']], 'o', ms=14, mfc='none', mec=colour, mew=2)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xlabel('test-time setting (no retraining); ringed: the setting a model was '
+                  'trained with')
+    ax.set_ylabel('mIoU (%)')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc='best', framealpha=0.7)
+    sels = [('standard attention, swapped', 'k', res.get('selection'))] + [
+        (f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}", c, n.get('selection'))
+        for n, c in zip(natives, ('tab:blue', 'tab:orange', 'tab:green', 'tab:red'))]
+    for label, colour, sel in sels:
+        if not sel:
+            continue
+        names = list(sel['layers'])
+        ax2.plot(range(len(names)), [100 * sel['layers'][n]['never_selected'] for n in names],
+                 'o-', c=colour, ms=4,
+                 label=f"{label} (at M={sel['pool_size']}x{sel['pool_size']} k={sel['topk']})")
+        ax2.set_xticks(range(len(names)))
+        ax2.set_xticklabels([n.replace('decode_head', 'head').replace('backbone.', '')
+                             .replace('.attn', '').replace('layers.', 'L') for n in names],
+                            fontsize=7)
+    ax2.set_xlabel('attention layer (backbone, then mask head)')
+    ax2.set_ylabel('tokens no routed expert selects (%)')
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7, loc='best', framealpha=0.7)
+    fig.suptitle(f"{res['name']}: trained with small or paper-size experts, evaluated at other "
+                 'settings without retraining; token selection by depth', fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -697,8 +1160,13 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
     study['load_range'] = [min(loads), max(loads)] if loads else [0.0, 0.0]
     study['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
     study['figures'] = [plot_study(study['models'], osp.join(fig_dir, 'swap_study.png'))]
+    study['figures'] += [plot_native(res, osp.join(fig_dir, f"{res['name']}_native.png"))
+                         for res in study['models'] if any(
+                             n.get('rows') for n in res.get('native', []))]
     study['figures'] += [p for res in study['models']
-                         for p in res.get('selection', {}).get('figures', [])]
+                         for sel in [res.get('selection', {})] + [
+                             n.get('selection', {}) for n in res.get('native', [])]
+                         for p in sel.get('figures', [])]
     study['errors'] = [f"{res['name']}: {e}" for res in study['models'] for e in res['errors']]
     study['outputs'] = [osp.join(work_dir, 'swap_study.json'),
                         osp.join(work_dir, 'swap_study.md')]

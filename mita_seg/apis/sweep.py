@@ -135,11 +135,13 @@ def swap_sweep(runner: Runner,
                progress: Optional[Callable[[str], None]] = None,
                measure: Optional[Callable[[nn.Module, dict], Dict]] = None,
                merge_ratios: Sequence[float] = (),
-               plans: Sequence[SwapPlan] = ()) -> List[Dict]:
+               plans: Sequence[SwapPlan] = (),
+               merge_cfg: Optional[dict] = None,
+               merged_swaps: Sequence[Tuple[int, int, float]] = ()) -> List[Dict]:
     """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, with
     token merging (ToMe, :func:`mita_seg.merge_tokens`) at every ratio of
-    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``, then with every
-    swap plan of ``plans``.
+    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``, then on MiTA and
+    ToMe together (``merged_swaps``), then with every swap plan of ``plans``.
 
     Args:
         runner (Runner): a built runner with a test loop and ``load_from``.
@@ -157,6 +159,12 @@ def swap_sweep(runner: Runner,
             Default: ().
         plans (Sequence[SwapPlan]): swap plans (per-layer settings) evaluated after the
             uniform settings, one row each (``M`` = ``'plan'``). Default: ().
+        merge_cfg (dict, optional): further :func:`mita_seg.merge_tokens` arguments of
+            every merged row (``include_head``, ``layers``). Default: None.
+        merged_swaps (Sequence[tuple[int, int, float]]): ``(pool size, top-k, ratio)``:
+            MiTA at ``(pool size, top-k)`` with ToMe at ``ratio`` (layers on MiTA get their
+            MLP merged), one row each, after the uniform settings; the model is unmerged
+            again before the plans. Default: ().
 
     Returns:
         list[dict]: one row per setting that ran, baseline first: ``setting, M, topk,
@@ -169,15 +177,20 @@ def swap_sweep(runner: Runner,
     progress = progress or (lambda line: None)
     settings: List[Optional[Tuple]] = [None]
     settings += [('tome', r) for r in merge_ratios]
-    settings += list(itertools.product(pool_sizes, topks)) + list(plans)
+    settings += list(itertools.product(pool_sizes, topks))
+    settings += [('mita+tome', ) + tuple(c) for c in merged_swaps] + list(plans)
+    merge_cfg = dict(merge_cfg or {})
+    unmerge_at = {len(merge_ratios) + 1} if merge_ratios else set()
+    if merged_swaps:
+        unmerge_at.add(len(settings) - len(plans))
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     rows: List[Dict] = []
     seen: Dict[frozenset, str] = {}      # what ran -> the label of its row
     t0 = time.time()
     for i, setting in enumerate(settings):
-        if merge_ratios and i == len(merge_ratios) + 1:
-            merge_model(model, 0.0, verbose=False)  # exactly the unmerged model again
+        if i in unmerge_at:
+            merge_model(model, 0.0, verbose=False, **merge_cfg)  # exactly unmerged again
         ran: set = set()
         M = topk = merge_ratio = ''
         attn = None     # after runner.test(), which loads the checkpoint, sets eval()
@@ -186,8 +199,15 @@ def swap_sweep(runner: Runner,
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
         elif isinstance(setting, tuple) and setting[0] == 'tome':
             merge_ratio = setting[1]
-            merge_model(model, merge_ratio, verbose=(i == 1))
+            merge_model(model, merge_ratio, verbose=(i == 1), **merge_cfg)
             label = merge_label(merge_ratio)
+        elif isinstance(setting, tuple) and setting[0] == 'mita+tome':
+            _, pool, topk, merge_ratio = setting
+            swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk), verbose=False)
+            merge_model(model, merge_ratio, verbose=False, **merge_cfg)
+            attn = attention_gmacs(model, batches, ran)
+            label, M = ran_label(pool, topk, ran)
+            label = f'{label} + {merge_label(merge_ratio)}'
         elif isinstance(setting, SwapPlan):
             swap_model(model, dict(plan=setting), verbose=False)
             label, M = f'plan {osp.basename(setting.source) or i}', 'plan'
@@ -209,7 +229,7 @@ def swap_sweep(runner: Runner,
         if attn is None:
             attn = attention_gmacs(model, batches)
         row = dict(setting=label, M=M, topk=topk)
-        if merge_ratios:
+        if merge_ratios or merged_swaps:
             row['merge_ratio'] = merge_ratio
         row.update(mIoU=float(metrics['mIoU']),
                    mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),

@@ -15,7 +15,8 @@ from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .plan import PLAN_FORMAT, PlanError, SwapPlan
 from .segmentors import SlimEncoderDecoder
-from .swap import SWAP_RULES, NothingToSwapError, attention_layers, swap_attention
+from .swap import (SWAP_RULES, NothingToSwapError, attention_layers, current_plan,
+                   swap_attention)
 from .token_merge import NothingToMergeError, ToMeAttention, ToMeFFN, TokenMerger, merge_tokens
 
 register_safe_globals()
@@ -28,5 +29,5 @@ __all__ = [
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
-    'attention_layers', 'use_dense', 'MiTASettingError'
+    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError'
 ]

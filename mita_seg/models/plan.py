@@ -196,6 +196,17 @@ class SwapPlan:
                 out.append(owner)
         return out
 
+    def describe(self, defaults: Optional[Dict[str, Any]] = None) -> str:
+        """The layers grouped by setting, settings equal to ``defaults`` left out:
+        ``M=4x4 k=16: backbone.layers.0-3.attn, decode_head.layers.0-1.attn; dense: ...``."""
+        groups: Dict[str, List[str]] = {}
+        for name, setting in self.layers.items():
+            if setting is not None and defaults:
+                setting = {k: v for k, v in setting.items()
+                           if k in ('pool_size', 'topk') or defaults.get(k) != v}
+            groups.setdefault(setting_label(setting), []).append(name)
+        return '; '.join(f'{label}: {_span(names)}' for label, names in groups.items())
+
     def summary(self) -> str:
         """``14 layers: 9 on MiTA, 5 dense``."""
         dense = sum(s is None for s in self.layers.values())

@@ -6,8 +6,8 @@ from mmengine.logging import print_log
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
 from mita_seg.utils.modules import is_attention_module
-from .attention import (MITA_KEYS, SETTING_RULES, MiTASettingsMixin, can_use_mita,
-                        check_settings, layer_indices, use_dense, use_mita)
+from .attention import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, MiTASettingsMixin,
+                        can_use_mita, check_settings, layer_indices, use_dense, use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
 from .plan import PlanError, SwapPlan, setting_label
@@ -47,6 +47,18 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
             out += [(f'{prefix}layers.{i}.attn', owner, i) for i in range(len(owner.layers))
                     if can_use_mita(owner.layers[i].attn)]
     return out
+
+
+def current_plan(model: nn.Module) -> SwapPlan:
+    """What the attention layers of ``model`` run now, read from the modules: each layer's
+    MiTA settings (None: dense attention). ``current_plan(model).describe(MITA_DEFAULTS)``
+    says it in one line (what ``tools/test.py`` prints)."""
+    layers = {}
+    for name, _, _ in attention_layers(model):
+        attn = model.get_submodule(name)
+        layers[name] = ({k: getattr(attn, k) for k in MITA_KEYS}
+                        if isinstance(attn, MiTASettingsMixin) else None)
+    return SwapPlan(layers)
 
 
 def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
