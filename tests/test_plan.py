@@ -16,7 +16,8 @@ from mmengine.config import Config
 
 from mita_seg import swap_attention
 from mita_seg.apis import add_mita_args, export_swapped, init_model, swap_settings
-from mita_seg.models import MiTAAttention, PlanError, SwapPlan, attention_layers
+from mita_seg.models import (MITA_DEFAULTS, MiTAAttention, PlanError, SwapPlan,
+                             attention_layers, current_plan)
 from mita_seg.models.plan import PLAN_FORMAT
 
 LAYERS = [f'backbone.layers.{i}.attn' for i in range(4)] + [
@@ -146,6 +147,26 @@ def test_mixed_plan_sets_each_layer(segmenter_ckpt, log_records):
     x = torch.randn(1, 3, 128, 128)
     with torch.no_grad():
         torch.testing.assert_close(model.backbone(x), ref.backbone(x), rtol=0, atol=0)
+
+
+def test_current_plan_reads_the_modules(segmenter_ckpt):
+    """What the attention runs with, read back from the modules (tools/test.py prints it):
+    the plan a model was set with, and its one-line description."""
+    model = init_model(*segmenter_ckpt)
+    assert current_plan(model).layers == {n: None for n in LAYERS}
+    assert current_plan(model).describe() == ('dense: backbone.layers.0-3.attn, '
+                                               'decode_head.layers.0-1.attn')
+    plan = SwapPlan.from_dict(plan_dict(MIXED))
+    swap_attention(model, plan=plan, verbose=False)
+    now = current_plan(model)
+    for name, setting in zip(LAYERS, MIXED):
+        if setting == 'dense':
+            assert now.layers[name] is None
+        else:   # every MiTA setting, those the plan leaves out at their defaults
+            assert now.layers[name] == {**MITA_DEFAULTS, **setting}
+    assert now.describe(MITA_DEFAULTS) == plan.describe(MITA_DEFAULTS)
+    text = now.describe(MITA_DEFAULTS)
+    assert text.count('dense: ') == 1 and 'route-only' in text and 'router_topk' not in text
 
 
 def test_plan_for_another_model(segmenter_ckpt):
