@@ -176,7 +176,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     line = next(ln for ln in md.splitlines()
                 if ln.startswith(f"| {plans[0]['setting']} | {plans[0]['model_GFLOPs']:.4f}"))
     assert 'MiTA M=' in line or 'none as cheap' in line
-    assert f"| M=2x2 k=8 | {m4['model_GFLOPs']:.4f} | {m4['mIoU']:.2f} | **{trained['mIoU']:.2f}** |" in md
+    assert (f"| M=2x2 k=8 | {m4['model_GFLOPs']:.4f} | {m4['mIoU']:.2f} | "
+            f"**{trained['mIoU']:.2f}** |") in md
 
     # figures: the plot, the MiTA-trained plot, two selection maps, real PNGs
     sel = res['selection']

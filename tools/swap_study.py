@@ -8,15 +8,17 @@ the paper's M = k = 49 (plus a control: the unswapped model trained as long), be
 training-free peer ToMe (token merging) and per-layer plans calibrated for FLOP budgets, with
 model GFLOPs and measured images/s on every row, and the token-selection maps; and the
 Segmenter trained from scratch with MiTA (small and paper-size experts), evaluated over the
-same grid (:func:`mita_seg.apis.swap_study.run_swap_study`). Writes ``WORK_DIR/swap_study.{json,md}``,
-``FIG_DIR/swap_study.png`` and the selection maps; ``make swap-study`` runs it as in
+same grid (:func:`mita_seg.apis.swap_study.run_swap_study`). Writes
+``WORK_DIR/swap_study.{json,md}``, ``FIG_DIR/swap_study.png``, ``FIG_DIR/<model>_native.png``
+and the selection maps; ``make swap-study`` runs it as in
 docs/swap_study.md.
 
 Usage::
 
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
-        [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40] [--pool-sizes 4 5 7] [--topks 16 49 100]
+        [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40]
+        [--pool-sizes 4 5 7] [--topks 16 49 100]
         [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
         [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7,49,0.5] [--plan-budgets 7:49 tome]
         [--calibration-images 16] [--calibration-counts 4 8] [--native 4,16 7,49]

@@ -458,6 +458,13 @@ def _test_runner(config, opts: dict, checkpoint: str, work_dir: str, s: StudySet
     return runner, _unwrap(runner.model)
 
 
+def _every_key_miou(runner: Runner, model: nn.Module, pool: int) -> float:
+    """The test mIoU of ``model`` on route-only MiTA with every key in every expert: exactly
+    softmax attention."""
+    swap_model(model, dict(EXACT, pool_size=pool), verbose=False)
+    return float(runner.test()['mIoU'])
+
+
 def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
                     s: StudySettings, rows: Sequence[dict], progress: Callable[[str], None],
                     notes: List[str]) -> List[Tuple[SwapPlan, dict]]:
@@ -590,8 +597,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             progress(f'{name}: route-only MiTA with every key (exactly softmax attention)')
             if ratios or merged:
                 merge_model(model, 0.0, verbose=False, **merge_cfg)
-            swap_model(model, dict(EXACT, pool_size=min(s.pool_sizes)), verbose=False)
-            exact = float(runner.test()['mIoU'])
+            exact = _every_key_miou(runner, model, min(s.pool_sizes))
         del runner, model
         gc.collect()
         return rows, exact
@@ -725,8 +731,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                               progress=lambda line: progress(f'{name}: native {line}'))
             exact = None
             if s.exact_check:
-                swap_model(model, dict(EXACT, pool_size=min(s.pool_sizes)), verbose=False)
-                exact = float(runner.test()['mIoU'])
+                exact = _every_key_miou(runner, model, min(s.pool_sizes))
             del runner, model
             gc.collect()
             return rows, exact
