@@ -18,7 +18,7 @@ Usage::
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
         [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40]
-        [--pool-sizes 4 5 7] [--topks 16 49 100]
+        [--pool-sizes 4 5 7 8 10] [--topks 8 16 49 100] [--candidates dense 4:8 ...]
         [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
         [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7,49,0.5] [--plan-budgets 7:49 tome]
         [--calibration-images 16] [--calibration-counts 4 8] [--native 4,16 7,49]
@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
                                output_dir)
+from mita_seg.apis.swap_study import STUDY_CANDIDATES  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
@@ -109,9 +110,9 @@ def parse_args(argv=None):
     parser.add_argument('--finetune-iters', type=int_range(1), default=40)
     parser.add_argument('--finetune-lr-mult', type=float_range(0, low_open=True), default=0.1,
                         help="fine-tune learning rate as a multiple of the config's")
-    parser.add_argument('--pool-sizes', type=int_range(1), nargs='+', default=[4, 5, 7],
+    parser.add_argument('--pool-sizes', type=int_range(1), nargs='+', default=[4, 5, 7, 8, 10],
                         help='landmark grid sides P of the sweep (M = P*P)')
-    parser.add_argument('--topks', type=int_range(1), nargs='+', default=[16, 49, 100],
+    parser.add_argument('--topks', type=int_range(1), nargs='+', default=[8, 16, 49, 100],
                         help='keys per routed expert of the sweep')
     parser.add_argument('--finetune', type=pool_topk, nargs='*', default=[(7, 49)],
                         metavar='P,K', help='settings to export and fine-tune (none: no '
@@ -134,9 +135,11 @@ def parse_args(argv=None):
                         help='training images each plan is calibrated on')
     parser.add_argument('--calibration-counts', type=int_range(1), nargs='*', default=[4, 8],
                         metavar='N', help='also calibrate the first budget on N images')
-    parser.add_argument('--candidates', nargs='+', metavar='C',
+    parser.add_argument('--candidates', nargs='+', metavar='C', default=list(STUDY_CANDIDATES),
                         help='per-layer candidates of the calibration (dense, P:K, '
-                        'P:K:route; default: those of tools/calibrate_swap.py)')
+                        "P:K:route; default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: "
+                        "a finer grid than tools/calibrate_swap.py's default, see "
+                        'docs/swap_study.md)')
     parser.add_argument('--native', type=pool_topk, nargs='*', default=[(4, 16), (7, 49)],
                         metavar='P,K', help='also train the model from scratch with MiTA at '
                         'each setting and evaluate it over the grid (none: no such runs)')
@@ -215,7 +218,7 @@ def main(argv=None):
         merged_swaps=tuple(args.merged_swaps), plan_budgets=tuple(args.plan_budgets),
         calibration_images=args.calibration_images,
         calibration_counts=tuple(args.calibration_counts),
-        calibration_candidates=tuple(args.candidates) if args.candidates else None,
+        calibration_candidates=tuple(args.candidates),
         native=tuple(args.native), native_models=tuple(args.native_models),
         workers=args.workers, cfg_options=args.cfg_options, reuse=args.reuse,
         verbose=args.verbose)

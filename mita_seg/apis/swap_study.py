@@ -65,6 +65,12 @@ from .token_merge import merge_model
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
 # route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
 EXACT = dict(with_shared_expert=False, topk=10**6)
+# the calibration's per-layer candidates in the study: finer steps of cost than
+# calibrate_swap's default (P 4/5/7 x k 16/49/100), so that the knapsack has settings to trade
+# between layers (docs/swap_study.md shows both)
+STUDY_CANDIDATES = ('dense', ) + tuple(
+    f'{p}:{k}' for p in (4, 5, 6, 7, 8, 9, 10) for k in (8, 16)) + ('7:49', '4:16:route',
+                                                                    '7:16:route')
 # what the paper reports for the swap without retraining (Wen et al., arXiv 2602.01219)
 PAPER_CLAIMS = ('about 1 mIoU point lost, up to 42% fewer FLOPs, swapping the attention of '
                 'pretrained segmenters without retraining (ADE20K, N of about 1025 to 1601, '
@@ -86,8 +92,8 @@ class StudySettings:
         finetune_lr_mult (float): the fine-tune's (and control's) learning rate, as a multiple
             of the config's. Default: 0.1.
         pool_sizes (tuple[int]): landmark grid sides P of the sweep (M = P * P).
-            Default: (4, 5, 7).
-        topks (tuple[int]): keys per routed expert of the sweep. Default: (16, 49, 100).
+            Default: (4, 5, 7, 8, 10).
+        topks (tuple[int]): keys per routed expert of the sweep. Default: (8, 16, 49, 100).
         finetune (tuple[tuple[int, int]]): the (P, k) settings exported and fine-tuned.
             Default: ((7, 49), ), the paper's M = k = 49.
         control (bool): also train the unswapped model for ``finetune_iters`` more
@@ -112,7 +118,8 @@ class StudySettings:
         calibration_candidates (tuple[str], optional): per-layer candidates
             (:func:`~mita_seg.apis.calibrate.parse_candidate`); None for the calibration's
             defaults (dense, pool 4/5/7 x k 16/49/100, with and without the shared expert).
-            Default: None.
+            Default: :data:`STUDY_CANDIDATES` (dense, P 4 to 10 x k 8/16, 7:49, two
+            route-only).
         native (tuple[tuple[int, int]]): ``(P, k)`` settings the architecture is also
             trained with from scratch, with MiTA, for as many iterations, then evaluated over
             the sweep's grid. Default: ((4, 16), (7, 49)).
@@ -132,8 +139,8 @@ class StudySettings:
     model_train_iters: Optional[Dict[str, int]] = None
     finetune_iters: int = 40
     finetune_lr_mult: float = 0.1
-    pool_sizes: Tuple[int, ...] = (4, 5, 7)
-    topks: Tuple[int, ...] = (16, 49, 100)
+    pool_sizes: Tuple[int, ...] = (4, 5, 7, 8, 10)
+    topks: Tuple[int, ...] = (8, 16, 49, 100)
     finetune: Tuple[Tuple[int, int], ...] = ((7, 49), )
     control: bool = True
     exact_check: bool = True
@@ -145,7 +152,7 @@ class StudySettings:
     plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
     calibration_images: int = 16
     calibration_counts: Tuple[int, ...] = (4, 8)
-    calibration_candidates: Optional[Tuple[str, ...]] = None
+    calibration_candidates: Optional[Tuple[str, ...]] = STUDY_CANDIDATES
     native: Tuple[Tuple[int, int], ...] = ((4, 16), (7, 49))
     native_models: Optional[Tuple[str, ...]] = ('segmenter', )
     speed_min_run_time: float = 1.0
