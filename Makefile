@@ -23,7 +23,8 @@ test-slow: setup
 test-sanitize: setup
 	PY=$(PY) bash scripts/test_sanitize.sh
 
-# About 45 minutes on 2 shared cores: trains, sweeps and fine-tunes each model
-# (tools/swap_study.py; --reuse keeps the models already computed in the work dir).
+# About 55 minutes on 2 cores, one thread: trains, sweeps (ToMe, MiTA, calibrated plans),
+# fine-tunes each model, trains the Segmenter with MiTA (tools/swap_study.py; --reuse keeps
+# the models and checkpoints already computed in the work dir).
 swap-study: setup
 	$(PY) tools/swap_study.py --work-dir work_dirs/swap_study --fig-dir docs/swap_study --threads 1

@@ -845,7 +845,7 @@ def _equal_flops(rows: Sequence[dict]) -> List[str]:
             p = r['plan']
             out.append(f"| {r['setting']} | " + ' | '.join(p['layers'].get(n, '')
                                                           for n in layers)
-                       + f" | {p['predicted_error']:.4f} | {p['calibration_seconds']:.0f} |")
+                       + f" | {p['predicted_error']:.3g} | {p['calibration_seconds']:.0f} |")
     return out
 
 
@@ -964,8 +964,8 @@ def markdown(study: dict) -> str:
 
 
 def plot_study(models: Sequence[dict], out_png: str) -> str:
-    """mIoU against model GFLOPs (top) and against measured images/s (bottom), one column
-    per model: the unswapped model (star), the sweep (one colour per M, k annotated; joined
+    """mIoU against model GFLOPs (top; below it the same zoomed on the 6 points under the
+    unswapped model) and against measured images/s (bottom), one column per model: the unswapped model (star), the sweep (one colour per M, k annotated; joined
     in increasing k on the GFLOPs panel), ToMe (squares, r annotated), MiTA + ToMe (X), the
     calibrated plans (plus signs; those of the main image count joined), the fine-tuned
     swaps (diamonds; on the GFLOPs panel an arrow from the same setting without retraining)
@@ -974,13 +974,16 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     n = max(1, len(models))
-    fig, axes = plt.subplots(2, n, figsize=(5.4 * n, 8.2), squeeze=False)
+    fig, axes = plt.subplots(3, n, figsize=(5.4 * n, 12.0), squeeze=False)
     for col, res in enumerate(models):
         rows = [r for r in res['rows'] if r.get('model_GFLOPs') is not None]
-        for row_i, (key, label) in enumerate(
-                (('model_GFLOPs', 'model GFLOPs per image (1 MAC = 1 FLOP)'),
-                 ('img_per_s', 'images/s measured (test mode, CPU)'))):
+        gflops = 'model GFLOPs per image (1 MAC = 1 FLOP)'
+        for row_i, (key, label, zoom) in enumerate(
+                (('model_GFLOPs', gflops, False),
+                 ('model_GFLOPs', gflops + ', zoomed', True),
+                 ('img_per_s', 'images/s measured (test mode, CPU)', False))):
             ax = axes[row_i][col]
+            lines = key == 'model_GFLOPs'   # joined on the FLOP panels (speed is noisy)
             for r in rows:
                 if r['kind'] == 'baseline':
                     ax.scatter([r[key]], [r['mIoU']], marker='*', s=220, c='k', zorder=4,
@@ -993,7 +996,7 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 # FLOPs grow with k: a line per M; measured speed is noisy: markers only
                 sel = sorted((r for r in swaps if r['M'] == M), key=lambda r: r['topk'])
                 ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel],
-                        'o-' if row_i == 0 else 'o', ms=4, label=f'MiTA M={M}, no retraining')
+                        'o-' if lines else 'o', ms=4, label=f'MiTA M={M}, no retraining')
                 for r in sel:
                     ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
                                 textcoords='offset points', xytext=(3, 3))
@@ -1001,7 +1004,7 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                           key=lambda r: r['merge_ratio'])
             if tome:
                 ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
-                        's--' if row_i == 0 else 's', c='tab:purple', ms=5,
+                        's--' if lines else 's', c='tab:purple', ms=5,
                         label='ToMe, no retraining')
                 for r in tome:
                     ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
@@ -1015,7 +1018,7 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 line = sorted((r for r in plans if r['plan']['images'] == main),
                               key=lambda r: r[key])
                 ax.plot([r[key] for r in line], [r['mIoU'] for r in line],
-                        'P-' if row_i == 0 else 'P', c='tab:green', ms=8, zorder=5,
+                        'P-' if lines else 'P', c='tab:green', ms=8, zorder=5,
                         label=f'calibrated per-layer plans ({main} images)')
                 other = [r for r in plans if r['plan']['images'] != main]
                 if other:
@@ -1029,9 +1032,13 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, c='tab:red', zorder=5,
                            label=r['setting'])
                 src = [w for w in swaps if w['M'] == r['M'] and w['topk'] == r['topk']]
-                if src and row_i == 0:
+                if src and lines:
                     ax.annotate('', (r[key], r['mIoU']), (src[0][key], src[0]['mIoU']),
                                 arrowprops=dict(arrowstyle='->', color='tab:red', lw=1))
+            if zoom and rows:
+                top = max(r['mIoU'] for r in rows)
+                base = next((r['mIoU'] for r in rows if r['kind'] == 'baseline'), top)
+                ax.set_ylim(base - 6, top + 0.8)
             ax.set_xlabel(label)
             ax.set_ylabel('mIoU (%)')
             ax.grid(alpha=0.3)
