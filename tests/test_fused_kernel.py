@@ -623,6 +623,50 @@ def test_lowp_gemms_keep_the_float32_routing(case, dtype, save, monkeypatch):
     assert low[0].dtype == dtype and torch.equal(low[0], low[10].to(dtype))
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+@pytest.mark.parametrize('case', list(LOWP_CASES.values()), ids=list(LOWP_CASES))
+def test_lowp_gemms_in_the_backward(case, dtype, monkeypatch):
+    """The backward's routed GEMMs (q K_e^T, dout V_e^T, dS^T q, P^T dout, dS K_e) on the
+    bf16/fp16 path: the gradients of q, k, v (and of the bias table) within bf16/fp16 rounding
+    of the float32 reference's, and not the float32 GEMMs' bits (the path ran).
+    test_precision holds them to FlashAttention's tolerance as well."""
+    B, H, h, w, p, s, d, pool, topk, r, with_bias = case
+    N = p + h * w + s
+    bias = _bias(H, h, w) if with_bias else None
+    q, k, v = _qkv(B, H, N, d, seed=7, dtype=dtype)
+    dout = torch.randn(B, H, N, d, generator=torch.Generator().manual_seed(8)).to(dtype)
+    kw = dict(pool_size=pool, topk=topk, router_topk=r, num_prefix_tokens=p)
+
+    def grads(setting):
+        monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        extra = {}
+        if bias is not None:
+            table = bias.table.clone().requires_grad_()
+            extra = dict(rel_pos_bias=RelPosBias(table, bias.window))
+            x.append(table)
+        out = mita_attention(*x[:3], (h, w), **kw, backend='fused_cpu', **extra)
+        return torch.autograd.grad(out, x, dout)
+
+    low, f32 = grads('1'), grads('0')
+    x = [t.float().requires_grad_() for t in (q, k, v)]
+    extra = {}
+    if bias is not None:
+        table = bias.table.clone().requires_grad_()
+        extra = dict(bias=RelPosBias(table, bias.window))
+        x.append(table)
+    ref = mita_attention_reference(*x[:3], (h, w), pool, topk, r, p, **extra)
+    ref = torch.autograd.grad(ref, x, dout.float())
+    tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
+    for name, a, b, c in zip(['dq', 'dk', 'dv', 'dtable'], low, f32, ref):
+        scale = c.abs().max().item()
+        err = (a.float() - c).abs().max().item()
+        assert err <= tol * scale, f'{name}: error {err:.3g} > {tol} x max |ref| {scale:.3g}'
+        assert a.dtype == b.dtype
+    assert any(not torch.equal(a, b) for a, b in zip(low, f32)), \
+        'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs in the backward'
+
+
 def test_lowp_gemm_path_by_cpu_and_setting(monkeypatch):
     """Unset, the bf16 GEMMs run where the CPU has AMX (AVX512-BF16 alone: float32, the
     faster there); =0 never; float32/float64 inputs never take them."""

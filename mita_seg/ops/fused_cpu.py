@@ -20,10 +20,13 @@ rounded to the inputs' dtype as FlashAttention does) where the CPU has AMX for t
 elsewhere float32 GEMMs are the fast ones (on an AMD EPYC with AVX2 a [1025, 64] x [64, 49]
 bf16 product through MKL took 29x the float32 one; on an AMD EPYC Zen 4 with AVX512-BF16
 oneDNN's bf16 kernel ran the forward no faster than MKL's float32 GEMMs, see
-docs/benchmark.md). ``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on (through cpublas's
-plain GEMM where oneDNN's kernel does not run: slow, it tests the path on any CPU), ``=0``
-off; ``_C.lowp_gemm_path(dtype)`` says which runs. The GEMMs that decide the routing (the
-scores, the shared logits) stay float32.
+docs/benchmark.md). The backward's five routed GEMMs per expert (``q K_e^T``, ``dout
+V_e^T``, ``dS^T q``, ``P^T dout``, ``dS K_e``; P and dS rounded) take the same path under the
+same rule; its routing part (shared expert, scores, landmarks) stays float32.
+``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on in both (through cpublas's plain GEMM
+where oneDNN's kernel does not run: slow, it tests the path on any CPU), ``=0`` off;
+``_C.lowp_gemm_path(dtype)`` says which runs. The GEMMs that decide the routing (the scores,
+the shared logits) stay float32.
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
 ``Bq [H, M, N]`` and ``Bk [H, N, M]`` and the table itself, whose entries of the routed

@@ -411,7 +411,8 @@ inline void prefetch_row(const T* x, int64_t d) {
 // by cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k rounded up to even
 // with zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
 // (phase 2) and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the
-// inputs' dtype as FlashAttention does. The GEMMs that decide the routing (S = R K^T, Ls = q
+// inputs' dtype as FlashAttention does; in the backward, phase B's five routed GEMMs (q K_e^T,
+// dout V_e^T, dS^T q, P^T dout, dS K_e, with P and dS rounded). The GEMMs that decide the routing (S = R K^T, Ls = q
 // R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
 // softmax, log-sum-exp, top-k and the merge. MITA_CPU_BF16_GEMM=1 forces the path on (where
 // oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs
@@ -471,6 +472,19 @@ void narrow_rows(In* dst, const float* x, int64_t rows, int64_t n, int64_t ldx, 
   for (int64_t i = 0; i < rows; ++i) {
     narrow(dst + i * np, x + i * ldx, n);
     if (np > n) dst[i * np + n] = In(0.f);
+  }
+}
+
+// x [rows, cols] (float32, row stride cols) transposed and rounded into dst [cols, rp], rp =
+// rows rounded up to even, the padding column zero: a transposed A operand of lowp_gemm.
+template <typename In>
+void narrow_transposed(std::vector<In>& dst, const float* x, int64_t rows, int64_t cols,
+                       int64_t rp) {
+  dst.resize(cols * rp);
+  for (int64_t j = 0; j < cols; ++j) {
+    In* o = dst.data() + j * rp;
+    for (int64_t i = 0; i < rows; ++i) o[i] = static_cast<In>(x[i * cols + j]);
+    if (rp > rows) o[rows] = In(0.f);
   }
 }
 
@@ -1129,45 +1143,88 @@ void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* l
 // its K keys (dk_exp, dv_exp: [BH, M, K, d]). With a bias, the recomputed logits get it
 // too, and the logits' gradients are kept for phase C in dl_sorted ([BH, N R, K], row =
 // the item's position in order: expert m's rows are offsets[m] .. offsets[m + 1]).
-template <typename T>
-void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* keys,
+// With bf16/fp16 inputs and lp on, the five GEMMs run on lowp_gemm as the forward's
+// read-out does (FlashAttention's backward: In operands, float32 accumulation): q, dout and
+// the expert's keys and values as they came in (q_in, k_in, v_in, dout_in), P and dS rounded
+// to In; exp, dS = P (dP - delta) and the scaling in float32. Otherwise float32 GEMMs on the
+// widened q, k, v, dout.
+template <typename T, typename In>
+void routed_backward_phase(const T* q, const T* k, const T* v, const In* q_in, const In* k_in,
+                           const In* v_in, const In* dout_in, const int64_t* keys,
                            const int64_t* offsets, const int64_t* order, const T* dout,
                            const T* lse, const T* delta, T* dq_items, T* dk_exp, T* dv_exp,
-                           T* dl_sorted, T scale, const Bias<T>& bias, const Geometry& g) {
+                           T* dl_sorted, T scale, const Bias<T>& bias, const Geometry& g,
+                           LowpPath lp) {
   PhaseTimer timer(kBwdRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   parallel_tasks(0, g.BH * g.M, 1, [&](Tasks& tasks) {
     SerialBlas serial_blas;
-    std::vector<T> kloc(K * d), vloc(K * d), qbuf, dobuf, pbuf, dsbuf, dqbuf;
+    const bool lowp = lp != kLowpOff;
+    std::vector<T> kloc(lowp ? 0 : K * d), vloc(lowp ? 0 : K * d), qbuf, dobuf, pbuf, dsbuf,
+        dqbuf;
     std::vector<int64_t> kp(bias.on() ? K : 0);
+    // bf16/fp16: K_e^T, V_e^T, K_e, the items' q and dout rows packed as B operands; the
+    // items' q and dout rows as A operands; P, dS (and their transposes) rounded
+    const int64_t dp = (d + 1) / 2 * 2, Kp = (K + 1) / 2 * 2;
+    std::vector<In> kt_pk, vt_pk, k_pk, q_pk, do_pk, tmp, qa, doa, pa, dsa;
+    BrgemmRelease release(lp);
     for (int64_t t : tasks) {
       const int64_t bh = t / g.M, m = t % g.M;
       const int64_t* off = offsets + bh * (g.M + 1);
       const int64_t G = off[m + 1] - off[m];
       if (G == 0) continue;  // phase C skips this expert
       const int64_t* idx = keys + t * K;
-      gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
-      gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
       const int64_t* ord = order + bh * NR + off[m];
-      qbuf.resize(G * d); dobuf.resize(G * d); pbuf.resize(G * K); dsbuf.resize(G * K);
-      dqbuf.resize(G * d);
-      T *qp = qbuf.data(), *dop = dobuf.data(), *pp = pbuf.data(), *dsp = dsbuf.data();
-      for (int64_t i = 0; i < G; ++i) {
-        const int64_t row = bh * g.N + ord[i] / R;
-        const T* src = q + row * d;
+      auto item_row = [&](int64_t i) { return bh * g.N + ord[i] / R; };
+      pbuf.resize(G * K); dsbuf.resize(G * K); dqbuf.resize(G * d);
+      T *pp = pbuf.data(), *dsp = dsbuf.data(), *dqp = dqbuf.data();
+      T* dke = dk_exp + t * K * d;
+      T* dve = dv_exp + t * K * d;
+      if (lowp) {
+        if constexpr (is_lowp<In> && std::is_same<T, float>::value) {
+          const In* kh = k_in + bh * g.N * d;
+          const In* vh = v_in + bh * g.N * d;
+          auto key = [&](int64_t c) { return kh + idx[c] * d; };
+          pack_b(lp, true, d, K, key, kt_pk, tmp);                                // K_e^T
+          pack_b(lp, true, d, K, [&](int64_t c) { return vh + idx[c] * d; }, vt_pk, tmp);
+          pack_b(lp, false, K, d, key, k_pk, tmp);                                // K_e
+          qa.resize(G * dp); doa.resize(G * dp);
+          for (int64_t i = 0; i < G; ++i) {
+            const int64_t row = item_row(i);
+            std::copy(q_in + row * d, q_in + row * d + d, qa.data() + i * dp);
+            std::copy(dout_in + row * d, dout_in + row * d + d, doa.data() + i * dp);
+            if (dp > d) qa[i * dp + d] = doa[i * dp + d] = In(0.f);
+          }
+          pack_b(lp, false, G, d, [&](int64_t r) { return q_in + item_row(r) * d; }, q_pk,
+                 tmp);
+          pack_b(lp, false, G, d, [&](int64_t r) { return dout_in + item_row(r) * d; },
+                 do_pk, tmp);
+          lowp_gemm(lp, G, K, dp, qa.data(), dp, kt_pk.data(), pp, K, false);   // q K_e^T
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) qp[i * d + c] = src[c] * scale;
-        std::copy(dout + row * d, dout + row * d + d, dop + i * d);
+          for (int64_t e = 0; e < G * K; ++e) pp[e] *= scale;
+          lowp_gemm(lp, G, K, dp, doa.data(), dp, vt_pk.data(), dsp, K, false);  // dP
+        }
+      } else {
+        gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
+        gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+        qbuf.resize(G * d); dobuf.resize(G * d);
+        for (int64_t i = 0; i < G; ++i) {
+          const int64_t row = item_row(i);
+          const T* src = q + row * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) qbuf[i * d + c] = src[c] * scale;
+          std::copy(dout + row * d, dout + row * d + d, dobuf.data() + i * d);
+        }
+        gemm(false, true, G, K, d, qbuf.data(), d, kloc.data(), d, pp, K);   // logits [G, K]
+        gemm(false, true, G, K, d, dobuf.data(), d, vloc.data(), d, dsp, K);  // dP [G, K]
       }
-      gemm(false, true, G, K, d, qp, d, kloc.data(), d, pp, K);           // logits [G, K]
       if (bias.on()) {  // the forward's logits: + table[h, index(query, key)]
         bias.key_parts(idx, K, kp.data());
         for (int64_t i = 0; i < G; ++i)
           bias.add_routed(pp + i * K, bh, ord[i] / R, idx, kp.data(), K);
       }
-      gemm(false, true, G, K, d, dop, d, vloc.data(), d, dsp, K);         // dP [G, K]
       for (int64_t i = 0; i < G; ++i) {
-        const int64_t row = bh * g.N + ord[i] / R;
+        const int64_t row = item_row(i);
         T* pr = pp + i * K;
         T* dr = dsp + i * K;
         exp_shift(pr, K, lse[row]);
@@ -1177,11 +1234,25 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const int64_t* ke
       }
       if (bias.on())  // d(logits) [G, K]: the gradient of each bias entry read
         std::copy(dsp, dsp + G * K, dl_sorted + (bh * NR + off[m]) * K);
-      // dK = dS^T (q scale) (q already scaled), dV = P^T dout, dQ = dS K (scaled below).
-      gemm(true, false, K, d, G, dsp, K, qp, d, dk_exp + t * K * d, d);
-      gemm(true, false, K, d, G, pp, K, dop, d, dv_exp + t * K * d, d);
-      T* dqp = dqbuf.data();
-      gemm(false, false, G, d, K, dsp, K, kloc.data(), d, dqp, d);
+      // dK = dS^T (q scale), dV = P^T dout, dQ = dS K (scaled below).
+      if (lowp) {
+        if constexpr (is_lowp<In> && std::is_same<T, float>::value) {
+          const int64_t Gp = (G + 1) / 2 * 2;
+          narrow_transposed(pa, pp, G, K, Gp);                           // P^T [K, Gp]
+          lowp_gemm(lp, K, d, Gp, pa.data(), Gp, do_pk.data(), dve, d, false);
+          narrow_transposed(pa, dsp, G, K, Gp);                          // dS^T [K, Gp]
+          lowp_gemm(lp, K, d, Gp, pa.data(), Gp, q_pk.data(), dke, d, false);
+#pragma omp simd
+          for (int64_t e = 0; e < K * d; ++e) dke[e] *= scale;
+          dsa.resize(G * Kp);
+          narrow_rows(dsa.data(), dsp, G, K, K, Kp);                     // dS [G, Kp]
+          lowp_gemm(lp, G, d, Kp, dsa.data(), Kp, k_pk.data(), dqp, d, false);
+        }
+      } else {
+        gemm(true, false, K, d, G, dsp, K, qbuf.data(), d, dke, d);
+        gemm(true, false, K, d, G, pp, K, dobuf.data(), d, dve, d);
+        gemm(false, false, G, d, K, dsp, K, kloc.data(), d, dqp, d);
+      }
       for (int64_t i = 0; i < G; ++i) {
         T* dst = dq_items + (bh * NR + ord[i]) * d;
 #pragma omp simd
@@ -1707,6 +1778,11 @@ std::vector<torch::Tensor> mita_backward(
   const char* name = "mita_backward";
   check_qkv(name, q, k, v);
   const auto in_dtype = q.scalar_type();
+  // bf16/fp16 with lowp GEMMs: phase B's GEMMs read q, k, v (and dout) as they came in
+  const LowpPath lp = in_dtype == at::kBFloat16 ? lowp_path<c10::BFloat16>()
+                      : in_dtype == at::kHalf   ? lowp_path<c10::Half>()
+                                                : kLowpOff;
+  const torch::Tensor q_in = q.contiguous(), k_in = k.contiguous(), v_in = v.contiguous();
   {
     auto wide = convert({q, k, v}, in_dtype == at::kDouble ? at::kDouble : at::kFloat);
     q = wide[0]; k = wide[1]; v = wide[2];
@@ -1735,6 +1811,7 @@ std::vector<torch::Tensor> mita_backward(
   }
   out = float_tensor(name, "out", out, {BH, N, d}, q);
   dout = float_tensor(name, "dout", dout, {BH, N, d}, q);
+  const torch::Tensor dout_in = lp != kLowpOff ? convert({dout}, in_dtype)[0] : dout;
   lse = float_tensor(name, "lse", lse, {BH, N}, q);
   if (shared) {
     R = float_tensor(name, "landmarks", R, {BH, M, d}, q);
@@ -1764,12 +1841,26 @@ std::vector<torch::Tensor> mita_backward(
     shared_backward_phase<T>(dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
                              ptr(ls), ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared,
                              g);
-    routed_backward_phase<T>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                             keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                             order.data_ptr<int64_t>(), dout.data_ptr<T>(), lse.data_ptr<T>(),
-                             delta.data_ptr<T>(), dq_items.data_ptr<T>(), dk_exp.data_ptr<T>(),
-                             dv_exp.data_ptr<T>(), bptr(dl_sorted),
-                             static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), bias, g);
+    auto routed = [&](auto in_type) {  // In: the inputs' dtype with lowp GEMMs, else T
+      using In = decltype(in_type);
+      auto in = [&](const torch::Tensor& t) {
+        return lp != kLowpOff ? t.data_ptr<In>() : nullptr;
+      };
+      routed_backward_phase<T, In>(
+          q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), in(q_in), in(k_in), in(v_in),
+          in(dout_in), keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+          order.data_ptr<int64_t>(), dout.data_ptr<T>(), lse.data_ptr<T>(),
+          delta.data_ptr<T>(), dq_items.data_ptr<T>(), dk_exp.data_ptr<T>(),
+          dv_exp.data_ptr<T>(), bptr(dl_sorted),
+          static_cast<T>(1.0 / std::sqrt(static_cast<double>(d))), bias, g,
+          std::is_same<In, T>::value ? kLowpOff : lp);
+    };
+    if (lp != kLowpOff && in_dtype == at::kBFloat16)  // (T is float then)
+      routed(c10::BFloat16(0.f));
+    else if (lp != kLowpOff && in_dtype == at::kHalf)
+      routed(c10::Half(0.f));
+    else
+      routed(T(0));
     reduce_phase<T>(keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                     order.data_ptr<int64_t>(), dk_exp.data_ptr<T>(), dv_exp.data_ptr<T>(),
                     dq_items.data_ptr<T>(), bptr(dl_sorted), dk.data_ptr<T>(),
@@ -1931,9 +2022,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                      : kLowpOff;
           return lp == kLowpNative ? "brgemm" : lp == kLowpPlain ? "cpublas" : "float32";
         },
-        "The forward's read-out GEMMs for inputs of this dtype now (MITA_CPU_BF16_GEMM, the "
-        "CPU): 'brgemm' (oneDNN's bf16/fp16 kernel), 'cpublas' (forced where it does not run), "
-        "'float32'");
+        "The read-out GEMMs (forward) and routed GEMMs (backward) for inputs of this dtype now "
+        "(MITA_CPU_BF16_GEMM, the CPU): 'brgemm' (oneDNN's bf16/fp16 kernel), 'cpublas' "
+        "(forced where it does not run), 'float32'");
   m.def("_convert", [](torch::Tensor t, at::ScalarType to) { return convert({t}, to)[0]; },
         "Tests: the kernel's float32 <-> bf16/fp16 conversion (as Tensor.to)");
 }
