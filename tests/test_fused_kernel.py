@@ -637,25 +637,23 @@ def test_lowp_gemms_in_the_backward(case, dtype, monkeypatch):
     dout = torch.randn(B, H, N, d, generator=torch.Generator().manual_seed(8)).to(dtype)
     kw = dict(pool_size=pool, topk=topk, router_topk=r, num_prefix_tokens=p)
 
+    def leaves(cast):
+        """q, k, v (cast) and the bias table as autograd leaves, and the bias of the table."""
+        x = [cast(t).requires_grad_() for t in (q, k, v)]
+        if bias is None:
+            return x, None
+        x.append(bias.table.clone().requires_grad_())
+        return x, RelPosBias(x[3], bias.window)
+
     def grads(setting):
         monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        extra = {}
-        if bias is not None:
-            table = bias.table.clone().requires_grad_()
-            extra = dict(rel_pos_bias=RelPosBias(table, bias.window))
-            x.append(table)
-        out = mita_attention(*x[:3], (h, w), **kw, backend='fused_cpu', **extra)
+        x, b = leaves(torch.clone)
+        out = mita_attention(*x[:3], (h, w), **kw, backend='fused_cpu', rel_pos_bias=b)
         return torch.autograd.grad(out, x, dout)
 
     low, f32 = grads('1'), grads('0')
-    x = [t.float().requires_grad_() for t in (q, k, v)]
-    extra = {}
-    if bias is not None:
-        table = bias.table.clone().requires_grad_()
-        extra = dict(bias=RelPosBias(table, bias.window))
-        x.append(table)
-    ref = mita_attention_reference(*x[:3], (h, w), pool, topk, r, p, **extra)
+    x, b = leaves(lambda t: t.float())
+    ref = mita_attention_reference(*x[:3], (h, w), pool, topk, r, p, bias=b)
     ref = torch.autograd.grad(ref, x, dout.float())
     tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
     for name, a, b, c in zip(['dq', 'dk', 'dv', 'dtable'], low, f32, ref):
