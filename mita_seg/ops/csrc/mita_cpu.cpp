@@ -1810,8 +1810,10 @@ std::vector<torch::Tensor> mita_backward(
     }
   }
   out = float_tensor(name, "out", out, {BH, N, d}, q);
+  // phase B's In operand: dout as it came in (already In from autograd; no round trip)
+  const torch::Tensor dout_in =
+      lp != kLowpOff ? dout.to(in_dtype).contiguous() : torch::Tensor();
   dout = float_tensor(name, "dout", dout, {BH, N, d}, q);
-  const torch::Tensor dout_in = lp != kLowpOff ? convert({dout}, in_dtype)[0] : dout;
   lse = float_tensor(name, "lse", lse, {BH, N}, q);
   if (shared) {
     R = float_tensor(name, "landmarks", R, {BH, M, d}, q);
