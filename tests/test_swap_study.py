@@ -73,6 +73,8 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and "'half': give P:K" in out
     code, out = tools('tools/swap_study.py', '--merge-ratios', '0.9', check=False)
     assert code == 2 and '0.9' in out and '0.5' in out
+    code, out = tools('tools/swap_study.py', '--native-models', 'segmentr', check=False)
+    assert code == 2 and "--native-models ['segmentr']: not a model of this study" in out
 
 
 STUDY_ARGS = ['--train-iters', 2, '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,

@@ -187,6 +187,10 @@ def parse_args(argv=None):
             parser.error(f'--model-train-iters {item!r}: give NAME=ITERS, e.g. beit=400')
         per_model[name] = int(iters)
     args.model_train_iters = per_model or None
+    unknown = sorted(set(args.native_models) - {n for n, _ in args.models})
+    if args.native and unknown:
+        parser.error(f'--native-models {unknown}: not a model of this study '
+                     f"({', '.join(n for n, _ in args.models)}); name one of them")
     return args
 
 
