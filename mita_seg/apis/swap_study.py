@@ -194,7 +194,7 @@ class StudySettings:
         if self.calibration_images < 1 or any(n < 1 for n in self.calibration_counts):
             raise ValueError('calibration_images and calibration_counts must be >= 1, got '
                              f'{self.calibration_images} and {self.calibration_counts}')
-        candidates = self.calibration_candidates or DEFAULT_CANDIDATES
+        candidates = self.candidates()
         settings = [parse_candidate(c) for c in candidates]   # a bad candidate: ValueError
         for budget in self.plan_budgets:
             if budget == 'tome':
@@ -205,6 +205,10 @@ class StudySettings:
                 raise ValueError(f'plan budget {budget!r}: give P:K of a calibration '
                                  f"candidate ({' '.join(candidates)}) or 'tome'")
         return self
+
+    def candidates(self) -> Tuple[str, ...]:
+        """The calibration's per-layer candidates (the calibration's defaults if None)."""
+        return tuple(self.calibration_candidates or DEFAULT_CANDIDATES)
 
     def for_model(self, name: str) -> 'StudySettings':
         """The settings of model ``name``: ``train_iters`` from ``model_train_iters`` if it
@@ -490,7 +494,7 @@ def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
         ``budget``, ``images``, ``file``, ``summary``, ``layers`` (each layer's setting),
         ``predicted_error``, ``calibration_seconds``.
     """
-    candidates = s.calibration_candidates or DEFAULT_CANDIDATES
+    candidates = s.candidates()
     tome = [r for r in rows if r['kind'] == 'tome']
     out = []
     counts = [s.calibration_images] + [n for n in s.calibration_counts
