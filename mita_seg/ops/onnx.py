@@ -5,7 +5,7 @@ The exported file needs no custom operator library: every node is a standard ONN
 (opset 18: MatMul, TopK, ArgMax, GatherND, ScatterElements, CumSum, Softmax, ...), so ONNX
 Runtime, OpenVINO and TensorRT read it as it is. It computes what
 :func:`mita_seg.ops.mita_attention_reference` computes: the same landmarks (adaptive average
-pooling as a constant ``[M, h*w]`` averaging matrix), scores, top-k experts and router
+pooling as constant averaging matrices, rows then columns), scores, top-k experts and router
 choices (ONNX ``TopK`` / ``ArgMax`` on the same float32 logits: the same keys and experts,
 barring exact ties), the shared expert, route-only, router top-r, cls / suffix tokens, and
 BEiT's relative position bias.
@@ -25,8 +25,8 @@ routing is uneven, so 3x the slots at N = 1025), keys and values gathered side b
 per-expert ``[M, k, d]`` copy gathered again per tile.
 
 With a relative position bias the graph forms BEiT's dense bias ``[H, N, N]`` once per layer
-(as BEiT's own attention does) and pools it with the same averaging matrix, instead of the
-integral image of :func:`mita_seg.ops.bias.landmark_bias` (same values up to float32
+(as BEiT's own attention does) and pools it with the ``[M, h*w]`` averaging matrix, instead
+of the integral image of :func:`mita_seg.ops.bias.landmark_bias` (same values up to float32
 rounding).
 
 ``onnxscript`` is imported only when a table is built (:func:`mita_translation_table`), so
@@ -165,10 +165,17 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         q3, k3, v3 = (op.Reshape(t, shape3) for t in (q, k, v))
 
         # Landmarks, scores, router logits: mita_seg.ops.routing.mita_routing.
-        # The averaging matrix spans all N tokens (zero on prefix and suffix columns).
-        P_all = np.zeros((M, N), np.float32)
-        P_all[:, p:p + h * w] = pool_matrix((h, w), (ph, pw))
-        R = op.MatMul(const(P_all, np.float32), q3)                          # [BH, M, d]
+        # Adaptive average pooling is separable: rows, then columns (two thin MatMuls with
+        # constant averaging matrices, h/ph and w/pw times cheaper than one [M, h*w] matrix).
+        grid = q3 if (p, h * w) == (0, N) else op.Slice(q3, const([p]), const([p + h * w]),
+                                                         const([1]))
+        rows = op.MatMul(const(pool_matrix((h, 1), (ph, 1)), np.float32),
+                         op.Reshape(grid, const([BH, h, w * d])))            # [BH, ph, w d]
+        R = op.Reshape(op.MatMul(const(pool_matrix((w, 1), (pw, 1)), np.float32),
+                                 op.Reshape(rows, const([BH * ph, w, d]))),
+                       const([BH, M, d]))                                   # [BH, M, d]
+        # The scales are scalar Muls on a MatMul's input or output, which ONNX Runtime
+        # folds into the MatMul (MatMulScaleFusion).
         S = op.MatMul(op.Mul(R, const(scale, np.float32)),
                       op.Transpose(k3, perm=[0, 2, 1]))                     # [BH, M, N]
         G = op.MatMul(q3, op.Transpose(op.Mul(R, const(shared_scale, np.float32)),
@@ -210,9 +217,9 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                                const([BH, N * r * topk]))
             Kq = op.Reshape(gather_rows(k3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
             Vq = op.Reshape(gather_rows(v3, qkeys, BH, N, [d]), const([BH, N, r * topk, d]))
-            logits = op.MatMul(op.Unsqueeze(q3, const([2])),
-                               op.Transpose(Kq, perm=[0, 1, 3, 2]))          # [BH,N,1,rk]
-            logits = op.Mul(logits, const(scale, np.float32))
+            logits = op.Mul(op.MatMul(op.Unsqueeze(q3, const([2])),
+                                      op.Transpose(Kq, perm=[0, 1, 3, 2])),
+                            const(scale, np.float32))                        # [BH,N,1,rk]
             if dense_flat is not None:
                 qi = op.Unsqueeze(op.Range(const(0), const(N), const(1)), const([0, 2, 3]))
                 logits = op.Add(logits, routed_bias(
@@ -271,11 +278,11 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         tile_keys = op.Reshape(gather_rows(keys, tile_expert, BH, M, [topk]),
                                const([BH, -1]))                              # [BH, NTu k]
         shape_kv = const([BH, -1, topk, d])
-        Kt = op.Reshape(gather_rows(op.Mul(k3, const(scale, np.float32)), tile_keys, BH, N,
-                                    [d]), shape_kv)                          # [BH,NTu,k,d]
+        Kt = op.Reshape(gather_rows(k3, tile_keys, BH, N, [d]), shape_kv)  # [BH,NTu,k,d]
         Vt = op.Reshape(gather_rows(v3, tile_keys, BH, N, [d]), shape_kv)
         Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, -1, T, d]))
-        logits = op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2]))          # [BH,NTu,T,k]
+        logits = op.Mul(op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2])),
+                        const(scale, np.float32))                            # [BH,NTu,T,k]
         if dense_flat is not None:
             logits = op.Add(logits, routed_bias(
                 op.Reshape(slot_query, const([BH, -1, T, 1])),
