@@ -3,6 +3,8 @@ one row per configuration, with positive times and ratios (the figures themselve
 benchmark's to report, never asserted here)."""
 import re
 
+import pytest
+
 
 def _rows(out, first):
     """The table rows of ``out`` that start with the value ``first``, split on ``|``."""
@@ -39,3 +41,18 @@ def test_thread_level(tools):
         assert all(float(t) > 0 for t in times)
         assert len([_ratio(c) for c in ratios]) == 2
     assert [r[2][1] for r in rows[::2]] == ['1.00x', '1.00x']  # against itself on 1 thread
+
+
+@pytest.mark.slow
+def test_onnx_level(tools):
+    # softmax attention, one MiTA setting and the bound, each exported and timed in ORT
+    _, out = tools('tools/benchmark.py', '--level', 'onnx', '--models', 'segmenter-vit-t',
+                   '--onnx-sizes', 64, '--onnx-settings', '2:8', '--min-run-time', 0.01)
+    rows = _rows(out, 'segmenter-vit-t')
+    assert [' '.join(r[0][3:]) for r in rows] == ['softmax', 'MiTA 2:8',
+                                                   'no mixing (bound)'], out
+    for _, (speed, ratio), (diff, ) in rows:  # model, image, N, attention | img/s, x | diff
+        assert float(speed) > 0
+        _ratio(ratio)
+    assert rows[0][1][1] == '1.00x' and rows[0][2] == ['0'], out
+    assert float(rows[1][2][0]) > 0, out  # MiTA is not softmax attention

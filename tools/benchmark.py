@@ -537,9 +537,24 @@ def model_level(args):
                       f"would be {times['base'] / (mita - kernel):.2f}x", flush=True)
 
 
+def no_mixing_table():
+    """A translation of MiTA's node to ``out = v``: the model with its attention mixing
+    removed and its projections kept, the bound any attention in the same graph stays
+    under (measurement only: not attention)."""
+    from onnxscript import opset18 as op
+
+    import mita_seg.ops  # noqa: F401  (registers torch.ops.mita_seg.mita_attention)
+
+    def no_mixing(q, k, v, *args, **kwargs):
+        return op.Identity(v)
+
+    return {torch.ops.mita_seg.mita_attention.default: no_mixing}
+
+
 def onnx_level(args):
-    """``--level onnx``: unswapped and MiTA exports of one random-weight checkpoint, timed
-    in turn in ONNX Runtime (median of ``--min-run-time`` seconds each, three rounds)."""
+    """``--level onnx``: one random-weight checkpoint exported unswapped, swapped to each
+    ``--onnx-settings`` and with its attention mixing removed (the bound), all timed in
+    turn in ONNX Runtime (median of ``--min-run-time`` seconds each, three rounds)."""
     import tempfile
     import time as _time
 
@@ -550,16 +565,20 @@ def onnx_level(args):
 
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
+    from mita_seg.apis.calibrate import candidate_name
     from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
     from mita_seg.apis.swap_study import machine
 
     init_default_scope('mmseg')
     threads = args.threads or None
+    settings = args.onnx_settings or [dict(pool_size=args.pool_size, topk=args.topk,
+                                           with_shared_expert=True)]
     print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
           f'threads, on {machine()["cpu"]} ({os.cpu_count()} logical CPUs); random weights, batch '
-          f'1, whole image; MiTA pool_size={args.pool_size} topk={args.topk}')
-    header = (f"{'model':>16} {'image':>10} {'N':>6} | {'base img/s':>10} "
-              f"{'MiTA img/s':>10} {'speed-up':>8} | {'max |diff|':>10}")
+          f'1, whole image; speed-up against softmax attention; "no mixing (bound)": MiTA\'s '
+          'node exported as out = v (attention removed, projections kept)')
+    header = (f"{'model':>16} {'image':>10} {'N':>6} {'attention':>18} | {'img/s':>7} "
+              f"{'speed-up':>8} | {'max |diff|':>10}")
     print(header)
     print('-' * len(header))
     tmp = tempfile.mkdtemp(prefix='mita-onnx-bench-')
@@ -571,35 +590,57 @@ def onnx_level(args):
         for size in args.onnx_sizes:
             torch.manual_seed(0)
             model = SEG_MODELS.build(cfg.model).eval()
-            swapped = copy.deepcopy(model)
-            swap_attention(swapped, pool_size=args.pool_size, topk=args.topk, verbose=False)
+            variants = [('softmax', model, None)]
+            for setting in settings:
+                swapped = copy.deepcopy(model)
+                swap_attention(swapped, verbose=False, **setting)
+                variants.append((f'MiTA {candidate_name(setting)}', swapped, None))
+            variants.append(('no mixing (bound)', swapped, no_mixing_table()))
             img = torch.randn(1, 3, size, size)
-            sessions, outs = [], []
-            for tag, m in (('base', model), ('mita', swapped)):
-                path = os.path.join(tmp, f'{name}-{size}-{tag}.onnx')
-                write_onnx(SegLogits(m, (size, size)).eval(), (size, size), path)
+            runs, outs = [], []
+            for i, (label, m, table) in enumerate(variants):
+                path = os.path.join(tmp, f'{name}-{size}-{i}.onnx')
+                write_onnx(SegLogits(m, (size, size)).eval(), (size, size), path,
+                           table=table)
                 sess = onnx_session(path, threads)
                 feed = {sess.get_inputs()[0].name: img.numpy()}
                 outs.append(sess.run(None, feed)[0])
-                sessions.append(lambda sess=sess, feed=feed: sess.run(None, feed))
+                runs.append(lambda sess=sess, feed=feed: sess.run(None, feed))
                 os.remove(path)
-            del model, swapped
+            labels = [v[0] for v in variants]
+            del model, swapped, variants
             gc.collect()
-            times = [[], []]
-            for _ in range(3):  # interleaved rounds: both see the same load of the host
-                for i, run in enumerate(sessions):
+            times = [[] for _ in runs]
+            for _ in range(3):  # interleaved rounds: all see the same load of the host
+                for i, run in enumerate(runs):
                     t0, n = _time.perf_counter(), 0
                     while n < 2 or _time.perf_counter() - t0 < args.min_run_time:
                         t1 = _time.perf_counter()
                         run()
                         times[i].append(_time.perf_counter() - t1)
                         n += 1
-            base, mita = (statistics.median(t) for t in times)
+            medians = [statistics.median(t) for t in times]
             h = size // 16
-            print(f"{name:>16} {f'{size}x{size}':>10} {1 + h * h:>6} | {1 / base:10.3f} "
-                  f"{1 / mita:10.3f} {base / mita:7.2f}x | "
-                  f"{float(abs(outs[0] - outs[1]).max()):10.3g}", flush=True)
+            for label, t, out in zip(labels, medians, outs):
+                diff = float(abs(outs[0] - out).max())
+                print(f"{name:>16} {f'{size}x{size}':>10} {1 + h * h:>6} {label:>18} | "
+                      f"{1 / t:7.3f} {medians[0] / t:7.2f}x | {diff:10.3g}", flush=True)
+            del runs
+            gc.collect()
     os.rmdir(tmp)
+
+
+def onnx_setting(text):
+    """An argparse ``type``: a MiTA setting ``P:K`` or ``P:K:route``."""
+    from mita_seg.apis.calibrate import parse_candidate
+    try:
+        setting = parse_candidate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if setting is None:
+        raise argparse.ArgumentTypeError(f'{text!r}: softmax attention is always measured; '
+                                         'give MiTA settings P:K or P:K:route, e.g. 7:49')
+    return setting
 
 
 def token_count(text):
@@ -644,6 +685,10 @@ def parse_args():
                                                    'upernet-vit-b'], choices=list(MODELS))
     p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
+    p.add_argument('--onnx-settings', type=onnx_setting, nargs='+', default=None,
+                   metavar='P:K[:route]',
+                   help='--level onnx: MiTA settings, each a row (default: --pool-size and '
+                   '--topk), e.g. 7:49 4:16 5:16:route')
     p.add_argument('--threads', type=int_range(1), default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--bias', action='store_true',
@@ -658,7 +703,14 @@ def parse_args():
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path where its N x N weights exceed this')
     args = p.parse_args()
-    if args.level != 'model':       # default tokens: 1025 (32x32) and more
+    if args.level == 'onnx':        # every model of MODELS has 16x16 patches
+        side = min(args.onnx_sizes) // 16
+        pools = [s['pool_size'] for s in args.onnx_settings or [dict(pool_size=args.pool_size)]]
+        if max(pools) > side:
+            p.error(f'pool size {max(pools)} is larger than the {side}x{side} patch grid of '
+                    f'--onnx-sizes {min(args.onnx_sizes)}: give settings with P <= {side} or '
+                    f'sizes of at least {16 * max(pools)}')
+    elif args.level != 'model':     # default tokens: 1025 (32x32) and more
         small = [n for n in args.tokens or [1025] if grid_side(n) < args.pool_size]
         if small:
             p.error(f'--pool-size {args.pool_size} is larger than the grid of --tokens '

@@ -157,9 +157,13 @@ def check_onnx(path: str, module: nn.Module, shape: Tuple[int, int], seed: int =
 
 
 def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int = MIN_OPSET,
-               formulation: str = 'tiles') -> None:
+               table: Optional[dict] = None) -> None:
     """``torch.onnx.export(..., dynamo=True)`` of ``module`` (``img`` ``[1, 3, H, W]`` ->
-    ``seg_logits``) to ``path``, MiTA through :func:`mita_seg.ops.onnx.mita_translation_table`.
+    ``seg_logits``) to ``path``.
+
+    Args:
+        table (dict, optional): the exporter's ``custom_translation_table``; None: MiTA's,
+            :func:`mita_seg.ops.onnx.mita_translation_table`. Default: None.
 
     Raises:
         OnnxExportError: the exporter failed (its first line of the cause).
@@ -172,7 +176,7 @@ def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int 
             program = torch.onnx.export(
                 module, (img, ), dynamo=True, opset_version=opset, verbose=False,
                 input_names=['img'], output_names=['seg_logits'],
-                custom_translation_table=mita_translation_table(formulation))
+                custom_translation_table=table or mita_translation_table())
     except OnnxExportError:
         raise
     except Exception as e:  # the exporter wraps every failure in its own errors
@@ -244,7 +248,7 @@ def export_onnx(config: str, checkpoint: str, out: str,
     fd, tmp = tempfile.mkstemp(suffix='.onnx.part', dir=out_dir)
     os.close(fd)
     try:
-        write_onnx(module, (h, w), tmp, opset, formulation)
+        write_onnx(module, (h, w), tmp, opset, mita_translation_table(formulation))
         seconds = time.perf_counter() - t0
         max_diff, max_ref, agree, classes = check_onnx(tmp, module, (h, w), seed)
         report = OnnxReport(out, (h, w), classes, _mita_layers(model), max_diff, max_ref,
