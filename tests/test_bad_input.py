@@ -433,6 +433,10 @@ def careless_cases(f):
         'benchmark/min-run-time-0': ('benchmark', ['--min-run-time', 0], 2, "'0': must be > 0"),
         'benchmark/profile-bias': ('benchmark', ['--profile', '--bias'], 2,
                                    '--profile measures the fused CPU kernel without a bias'),
+        'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--onnx-settings',
+                                                        'dense'], 2, "'dense': give a MiTA setting"),
+        'benchmark/onnx-pool-above-grid': ('benchmark', ['--level', 'onnx', '--onnx-sizes', 100],
+                                           2, 'pool size 7 is larger than the 6x6 patch grid'),
         # --- tools/calibrate_swap.py
         'calibrate/config-dir': ('calibrate_swap', ['configs', ck, '--reduction', 0.4, '--out',
                                                     'p.json'], 2, "config 'configs' is a directory"),
