@@ -610,6 +610,9 @@ def onnx_level(args):
                 outs.append(sess.run(None, feed)[0])
                 runs.append(lambda sess=sess, feed=feed: sess.run(None, feed))
                 os.remove(path)
+                print(f'# {name} {size}x{size}: {label} exported and run ({i + 1}/'
+                      f'{len(variants)}); timing {len(variants)} files x 3 rounds next',
+                      file=sys.stderr, flush=True)
             labels = [v[0] for v in variants]
             del model, swapped, variants
             gc.collect()
