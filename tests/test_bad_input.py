@@ -434,7 +434,8 @@ def careless_cases(f):
         'benchmark/profile-bias': ('benchmark', ['--profile', '--bias'], 2,
                                    '--profile measures the fused CPU kernel without a bias'),
         'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--onnx-settings',
-                                                        'dense'], 2, "'dense': give a MiTA setting"),
+                                                        'dense'], 2,
+                                         "'dense': give a MiTA setting"),
         'benchmark/onnx-pool-above-grid': ('benchmark', ['--level', 'onnx', '--onnx-sizes', 100],
                                            2, 'pool size 7 is larger than the 6x6 patch grid'),
         # --- tools/calibrate_swap.py

@@ -969,7 +969,8 @@ def markdown(study: dict) -> str:
 
 def plot_study(models: Sequence[dict], out_png: str) -> str:
     """mIoU against model GFLOPs (top; below it the same zoomed on the 6 points under the
-    unswapped model) and against measured images/s (bottom), one column per model: the unswapped model (star), the sweep (one colour per M, k annotated; joined
+    unswapped model) and against measured images/s (bottom), one column per model: the
+    unswapped model (star), the sweep (one colour per M, k annotated; joined
     in increasing k on the GFLOPs panel), ToMe (squares, r annotated), MiTA + ToMe (X), the
     calibrated plans (plus signs; those of the main image count joined), the fine-tuned
     swaps (diamonds; on the GFLOPs panel an arrow from the same setting without retraining)

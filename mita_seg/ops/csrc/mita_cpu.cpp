@@ -406,20 +406,20 @@ inline void prefetch_row(const T* x, int64_t d) {
 }
 
 // ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX): oneDNN's brgemm
-// micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash attention calls
-// them (B in the VNNI layout, pairs of rows interleaved, in column blocks of at most 64: made
-// by cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k rounded up to even
-// with zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V
-// (phase 2) and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the
-// inputs' dtype as FlashAttention does; in the backward, phase B's five routed GEMMs (q K_e^T,
-// dout V_e^T, dS^T q, P^T dout, dS K_e, with P and dS rounded). The GEMMs that decide the routing (S = R K^T, Ls = q
-// R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
+// micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash attention calls them
+// (B in the VNNI layout, pairs of rows interleaved, in column blocks of at most 64: made by
+// cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k rounded up to even with
+// zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V (phase 2)
+// and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the inputs' dtype
+// as FlashAttention does; in the backward, phase B's five routed GEMMs (q K_e^T, dout V_e^T, dS^T
+// q, P^T dout, dS K_e, with P and dS rounded). The GEMMs that decide the routing (S = R K^T, Ls =
+// q R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
 // softmax, log-sum-exp, top-k and the merge. MITA_CPU_BF16_GEMM=1 forces the path on (where
-// oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs
-// it: slow, for testing the path on any CPU), =0 off; unset: on where the CPU has AMX for the
-// dtype (cpublas::could_pack). With AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel
-// runs too, but no faster than MKL's float32 GEMMs at these small shapes (its per-call cost
-// and the packing eat the gain; see docs/benchmark.md): the float32 path stays there. ----
+// oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs it:
+// slow, for testing the path on any CPU), =0 off; unset: on where the CPU has AMX for the dtype
+// (cpublas::could_pack). With AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel runs too,
+// but no faster than MKL's float32 GEMMs at these small shapes (its per-call cost and the packing
+// eat the gain; see docs/benchmark.md): the float32 path stays there. ----
 enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpNative = 2 };
 
 template <typename In>
