@@ -435,7 +435,7 @@ def careless_cases(f):
                                    '--profile measures the fused CPU kernel without a bias'),
         'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--onnx-settings',
                                                         'dense'], 2,
-                                         "'dense': give a MiTA setting"),
+                                         "MiTA setting 'dense': write P:K"),
         'benchmark/onnx-pool-above-grid': ('benchmark', ['--level', 'onnx', '--onnx-sizes', 100],
                                            2, 'pool size 7 is larger than the 6x6 patch grid'),
         # --- tools/calibrate_swap.py
@@ -476,8 +476,11 @@ def careless_cases(f):
                                                            '--mita-cfg', 'topk'], 2, 'topk'),
         # --- tools/swap_study.py, tools/train_demo.py
         'swap_study/iters-0': ('swap_study', ['--train-iters', 0], 2, "'0': must be >= 1"),
-        'swap_study/finetune-0': ('swap_study', ['--finetune', '0,49'], 2,
-                                  "'0,49': give POOL,TOPK"),
+        'swap_study/finetune-0': ('swap_study', ['--finetune', '0:49'], 2,
+                                  "MiTA setting '0:49': write P:K"),
+        # the old spelling of a setting is refused, showing the new one
+        'swap_study/finetune-old-spelling': ('swap_study', ['--finetune', '7,49'], 2,
+                                             "'7,49' is the old spelling: write 7:49"),
         'swap_study/work-dir-file': ('swap_study', ['--work-dir', afile], 2, 'is a file'),
         'train_demo/iters-0': ('train_demo', ['--iters', 0], 2, "'0': must be >= 1"),
         'train_demo/data-root-file': ('train_demo', ['--data-root', afile], 2, 'is a file'),

@@ -16,7 +16,7 @@ from mmengine.config import Config
 
 from mita_seg.analysis.segmentor_cost import SegmentorFlops
 from mita_seg.apis import CalibrationError, SwapCalibrator
-from mita_seg.apis.calibrate import choose, parse_candidate
+from mita_seg.apis.calibrate import choose
 from mita_seg.models import SwapPlan
 
 # a few candidates keep it short: dense, two with the shared expert, one route-only, and
@@ -47,15 +47,6 @@ def test_knapsack_is_optimal(seed):
     coarse = choose(costs, flops, capacity, bins=7)
     assert sum(flops[i, c] - flops[i].min() for i, c in enumerate(coarse)) <= capacity
     assert sum(costs[i, c] for i, c in enumerate(coarse)) >= best - 1e-12
-
-
-def test_parse_candidate():
-    assert parse_candidate('dense') is None
-    assert parse_candidate('7:49') == dict(pool_size=7, topk=49, with_shared_expert=True)
-    assert parse_candidate('5:16:route') == dict(pool_size=5, topk=16, with_shared_expert=False)
-    for bad in ('7', '7:0', '7:49:shared', 'x:49', '7:49:route:1'):
-        with pytest.raises(ValueError, match='write dense, P:K'):
-            parse_candidate(bad)
 
 
 @pytest.fixture(scope='module')
@@ -190,7 +181,7 @@ def test_calibrate_swap_tool(segmenter_ckpt, tools, tmp_path):
     assert 'Traceback' not in log and not osp.exists(tmp_path / 'x.json')
     code, log = tools('tools/calibrate_swap.py', config, ckpt, '--reduction', 0.2,
                       '--candidates', '7:0', '--out', tmp_path / 'x.json', check=False)
-    assert code == 2 and "candidate '7:0': write dense, P:K" in log
+    assert code == 2 and "MiTA setting '7:0': write P:K" in log and 'or dense' in log
     other = SwapPlan.from_dict(dict(plan.to_dict(), layers=plan.to_dict()['layers'][:4]))
     other.save(str(tmp_path / 'other.json'))
     code, log = tools('tools/test.py', config, ckpt, '--mita-plan', tmp_path / 'other.json',

@@ -36,20 +36,22 @@ def test_settings_errors(tmp_path, tiny_data):
     assert s.for_model('a').key() == StudySettings(data_root=tiny_data, native=(),
                                                    native_models=None).key()
     # the MiTA-trained runs go to the models native_models names (all if None)
-    assert s.for_model('segmenter').native == ((4, 16), (7, 49))
+    assert [n.text for n in s.for_model('segmenter').native] == ['4:16', '7:49']
     assert StudySettings(data_root=tiny_data, native_models=None).for_model('a').native
     # ToMe merges at most half the tokens; a plan budget is a candidate's FLOPs or ToMe's
     with pytest.raises(ValueError, match=r'merge ratios must be in \[0, 0.5\]'):
         StudySettings(data_root=tiny_data, merge_ratios=(0.6, )).check()
-    with pytest.raises(ValueError, match="plan budget '3:3': give P:K of a calibration"):
+    with pytest.raises(ValueError, match="plan budget '3:3': give a calibration candidate"):
         StudySettings(data_root=tiny_data, plan_budgets=('3:3', )).check()
     with pytest.raises(ValueError, match="budget 'tome' needs merge_ratios"):
         StudySettings(data_root=tiny_data, merge_ratios=(), merged_swaps=()).check()
     with pytest.raises(ValueError, match='calibration_images and calibration_counts'):
         StudySettings(data_root=tiny_data, calibration_counts=(0, )).check()
-    # pool sizes and k are >= 1, in the sweep and in the fine-tune settings
+    # pool sizes and k are >= 1; the fine-tune's settings are MiTASettings, not (P, k)
     with pytest.raises(ValueError, match='must be >= 1'):
-        StudySettings(data_root=tiny_data, finetune=((0, 49), )).check()
+        StudySettings(data_root=tiny_data, pool_sizes=(0, 4)).check()
+    with pytest.raises(ValueError, match=r'finetune: \(7, 49\) is not a MiTASetting'):
+        StudySettings(data_root=tiny_data, finetune=((7, 49), )).check()
     with pytest.raises(ValueError, match='finetune_lr_mult'):
         StudySettings(data_root=tiny_data, finetune_lr_mult=0).check()
     # a model name names files; each name once
@@ -62,15 +64,20 @@ def test_settings_errors(tmp_path, tiny_data):
 
 
 def test_cli_bad_arguments(tools):
-    # a --finetune setting is POOL,TOPK; a config that does not exist is named
+    # a setting is spelled P:K (the old P,K is refused, showing the new spelling); a config
+    # that does not exist is named
     code, out = tools('tools/swap_study.py', '--finetune', '7', check=False)
-    assert code == 2 and "'7': give POOL,TOPK" in out
+    assert code == 2 and "MiTA setting '7': write P:K" in out
+    code, out = tools('tools/swap_study.py', '--native', '4,16', check=False)
+    assert code == 2 and "'4,16' is the old spelling: write 4:16" in out
     code, out = tools('tools/swap_study.py', '--model', 'x=nowhere.py', check=False)
     assert code == 2 and "config(s) not found: ['nowhere.py']" in out
-    code, out = tools('tools/swap_study.py', '--merged-swaps', '7,49,0.7', check=False)
-    assert code == 2 and "'7,49,0.7': give POOL,TOPK,RATIO" in out
+    code, out = tools('tools/swap_study.py', '--merged-swaps', '7:49+tome0.7', check=False)
+    assert code == 2 and "'7:49+tome0.7': give SETTING+tomeRATIO" in out
+    code, out = tools('tools/swap_study.py', '--merged-swaps', '7,49,0.5', check=False)
+    assert code == 2 and "'7,49,0.5' is the old spelling: write 7:49+tome0.5" in out
     code, out = tools('tools/swap_study.py', '--plan-budgets', 'half', check=False)
-    assert code == 2 and "'half': give P:K" in out
+    assert code == 2 and "MiTA setting 'half': write P:K" in out and "or 'tome'" in out
     code, out = tools('tools/swap_study.py', '--merge-ratios', '0.9', check=False)
     assert code == 2 and '0.9' in out and '0.5' in out
     code, out = tools('tools/swap_study.py', '--native-models', 'segmentr', check=False)
@@ -78,11 +85,11 @@ def test_cli_bad_arguments(tools):
 
 
 STUDY_ARGS = ['--train-iters', 2, '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,
-              '--finetune', '4,8', '--selection', '4,8', '--selection-images', 1,
+              '--finetune', '4:8', '--selection', '4:8', '--selection-images', 1,
               '--speed-time', 0.02, '--threads', 1, '--merge-ratios', 0.4,
-              '--merged-swaps', '4,8,0.4', '--plan-budgets', '4:8', 'tome',
+              '--merged-swaps', '4:8+tome0.4', '--plan-budgets', '4:8', 'tome',
               '--calibration-images', 2, '--calibration-counts', 1, '--candidates', 'dense',
-              '2:8', '4:8', '4:8:route', '--native', '2,8', '--native-models', 'tiny']
+              '2:8', '4:8', '4:8:route', '--native', '2:8', '--native-models', 'tiny']
 
 
 def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
@@ -183,7 +190,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
 
     # figures: the plot, the MiTA-trained plot, two selection maps, real PNGs
     sel = res['selection']
-    assert sel['pool_size'] == 4 and len(sel['figures']) == 1
+    assert sel['setting'] == '4:8' and sel['label'] == 'M=4x4 k=8'
+    assert len(sel['figures']) == 1
     assert set(sel['layers']) == {f'backbone.layers.{i}.attn' for i in range(4)} | {
         'decode_head.layers.0.attn', 'decode_head.layers.1.attn'}
     assert len(study['figures']) == 4

@@ -568,14 +568,13 @@ def onnx_level(args):
 
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
-    from mita_seg.apis.calibrate import candidate_name
     from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
     from mita_seg.apis.swap_study import machine
 
     init_default_scope('mmseg')
     threads = args.threads or None
-    settings = args.onnx_settings or [dict(pool_size=args.pool_size, topk=args.topk,
-                                           with_shared_expert=True)]
+    from mita_seg.setting import MiTASetting
+    settings = args.onnx_settings or [MiTASetting(args.pool_size, args.topk)]
     print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
           f'threads, on {machine()["cpu"]} ({os.cpu_count()} logical CPUs); random weights, batch '
           f'1, whole image; speed-up against softmax attention; "no mixing (bound)": MiTA\'s '
@@ -596,8 +595,8 @@ def onnx_level(args):
             variants = [('softmax', model, None)]
             for setting in settings:
                 swapped = copy.deepcopy(model)
-                swap_attention(swapped, verbose=False, **setting)
-                variants.append((f'MiTA {candidate_name(setting)}', swapped, None))
+                swap_attention(swapped, verbose=False, **setting.cfg())
+                variants.append((f'MiTA {setting.text}', swapped, None))
             variants.append(('no mixing (bound)', swapped, no_mixing_table()))
             img = torch.randn(1, 3, size, size)
             runs, outs = [], []
@@ -636,21 +635,6 @@ def onnx_level(args):
     os.rmdir(tmp)
 
 
-def onnx_setting(text):
-    """An argparse ``type``: a MiTA setting ``P:K`` or ``P:K:route``."""
-    from mita_seg.apis.calibrate import parse_candidate
-    try:
-        setting = parse_candidate(text)
-    except ValueError:
-        setting = None
-    if setting is None:  # 'dense' too: softmax attention is always the first row
-        raise argparse.ArgumentTypeError(
-            f'{text!r}: give a MiTA setting P:K (pool P x P, top-k K, shared expert) or '
-            'P:K:route (route-only), e.g. 7:49 or 4:16:route; softmax attention is always '
-            'measured')
-    return setting
-
-
 def token_count(text):
     """An argparse ``type``: a token count ``N = 1 + s*s``, ``s >= 1``."""
     from mita_seg.apis.cli import int_range
@@ -665,6 +649,7 @@ def token_count(text):
 
 def parse_args():
     from mita_seg.apis.cli import float_range, int_range
+    from mita_seg.setting import setting_arg
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'all'], default='op',
                    help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')
@@ -693,7 +678,7 @@ def parse_args():
                                                    'upernet-vit-b'], choices=list(MODELS))
     p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
-    p.add_argument('--onnx-settings', type=onnx_setting, nargs='+', default=None,
+    p.add_argument('--onnx-settings', type=setting_arg, nargs='+', default=None,
                    metavar='P:K[:route]',
                    help='--level onnx: MiTA settings, each a row (default: --pool-size and '
                    '--topk), e.g. 7:49 4:16 5:16:route')
@@ -713,7 +698,8 @@ def parse_args():
     args = p.parse_args()
     if args.level == 'onnx':        # every model of MODELS has 16x16 patches
         side = min(args.onnx_sizes) // 16
-        pools = [s['pool_size'] for s in args.onnx_settings or [dict(pool_size=args.pool_size)]]
+        pools = ([max(s.pool) for s in args.onnx_settings] if args.onnx_settings
+                 else [args.pool_size])
         if max(pools) > side:
             p.error(f'pool size {max(pools)} is larger than the {side}x{side} patch grid of '
                     f'--onnx-sizes {min(args.onnx_sizes)}: give settings with P <= {side} or '

@@ -14,8 +14,8 @@ in the segmentation logits (mean per-pixel KL against the dense model, only that
 swapped), counts each candidate's FLOPs with the project's counter (one crop at the config's
 crop size, as ``tools/get_flops.py``), and chooses the plan of least total error within the
 budget (a multiple-choice knapsack over layers; :func:`mita_seg.apis.calibrate_swap`).
-Candidates: ``dense``, ``P:K`` (pool P x P, top-k K, shared expert), ``P:K:route``
-(route-only); by default dense and P 4/5/7 x K 16/49/100, both kinds. Writes the plan
+Candidates: ``dense``, ``P:K`` (pool P x P, top-k K, shared expert; ``PhxPw:K`` a Ph x Pw
+pool), ``P:K:route`` (route-only); by default dense and P 4/5/7 x K 16/49/100, both kinds. Writes the plan
 (``--mita-plan PLAN.json`` of ``tools/test.py``, ``get_flops.py``, ``export_swapped.py``,
 ``image_demo.py``, ``swap_sweep.py``) and prints it as a table.
 """
@@ -28,16 +28,8 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.apis import (KeyValueAction, calibrate_swap, checkpoint_file,  # noqa: E402
                            config_file, config_name, ensure_parent, float_range, int_range,
                            output_file, python_command, run_tool)
-from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, parse_candidate  # noqa: E402
-from mita_seg.models.plan import setting_label  # noqa: E402
-
-
-def candidate(text: str) -> str:
-    try:
-        parse_candidate(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+from mita_seg.apis.calibrate import DEFAULT_CANDIDATES  # noqa: E402
+from mita_seg.setting import label, setting_or_dense_arg  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -53,14 +45,14 @@ def parse_args(argv=None):
     budget.add_argument('--budget-gflops', type=float_range(0, low_open=True),
                         help='the plan\'s FLOPs at most this (GFLOPs of one crop at the '
                         'config\'s crop size, as tools/get_flops.py counts)')
-    budget.add_argument('--budget-uniform', type=candidate, metavar='P:K[:route]',
+    budget.add_argument('--budget-uniform', type=setting_or_dense_arg, metavar='P:K[:route]',
                         help='the FLOPs of every layer on this setting, e.g. 7:49 (one of '
                         'the candidates): the plan for the cost of that uniform swap')
     parser.add_argument('--out', required=True, type=output_file('--out', ('.json', )),
                         help='the plan file to write (JSON)')
     parser.add_argument('--images', type=int_range(1), default=16,
                         help='calibration images from the training split (default: 16)')
-    parser.add_argument('--candidates', nargs='+', type=candidate,
+    parser.add_argument('--candidates', nargs='+', type=setting_or_dense_arg,
                         default=list(DEFAULT_CANDIDATES), metavar='SETTING',
                         help='candidate settings of every layer: dense, P:K (shared expert) '
                         'or P:K:route (default: dense and P 4/5/7 x K 16/49/100, both kinds)')
@@ -80,7 +72,7 @@ def format_plan(plan) -> str:
     lines = [f'{"layer":<{width}}{"setting":<24}{"error (KL)":>12}{"GFLOPs":>10}']
     for name, setting in plan.layers.items():
         li = per_layer[name]
-        lines.append(f'{name:<{width}}{setting_label(setting):<24}{li["error"]:12.4g}'
+        lines.append(f'{name:<{width}}{label(setting):<24}{li["error"]:12.4g}'
                      f'{li["gflops"]:10.4g}')
     f, b, c = info['flops'], info['budget'], info['calibration']
     asked = f' (uniform {b["uniform"]})' if b.get('uniform') else ''

@@ -19,10 +19,14 @@ Usage::
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
         [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40]
         [--pool-sizes 4 5 7 8 10] [--topks 8 16 49 100] [--candidates dense 4:8 ...]
-        [--finetune 7,49 ...] [--selection 7,49] [--no-control] [--reuse] [--threads N]
-        [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7,49,0.5] [--plan-budgets 7:49 tome]
-        [--calibration-images 16] [--calibration-counts 4 8] [--native 4,16 7,49]
+        [--finetune 7:49 ...] [--selection 7:49] [--no-control] [--reuse] [--threads N]
+        [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7:49+tome0.5] [--plan-budgets 7:49 tome]
+        [--calibration-images 16] [--calibration-counts 4 8] [--native 4:16 7:49]
         [--native-models segmenter]
+
+A MiTA setting is spelled as everywhere (:mod:`mita_seg.setting`): ``7:49`` (pool 7 x 7, top-k
+49), ``4x6:16`` (a 4 x 6 pool), ``7:49:route`` (route-only); MiTA with ToMe as
+``7:49+tome0.5``.
 """
 import argparse
 import os.path as osp
@@ -36,6 +40,8 @@ from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: 
                                output_dir)
 from mita_seg.apis.swap_study import STUDY_CANDIDATES  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
+from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
+                              setting_or_dense_arg)
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
 MODELS = {
@@ -45,40 +51,38 @@ MODELS = {
 DATA_ROOT = 'data/ade/tiny_ade20k_256'
 
 
-def pool_topk(text):
-    """``'7,49'`` -> ``(7, 49)``."""
+def merged_swap(text):
+    """``'7:49+tome0.5'`` -> ``(MiTASetting 7:49, 0.5)``: MiTA with ToMe at ratio 0.5."""
+    setting, sep, ratio = text.partition('+tome')
     try:
-        pool, topk = (int(v) for v in text.split(','))
-        if pool < 1 or topk < 1:
+        value = MiTASetting.parse(setting), merge_ratio(ratio)
+        if not sep:
             raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'{text!r}: give POOL,TOPK, e.g. 7,49') from None
-    return pool, topk
-
-
-def pool_topk_ratio(text):
-    """``'7,49,0.5'`` -> ``(7, 49, 0.5)``."""
-    try:
-        pool, topk, ratio = text.split(',')
-        value = pool_topk(f'{pool},{topk}') + (merge_ratio(ratio), )
     except (ValueError, argparse.ArgumentTypeError):
+        old = text.split(',')
+        hint = (f' ({text!r} is the old spelling: write {old[0]}:{old[1]}+tome{old[2]})'
+                if len(old) == 3 else '')
         raise argparse.ArgumentTypeError(
-            f'{text!r}: give POOL,TOPK,RATIO, e.g. 7,49,0.5 (ratio in [0, 0.5])') from None
+            f'{text!r}: give SETTING+tomeRATIO, e.g. 7:49+tome0.5 (a MiTA setting, ToMe at a '
+            f'ratio in [0, 0.5]){hint}') from None
     return value
 
 
+def spelled(text):
+    """A candidate: ``dense`` or a MiTA setting, as its spelling."""
+    setting = setting_or_dense_arg(text)
+    return 'dense' if setting is None else setting.text
+
+
 def plan_budget(text):
-    """``'7:49'`` (the FLOPs of uniform MiTA M=7x7 k=49) or ``'tome'``."""
-    if text != 'tome':
-        try:
-            pool, topk = (int(v) for v in text.split(':'))
-            if pool < 1 or topk < 1:
-                raise ValueError
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: give P:K (the FLOPs of uniform MiTA at pool P, top-k K, e.g. 7:49) "
-                "or 'tome' (the FLOPs of the largest --merge-ratios)") from None
-    return text
+    """A MiTA setting (the FLOPs of every layer on it, e.g. ``7:49``) or ``'tome'``."""
+    if text == 'tome':
+        return text
+    try:
+        return MiTASetting.parse(text).text
+    except MiTASettingError as e:
+        raise argparse.ArgumentTypeError(
+            f"{e}; or 'tome' (the FLOPs of the largest --merge-ratios)") from None
 
 
 def parse_args(argv=None):
@@ -114,20 +118,21 @@ def parse_args(argv=None):
                         help='landmark grid sides P of the sweep (M = P*P)')
     parser.add_argument('--topks', type=int_range(1), nargs='+', default=[8, 16, 49, 100],
                         help='keys per routed expert of the sweep')
-    parser.add_argument('--finetune', type=pool_topk, nargs='*', default=[(7, 49)],
-                        metavar='P,K', help='settings to export and fine-tune (none: no '
-                        'fine-tune)')
-    parser.add_argument('--selection', type=pool_topk, default=(7, 49), metavar='P,K',
-                        help='setting of the token-selection maps')
+    parser.add_argument('--finetune', type=setting_arg, nargs='*',
+                        default=[MiTASetting.parse('7:49')], metavar='P:K',
+                        help='settings to export and fine-tune (none: no fine-tune)')
+    parser.add_argument('--selection', type=setting_arg, default=MiTASetting.parse('7:49'),
+                        metavar='P:K', help='setting of the token-selection maps')
     parser.add_argument('--selection-images', type=int_range(1), default=2)
     parser.add_argument('--merge-ratios', type=merge_ratio, nargs='*',
                         default=[0.2, 0.3, 0.4, 0.5], metavar='R',
                         help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
     parser.add_argument('--no-merge-head', action='store_true',
                         help="ToMe merges in the backbone only, not in Segmenter's mask head")
-    parser.add_argument('--merged-swaps', type=pool_topk_ratio, nargs='*',
-                        default=[(7, 49, 0.5)], metavar='P,K,R',
-                        help='MiTA (P, K) with ToMe at ratio R together')
+    parser.add_argument('--merged-swaps', type=merged_swap, nargs='*',
+                        default=[(MiTASetting.parse('7:49'), 0.5)], metavar='P:K+tomeR',
+                        help='MiTA at a setting with ToMe at ratio R together, e.g. '
+                        '7:49+tome0.5')
     parser.add_argument('--plan-budgets', type=plan_budget, nargs='*',
                         default=['7:49', '7:16', '4:16', 'tome'], metavar='P:K|tome',
                         help='FLOP budgets of the calibrated per-layer plans (none: no plans)')
@@ -135,13 +140,15 @@ def parse_args(argv=None):
                         help='training images each plan is calibrated on')
     parser.add_argument('--calibration-counts', type=int_range(1), nargs='*', default=[4, 8],
                         metavar='N', help='also calibrate the first budget on N images')
-    parser.add_argument('--candidates', nargs='+', metavar='C', default=list(STUDY_CANDIDATES),
+    parser.add_argument('--candidates', nargs='+', type=spelled, metavar='C',
+                        default=list(STUDY_CANDIDATES),
                         help='per-layer candidates of the calibration (dense, P:K, '
                         "P:K:route; default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: "
                         "a finer grid than tools/calibrate_swap.py's default, see "
                         'docs/swap_study.md)')
-    parser.add_argument('--native', type=pool_topk, nargs='*', default=[(4, 16), (7, 49)],
-                        metavar='P,K', help='also train the model from scratch with MiTA at '
+    parser.add_argument('--native', type=setting_arg, nargs='*',
+                        default=[MiTASetting.parse(t) for t in ('4:16', '7:49')],
+                        metavar='P:K', help='also train the model from scratch with MiTA at '
                         'each setting and evaluate it over the grid (none: no such runs)')
     parser.add_argument('--native-models', nargs='+', default=['segmenter'], metavar='NAME',
                         help='the models that get the --native runs')

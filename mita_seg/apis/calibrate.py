@@ -27,7 +27,7 @@ import math
 import os.path as osp
 import random
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from mmengine.config import Config
 
 from mita_seg.models import PlanError, SwapPlan, attention_layers
+from mita_seg.setting import DENSE, MiTASetting
 from .config import load_config
 from .model import init_model, swap_model
 
@@ -68,31 +69,18 @@ class CalibrationError(PlanError):
     what to give instead)."""
 
 
-def parse_candidate(text: str) -> Optional[Dict[str, Any]]:
-    """A candidate setting from its name: ``dense`` (None), ``P:K`` (pool ``P x P``, top-k
-    ``K``, shared expert) or ``P:K:route`` (route-only).
-
-    Raises:
-        ValueError: anything else (the message shows the forms).
-    """
-    if text == 'dense':
-        return None
-    parts = text.split(':')
-    ok = len(parts) in (2, 3) and all(p.isdigit() and int(p) >= 1 for p in parts[:2]) and (
-        len(parts) == 2 or parts[2] == 'route')
-    if not ok:
-        raise ValueError(f'candidate {text!r}: write dense, P:K (pool P x P, top-k K, shared '
-                         'expert) or P:K:route (route-only), e.g. 7:49 or 5:16:route')
-    return dict(pool_size=int(parts[0]), topk=int(parts[1]),
-                with_shared_expert=len(parts) == 2)
+def _candidate(c: Union[str, MiTASetting, None]) -> Optional[MiTASetting]:
+    """A candidate: a :class:`~mita_seg.setting.MiTASetting`, None for dense, or the
+    spelling of either (``7:49``, ``5:16:route``, ``dense``)."""
+    return c if c is None or isinstance(c, MiTASetting) else MiTASetting.parse_or_dense(c)
 
 
-def candidate_name(setting: Optional[Dict[str, Any]]) -> str:
-    """The name :func:`parse_candidate` reads back."""
-    if setting is None:
-        return 'dense'
-    route = '' if setting.get('with_shared_expert', True) else ':route'
-    return f'{setting["pool_size"]}:{setting["topk"]}{route}'
+def _text(setting: Optional[MiTASetting]) -> str:
+    return DENSE if setting is None else setting.text
+
+
+def _cfg(setting: Optional[MiTASetting]) -> Optional[Dict[str, Any]]:
+    return None if setting is None else setting.cfg()
 
 
 def train_images(cfg: Config, count: int, seed: int = 0):
@@ -199,7 +187,8 @@ class SwapCalibrator:
         config (str | Config): the model's config (file, ``mmseg::`` or a ``Config``).
         checkpoint (str): its standard-attention checkpoint.
         images (int): calibration images from the training split. Default: 16.
-        candidates (Sequence[str]): candidate settings (:func:`parse_candidate`); dense is
+        candidates (Sequence[str | MiTASetting]): candidate settings (``7:49``,
+            ``5:16:route``: :meth:`~mita_seg.setting.MiTASetting.parse_or_dense`); dense is
             always one. Default: :data:`DEFAULT_CANDIDATES`.
         seed (int): which training images. Default: 0.
         cfg_options (dict, optional): ``--cfg-options``. Default: None.
@@ -215,8 +204,8 @@ class SwapCalibrator:
                  progress: Optional[Callable[[str], None]] = None, replay: bool = True):
         if images < 1 or batch_size < 1:
             raise ValueError(f'images and batch_size must be >= 1, got {images}, {batch_size}')
-        settings = [parse_candidate(c) for c in candidates]
-        self.candidates: List[Optional[dict]] = [None] + [
+        settings = [_candidate(c) for c in candidates]
+        self.candidates: List[Optional[MiTASetting]] = [None] + [
             s for i, s in enumerate(settings) if s is not None and s not in settings[:i]]
         self.config, self.checkpoint, self.seed = config, checkpoint, seed
         self.num_images, self.batch_size, self.replay = images, batch_size, replay
@@ -236,8 +225,8 @@ class SwapCalibrator:
         self.image_paths: List[str] = []
 
     # -- step 1: FLOPs ------------------------------------------------------------------
-    def _plan(self, settings: Dict[str, Optional[dict]]) -> SwapPlan:
-        return SwapPlan({n: settings.get(n) for n in self.layers})
+    def _plan(self, settings: Dict[str, Optional[MiTASetting]]) -> SwapPlan:
+        return SwapPlan({n: _cfg(settings.get(n)) for n in self.layers})
 
     def flops(self) -> np.ndarray:
         """``[layers, candidates]`` FLOPs of each layer's attention module (counted once)."""
@@ -252,7 +241,8 @@ class SwapCalibrator:
         x = test_inputs(model.data_preprocessor, self.shape)
         out = np.zeros((len(self.layers), len(self.candidates)), dtype=np.int64)
         for c, setting in enumerate(self.candidates):
-            swap_model(model, dict(plan=SwapPlan.uniform(self.layers, setting)), verbose=False)
+            plan = SwapPlan.uniform(self.layers, _cfg(setting))
+            swap_model(model, dict(plan=plan), verbose=False)
             with torch.no_grad(), decode_head_called_as_module(model):
                 analyzer = flop_analyzer(model, (x, ))
                 by_module = analyzer.by_module()
@@ -277,25 +267,26 @@ class SwapCalibrator:
         f = self.flops()
         return self.plan_flops([int(np.argmin(f[i])) for i in range(len(self.layers))])
 
-    def uniform_gflops(self, candidate: str) -> float:
+    def uniform_gflops(self, candidate: Union[str, MiTASetting]) -> float:
         """GFLOPs of every layer on ``candidate`` (e.g. ``'7:49'``), as a budget to match."""
-        return self._uniform_flops(candidate) / 1e9
+        return self.plan_flops(self._uniform(candidate)) / 1e9
 
-    def _uniform_flops(self, candidate: str) -> int:
-        setting = parse_candidate(candidate)
+    def _uniform(self, candidate: Union[str, MiTASetting]) -> List[int]:
+        """The choice of every layer on ``candidate``."""
+        setting = _candidate(candidate)
         if setting not in self.candidates:
-            raise CalibrationError(f'{candidate!r} is not one of the candidates '
+            raise CalibrationError(f'{_text(setting)!r} is not one of the candidates '
                                    f'({" ".join(self.candidate_names)}): add it to them')
-        c = self.candidates.index(setting)
-        return self.plan_flops([c] * len(self.layers))
+        return [self.candidates.index(setting)] * len(self.layers)
 
     @property
     def candidate_names(self) -> List[str]:
-        return [candidate_name(s) for s in self.candidates]
+        """The candidates' spellings (``dense``, ``7:49``, ``5:16:route``)."""
+        return [_text(s) for s in self.candidates]
 
     def budget(self, reduction: Optional[float] = None,
                budget_gflops: Optional[float] = None,
-               budget_uniform: Optional[str] = None) -> int:
+               budget_uniform: Union[str, MiTASetting, None] = None) -> int:
         """The budget in FLOPs: ``(1 - reduction)`` x dense, ``budget_gflops``, or the
         FLOPs of every layer on the setting ``budget_uniform`` (e.g. ``'7:49'``).
 
@@ -308,7 +299,7 @@ class SwapCalibrator:
             raise ValueError('give one of reduction, budget_gflops and budget_uniform')
         self.flops()
         if budget_uniform is not None:
-            return self._uniform_flops(budget_uniform)
+            return self.plan_flops(self._uniform(budget_uniform))
         dense, cheapest = self.dense_flops, self.cheapest_flops()
         if reduction is not None:
             if not 0 <= reduction < 1:
@@ -400,7 +391,8 @@ class SwapCalibrator:
         todo = len(self.layers) * (len(self.candidates) - 1)
         self.progress(f'errors: {len(self.layers)} layers x {len(self.candidates) - 1} '
                       f'candidates on {n} training images ({todo * n} image forwards'
-                      f'{", the dense layers before the swapped one replayed" if outputs else ""})')
+                      + (', the dense layers before the swapped one replayed' if outputs else '')
+                      + ')')
         for i, (name, owner, idx) in enumerate(attention_layers(self.model)):
             # the layers before this one run as in the dense model: replay their outputs
             unit = next(u for u, (o, j) in enumerate(units) if o is owner and j == idx)
@@ -432,7 +424,7 @@ class SwapCalibrator:
     # -- step 3: the choice -------------------------------------------------------------
     def plan(self, reduction: Optional[float] = None,
              budget_gflops: Optional[float] = None,
-             budget_uniform: Optional[str] = None) -> SwapPlan:
+             budget_uniform: Union[str, MiTASetting, None] = None) -> SwapPlan:
         """The plan of least total error within the budget (give one of ``reduction``,
         ``budget_gflops`` and ``budget_uniform``: :meth:`budget`).
 
@@ -454,14 +446,15 @@ class SwapCalibrator:
                     choice = uniform
         total = self.plan_flops(choice)
         assert total <= budget, (total, budget)
-        layers = {n: self.candidates[c] for n, c in zip(self.layers, choice)}
+        layers = {n: _cfg(self.candidates[c]) for n, c in zip(self.layers, choice)}
         layer_info = {n: dict(error=float(errors[i, c]), gflops=float(flops[i, c]) / 1e9,
                               dense_gflops=float(flops[i, 0]) / 1e9)
                       for i, (n, c) in enumerate(zip(self.layers, choice))}
         dense = self.dense_flops
         if budget_uniform is not None:   # what the uniform swap of the same FLOPs would err
-            c = self.candidates.index(parse_candidate(budget_uniform))
-            uniform_error = float(errors[:, c].sum())
+            uniform_error = float(sum(errors[i, c]
+                                      for i, c in enumerate(self._uniform(budget_uniform))))
+            budget_uniform = _text(_candidate(budget_uniform))
         info = dict(
             model=dict(config=str(self.config) if not isinstance(self.config, Config) else
                        getattr(self.config, 'filename', None), checkpoint=str(self.checkpoint),
@@ -499,7 +492,7 @@ def calibrate_swap(config,
                    seed: int = 0,
                    cfg_options: Optional[dict] = None,
                    progress: Optional[Callable[[str], None]] = None,
-                   budget_uniform: Optional[str] = None) -> SwapPlan:
+                   budget_uniform: Union[str, MiTASetting, None] = None) -> SwapPlan:
     """A swap plan for ``checkpoint``: per-layer MiTA settings (dense allowed) of least
     calibration error within a FLOP budget (the module's docstring says how).
 
@@ -511,8 +504,8 @@ def calibrate_swap(config,
         budget_gflops (float, optional): the budget in GFLOPs (one crop at the config's crop
             size, as ``tools/get_flops.py`` counts).
         images (int): calibration images from the training split. Default: 16.
-        candidates (Sequence[str]): candidate settings (``dense``, ``P:K``,
-            ``P:K:route``). Default: :data:`DEFAULT_CANDIDATES`.
+        candidates (Sequence[str | MiTASetting]): candidate settings (``dense``, ``P:K``,
+            ``PhxPw:K``, ``P:K:route``). Default: :data:`DEFAULT_CANDIDATES`.
         seed (int): which training images. Default: 0.
         cfg_options (dict, optional): ``--cfg-options``. Default: None.
         progress (Callable, optional): called with a line per step. Default: None.

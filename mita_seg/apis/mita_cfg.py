@@ -19,9 +19,8 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mita_seg.models import (MITA_DEFAULTS, MITA_KEYS, SWAP_RULES, PlanError, SwapPlan,
-                             check_settings)
-from mita_seg.models.attention import SETTING_RULES
+from mita_seg.models import SWAP_RULES, PlanError, SwapPlan
+from mita_seg.setting import MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, check_settings
 from .cli import KeyValueAction
 
 

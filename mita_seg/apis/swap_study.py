@@ -42,7 +42,7 @@ import os.path as osp
 import platform
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,9 +53,8 @@ from mmengine.runner import Runner
 
 from .config import load_config
 from mita_seg.models import NothingToMergeError, SwapPlan
-from mita_seg.models.plan import setting_label
-from .calibrate import (DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator,
-                        parse_candidate)
+from mita_seg.setting import MiTASetting, label as label_of
+from .calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
 from .export import export_swapped, mita_config
 from .model import init_model, swap_model
 from .runner import build_runner, prepare_config
@@ -72,6 +71,7 @@ STUDY_CANDIDATES = ('dense', ) + tuple(
     f'{p}:{k}' for p in (4, 5, 6, 7, 8, 9, 10) for k in (8, 16)) + ('7:49', '4:16:route',
                                                                     '7:16:route')
 # what the paper reports for the swap without retraining (Wen et al., arXiv 2602.01219)
+PAPER = MiTASetting.parse('7:49')   # the paper's M = k = 49
 PAPER_CLAIMS = ('about 1 mIoU point lost, up to 42% fewer FLOPs, swapping the attention of '
                 'pretrained segmenters without retraining (ADE20K, N of about 1025 to 1601, '
                 'M = k = 49)')
@@ -94,35 +94,35 @@ class StudySettings:
         pool_sizes (tuple[int]): landmark grid sides P of the sweep (M = P * P).
             Default: (4, 5, 7, 8, 10).
         topks (tuple[int]): keys per routed expert of the sweep. Default: (8, 16, 49, 100).
-        finetune (tuple[tuple[int, int]]): the (P, k) settings exported and fine-tuned.
-            Default: ((7, 49), ), the paper's M = k = 49.
+        finetune (tuple[MiTASetting]): the settings exported and fine-tuned.
+            Default: (``7:49``, ), the paper's M = k = 49.
         control (bool): also train the unswapped model for ``finetune_iters`` more
             iterations (what the fine-tune gains from training alone). Default: True.
         exact_check (bool): evaluate route-only MiTA with every key (must equal the
             unswapped mIoU). Default: True.
-        selection (tuple[int, int], optional): (P, k) of the token-selection maps; None for
-            none. Default: (7, 49).
+        selection (MiTASetting, optional): the setting of the token-selection maps; None
+            for none. Default: ``7:49``.
         selection_images (int): validation images mapped. Default: 2.
         merge_ratios (tuple[float]): token-merging (ToMe) ratios evaluated beside the sweep,
             in ``[0, 0.5]``; none for no ToMe rows. Default: (0.2, 0.3, 0.4, 0.5).
         merge_head (bool): ToMe merges in Segmenter's mask head too (MiTA swaps it too).
             Default: True.
-        merged_swaps (tuple[tuple[int, int, float]]): ``(P, k, ratio)``: MiTA with ToMe
-            (the MLPs of MiTA layers merged). Default: ((7, 49, 0.5), ).
-        plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: ``'P:K'`` the
-            FLOPs of every layer on MiTA ``(P, k)``, ``'tome'`` the reduction of the largest
-            ToMe ratio. Default: ('7:49', '7:16', '4:16', 'tome').
+        merged_swaps (tuple[tuple[MiTASetting, float]]): ``(setting, ratio)``: MiTA with
+            ToMe (the MLPs of MiTA layers merged). Default: ((``7:49``, 0.5), ).
+        plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: a setting (``7:49``)
+            the FLOPs of every layer on it, ``'tome'`` the reduction of the largest ToMe
+            ratio. Default: ('7:49', '7:16', '4:16', 'tome').
         calibration_images (int): training images each plan is calibrated on. Default: 16.
         calibration_counts (tuple[int]): further image counts, calibrated at the first
             budget only (how the plan moves with the images). Default: (4, 8).
         calibration_candidates (tuple[str], optional): per-layer candidates
-            (:func:`~mita_seg.apis.calibrate.parse_candidate`); None for the calibration's
+            (``dense``, ``7:49``, ``4:16:route``); None for the calibration's
             defaults (dense, pool 4/5/7 x k 16/49/100, with and without the shared expert).
             Default: :data:`STUDY_CANDIDATES` (dense, P 4 to 10 x k 8/16, 7:49, two
             route-only).
-        native (tuple[tuple[int, int]]): ``(P, k)`` settings the architecture is also
-            trained with from scratch, with MiTA, for as many iterations, then evaluated over
-            the sweep's grid. Default: ((4, 16), (7, 49)).
+        native (tuple[MiTASetting]): settings the architecture is also trained with from
+            scratch, with MiTA, for as many iterations, then evaluated over the sweep's grid.
+            Default: (``4:16``, ``7:49``).
         native_models (tuple[str], optional): the models that get the ``native`` runs; None
             for all. Default: ('segmenter', ).
         speed_min_run_time (float): seconds of timing per row (images/s is the median of
@@ -141,19 +141,19 @@ class StudySettings:
     finetune_lr_mult: float = 0.1
     pool_sizes: Tuple[int, ...] = (4, 5, 7, 8, 10)
     topks: Tuple[int, ...] = (8, 16, 49, 100)
-    finetune: Tuple[Tuple[int, int], ...] = ((7, 49), )
+    finetune: Tuple[MiTASetting, ...] = (PAPER, )
     control: bool = True
     exact_check: bool = True
-    selection: Optional[Tuple[int, int]] = (7, 49)
+    selection: Optional[MiTASetting] = PAPER
     selection_images: int = 2
     merge_ratios: Tuple[float, ...] = (0.2, 0.3, 0.4, 0.5)
     merge_head: bool = True
-    merged_swaps: Tuple[Tuple[int, int, float], ...] = ((7, 49, 0.5), )
+    merged_swaps: Tuple[Tuple[MiTASetting, float], ...] = ((PAPER, 0.5), )
     plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
     calibration_images: int = 16
     calibration_counts: Tuple[int, ...] = (4, 8)
     calibration_candidates: Optional[Tuple[str, ...]] = STUDY_CANDIDATES
-    native: Tuple[Tuple[int, int], ...] = ((4, 16), (7, 49))
+    native: Tuple[MiTASetting, ...] = (MiTASetting.parse('4:16'), PAPER)
     native_models: Optional[Tuple[str, ...]] = ('segmenter', )
     speed_min_run_time: float = 1.0
     workers: int = 0
@@ -173,21 +173,24 @@ class StudySettings:
         for name, value in iters.items():
             if value < 2:
                 raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got {value}')
-        values = list(self.pool_sizes) + list(self.topks) + [
-            v for pk in self.finetune + self.native for v in pk] + [
-            v for p, k, _ in self.merged_swaps for v in (p, k)] + list(self.selection or ())
-        if not self.pool_sizes or not self.topks or min(values) < 1:
-            raise ValueError('pool sizes, top-k values and the (P, k) of fine-tune and '
-                             f'selection must be >= 1, got pool_sizes={self.pool_sizes}, '
-                             f'topks={self.topks}, finetune={self.finetune}, '
-                             f'selection={self.selection}')
+        if not self.pool_sizes or not self.topks or min(self.pool_sizes + self.topks) < 1:
+            raise ValueError('pool sizes and top-k values must be >= 1, got '
+                             f'pool_sizes={self.pool_sizes}, topks={self.topks}')
+        settings = dict(finetune=self.finetune, native=self.native,
+                        selection=() if self.selection is None else (self.selection, ),
+                        merged_swaps=tuple(m for m, _ in self.merged_swaps))
+        for name, values in settings.items():
+            bad = [v for v in values if not isinstance(v, MiTASetting)]
+            if bad:
+                raise ValueError(f'{name}: {bad[0]!r} is not a MiTASetting; give e.g. '
+                                 "MiTASetting.parse('7:49')")
         if self.finetune_lr_mult <= 0 or self.speed_min_run_time <= 0:
             raise ValueError('finetune_lr_mult and speed_min_run_time must be > 0, got '
                              f'{self.finetune_lr_mult} and {self.speed_min_run_time}')
         if self.selection_images < 0 or self.workers < 0:
             raise ValueError('selection_images and workers must be >= 0, got '
                              f'{self.selection_images} and {self.workers}')
-        ratios = list(self.merge_ratios) + [r for *_, r in self.merged_swaps]
+        ratios = list(self.merge_ratios) + [r for _, r in self.merged_swaps]
         if any(not 0 <= r <= 0.5 for r in ratios):
             raise ValueError(f'merge ratios must be in [0, 0.5] (bipartite matching merges at '
                              f'most half of the tokens), got {ratios}')
@@ -195,15 +198,16 @@ class StudySettings:
             raise ValueError('calibration_images and calibration_counts must be >= 1, got '
                              f'{self.calibration_images} and {self.calibration_counts}')
         candidates = self.candidates()
-        settings = [parse_candidate(c) for c in candidates]   # a bad candidate: ValueError
+        # a bad candidate: MiTASettingError, a ValueError
+        settings = [MiTASetting.parse_or_dense(c) for c in candidates]
         for budget in self.plan_budgets:
             if budget == 'tome':
                 if not self.merge_ratios:
                     raise ValueError("plan budget 'tome' needs merge_ratios (it is the FLOPs "
                                      'of the largest ratio): give some, or drop the budget')
-            elif parse_candidate(budget) not in settings:
-                raise ValueError(f'plan budget {budget!r}: give P:K of a calibration '
-                                 f"candidate ({' '.join(candidates)}) or 'tome'")
+            elif MiTASetting.parse_or_dense(budget) not in settings:
+                raise ValueError(f'plan budget {budget!r}: give a calibration candidate '
+                                 f"({' '.join(candidates)}) or 'tome'")
         return self
 
     def candidates(self) -> Tuple[str, ...]:
@@ -220,13 +224,30 @@ class StudySettings:
 
     def key(self) -> dict:
         """The settings that determine a model's results (not ``reuse``/``verbose``)."""
-        d = asdict(self)
+        d = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
         for k in ('reuse', 'verbose'):
             d.pop(k)
         for k in ('model_train_iters', 'native_models'):   # resolved by for_model
             if d[k] is None:
                 d.pop(k)
         return json.loads(json.dumps(d))
+
+
+def _plain(value):
+    """``value`` for JSON: a setting as its spelling (``7:49``), tuples as lists."""
+    if isinstance(value, MiTASetting):
+        return value.text
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def tag_of(setting: MiTASetting) -> str:
+    """A setting in file names: ``p7_k49``, ``p4x6_k16``, ``p7_k49_route``."""
+    text = setting.text.replace(':route', '_route').replace(':', '_k')
+    return 'p' + text.replace(' ', '_').replace('=', '')
 
 
 class Progress:
@@ -395,14 +416,13 @@ def validation_images(cfg: Config, count: int) -> List[str]:
     return [osp.join(folder, n) for n in names[:count]]
 
 
-def selection_maps(cfg: Config, checkpoint: str, pool: int, topk: int, images: Sequence[str],
+def selection_maps(cfg: Config, checkpoint: str, setting: MiTASetting, images: Sequence[str],
                    fig_dir: str, name: str, how: str = 'swapped without retraining') -> dict:
-    """Token-selection maps of the checkpoint on MiTA (P, k) (a standard-attention one
-    swapped, or a MiTA one set to (P, k)): one PNG per image in ``fig_dir`` and the per-layer
+    """Token-selection maps of the checkpoint on MiTA at ``setting`` (a standard-attention
+    one swapped, or a MiTA one set to it): one PNG per image in ``fig_dir`` and the per-layer
     fractions of tokens that no routed expert selects / reads, averaged over ``images``."""
     from mita_seg.analysis.token_selection import plot_selection_overlay, record_image
-    model = init_model(copy.deepcopy(cfg), checkpoint,
-                       mita_cfg=dict(pool_size=pool, topk=topk))
+    model = init_model(copy.deepcopy(cfg), checkpoint, mita_cfg=setting.cfg())
     model.test_cfg = ConfigDict(mode='whole')  # one grid per image, aligned with the input
     patch = model.cfg.model.backbone.get('patch_size', None)
     figures, never_sel, never_used, layers = [], {}, {}, {}
@@ -412,15 +432,16 @@ def selection_maps(cfg: Config, checkpoint: str, pool: int, topk: int, images: S
         figures.append(plot_selection_overlay(
             image, records, osp.join(fig_dir, f'{name}_token_selection_{stem}.png'),
             cell_size=(patch, patch) if patch else None,
-            title=f'{name}, {stem}: tokens selected by MiTA routed experts (M={pool}x{pool}, '
-            f'k={topk}, {how})'))
+            title=f'{name}, {stem}: tokens selected by MiTA routed experts ({setting.label}, '
+            f'{how})'))
         for r in records:
             never_sel.setdefault(r.name, []).append(r.frac_never_selected)
             never_used.setdefault(r.name, []).append(r.frac_never_used)
             layers[r.name] = dict(grid=list(r.hw_shape), M=r.num_experts, topk=r.topk,
                                   tokens=int(r.selected.shape[-1]))
     mean = lambda v: sum(v) / len(v)  # noqa: E731
-    return dict(pool_size=pool, topk=topk, how=how, images=list(images), figures=figures,
+    return dict(setting=setting.text, label=setting.label, how=how, images=list(images),
+                figures=figures,
                 layers={k: dict(v, never_selected=mean(never_sel[k]),
                                 never_used=mean(never_used[k])) for k, v in layers.items()})
 
@@ -518,14 +539,14 @@ def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
                     continue
             else:
                 plan = cal.plan(budget_uniform=budget)
-                pool, topk = budget.split(':')[:2]
-                what = f'the FLOPs of MiTA M={pool}x{pool} k={topk}'
-                tag = f'p{pool}_k{topk}'
+                setting = MiTASetting.parse_or_dense(budget)
+                what = f"the FLOPs of {'MiTA ' + setting.label if setting else 'dense'}"
+                tag = tag_of(setting) if setting else 'dense'
             os.makedirs(osp.join(work_dir, 'plans'), exist_ok=True)
             path = plan.save(osp.join(work_dir, 'plans', f'{tag}_{count}img.json'))
             info = dict(label=f'calibrated plan, {what}, {count} images', budget=budget,
                         images=count, file=path, summary=plan.summary(),
-                        layers={n: setting_label(v) for n, v in plan.layers.items()},
+                        layers={n: label_of(v) for n, v in plan.layers.items()},
                         predicted_error=plan.info['calibration']['predicted_error'],
                         calibration_seconds=plan.info['calibration']['seconds'])
             progress(f"plan at {what}, {count} images: {info['summary']}; "
@@ -587,7 +608,8 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     def do_sweep():
         runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'sweep'), s)
         swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
-        ratios, merged = s.merge_ratios, s.merged_swaps
+        ratios = s.merge_ratios
+        merged = [(m.pool_size, m.topk, r) for m, r in s.merged_swaps]
         if ratios or merged:
             try:
                 merge_model(copy.deepcopy(model), 0.5, verbose=False, **merge_cfg)
@@ -659,13 +681,13 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                     result['rows'].append(row)
 
     # 4. fine-tune the exported pair, and the control
-    for pool, topk in s.finetune:
-        tag = f'p{pool}_k{topk}'
+    for setting in s.finetune:
+        tag = tag_of(setting)
 
-        def do_finetune(pool=pool, topk=topk, tag=tag):
+        def do_finetune(setting=setting, tag=tag):
             out_cfg, out_ckpt = export_swapped(config, ckpt,
                                                osp.join(work_dir, f'finetune_{tag}', 'export'),
-                                               dict(pool_size=pool, topk=topk), opts)
+                                               setting.cfg(), opts)
             cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
             ft_ckpt, ft_s, _ = train(cfg, osp.join(work_dir, f'finetune_{tag}', 'train'),
                                   s.verbose, s.reuse)
@@ -674,11 +696,11 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             return dict(values, exported=[out_cfg, out_ckpt], checkpoint=ft_ckpt,
                         seconds=round(ft_s, 1))
 
-        ft = stage(f'export MiTA M={pool}x{pool} k={topk} and fine-tune it '
+        ft = stage(f'export MiTA {setting.label} and fine-tune it '
                    f'{s.finetune_iters} iterations', do_finetune)
         if ft is not None:
-            row = _row(f'MiTA M={pool}x{pool} k={topk}, fine-tuned {s.finetune_iters} it',
-                       'finetune', pool * pool, topk, ft, base)
+            row = _row(f'MiTA {setting.label}, fine-tuned {s.finetune_iters} it',
+                       'finetune', setting.num_experts, setting.topk, ft, base)
             row.update(exported=ft['exported'], checkpoint=ft['checkpoint'],
                        train_seconds=ft['seconds'])
             result['rows'].append(row)
@@ -702,23 +724,21 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
 
     # 5. token selection at one setting
     if s.selection and s.selection_images:
-        pool, topk = s.selection
-
         def do_selection():
             cfg = load_config(config, opts)
-            return selection_maps(cfg, ckpt, pool, topk,
+            return selection_maps(cfg, ckpt, s.selection,
                                   validation_images(cfg, s.selection_images), fig_dir, name)
 
-        sel = stage(f'token selection at M={pool}x{pool} k={topk} on '
+        sel = stage(f'token selection at {s.selection.label} on '
                     f'{s.selection_images} validation image(s)', do_selection)
         if sel is not None:
             result['selection'] = sel
 
     # 6. trained with MiTA from scratch, evaluated over the grid
-    for pool, topk in s.native:
-        native = dict(pool_size=pool, topk=topk, rows=[])
-        mita = dict(pool_size=pool, topk=topk)
-        ndir = osp.join(work_dir, f'native_p{pool}_k{topk}')
+    for setting in s.native:
+        native = dict(setting=setting.text, label=setting.label, rows=[])
+        mita = setting.cfg()
+        ndir = osp.join(work_dir, f'native_{tag_of(setting)}')
 
         def do_native_train(mita=mita, ndir=ndir):
             cfg = mita_config(load_config(config, opts), mita)
@@ -727,8 +747,8 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             return train(schedule(cfg, s.train_iters), osp.join(ndir, 'train'), s.verbose,
                          s.reuse)
 
-        trained = stage(f'training {s.train_iters} iterations with MiTA M={pool}x{pool} '
-                        f'k={topk} from scratch', do_native_train)
+        trained = stage(f'training {s.train_iters} iterations with MiTA {setting.label} '
+                        'from scratch', do_native_train)
         if trained is None:
             continue
         n_ckpt, n_s, n_reused = trained
@@ -747,20 +767,20 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             gc.collect()
             return rows, exact
 
-        swept = stage(f'MiTA-trained M={pool}x{pool} k={topk}: as trained and at '
+        swept = stage(f'MiTA-trained {setting.label}: as trained and at '
                       f'{len(s.pool_sizes) * len(s.topks)} test-time settings', do_native_sweep)
         if swept is not None:
             rows, exact = swept
-            trained = f'trained M={pool}x{pool} k={topk}'
-            trained_row = _row(f'{trained}, tested as trained', 'native', pool * pool, topk,
-                               rows[0], base)
+            trained = f'trained {setting.label}'
+            trained_row = _row(f'{trained}, tested as trained', 'native', setting.num_experts,
+                               setting.topk, rows[0], base)
             trained_row['trained_setting'] = True
             native['rows'].append(trained_row)
             for r in rows[1:]:
-                if (r['M'], r['topk']) == (pool * pool, topk):   # the same model again
+                if (r['M'], r['topk']) == (setting.num_experts, setting.topk):  # itself
                     if r['mIoU'] != trained_row['mIoU']:
                         result['errors'].append(
-                            f"native M={pool}x{pool} k={topk}: set to its own setting at test "
+                            f"native {setting.label}: set to its own setting at test "
                             f"time it gave mIoU {r['mIoU']}, as trained {trained_row['mIoU']}")
                     continue
                 native['rows'].append(_row(f"{trained}, tested at {r['setting'][5:]}",
@@ -770,13 +790,13 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                                            '(route-only, every key)', 'native-dense', None, 'N',
                                            dict(mIoU=exact), base))
         if s.selection_images:
-            def do_native_selection(mita=mita, n_ckpt=n_ckpt, pool=pool, topk=topk):
+            def do_native_selection(mita=mita, n_ckpt=n_ckpt, setting=setting):
                 cfg = mita_config(load_config(config, opts), mita)
-                return selection_maps(cfg, n_ckpt, pool, topk,
+                return selection_maps(cfg, n_ckpt, setting,
                                       validation_images(cfg, s.selection_images), fig_dir,
-                                      f'{name}_native_p{pool}_k{topk}', how='trained with it')
+                                      f'{name}_native_{tag_of(setting)}', how='trained with it')
 
-            sel = stage(f'token selection of the MiTA-trained M={pool}x{pool} k={topk}',
+            sel = stage(f'token selection of the MiTA-trained {setting.label}',
                         do_native_selection)
             if sel is not None:
                 native['selection'] = sel
@@ -863,8 +883,8 @@ def _native(res: dict) -> List[str]:
            'time', '']
     for n in natives:
         t = n['train']
-        out += [f"Trained {t['iters']} iterations with MiTA M={n['pool_size']}x{n['pool_size']} "
-                f"k={n['topk']} from random weights in {t['seconds']:.0f} s"
+        out += [f"Trained {t['iters']} iterations with MiTA {n['label']} from random weights "
+                f"in {t['seconds']:.0f} s"
                 + (' (an earlier run; checkpoint reused)' if t['reused'] else '') +
                 '; evaluated at each setting with no retraining ("delta" against the '
                 'standard-attention model unswapped):', '']
@@ -873,7 +893,7 @@ def _native(res: dict) -> List[str]:
     keys = [(r['M'], r['topk']) for r in natives[0]['rows'] if r['kind'] == 'native']
     keys = sorted(set(keys), key=lambda mk: (mk[0], mk[1]))
     head = ['test-time setting', 'model GFLOPs', 'standard attention, swapped'] + [
-        f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}" for n in natives]
+        f"trained {n['label']}" for n in natives]
     out += ['mIoU by test-time setting (the trained setting in bold):', '',
             '| ' + ' | '.join(head) + ' |', '|---|' + '---:|' * (len(head) - 1)]
     for M, k in keys:
@@ -891,10 +911,9 @@ def _native(res: dict) -> List[str]:
         out.append('| softmax attention (every key) | ' + _fmt(base['model_GFLOPs'], 4) +
                    f" | {base['mIoU']:.2f} | " + ' | '.join(_fmt(d['mIoU']) if d else ''
                                                          for d in dense) + ' |')
-    sels = [(f"standard attention, swapped to M={res['selection']['pool_size']}x"
-             f"{res['selection']['pool_size']} k={res['selection']['topk']}",
+    sels = [(f"standard attention, swapped to {res['selection']['label']}",
              res['selection'])] if res.get('selection') else []
-    sels += [(f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}", n['selection'])
+    sels += [(f"trained {n['label']}", n['selection'])
              for n in natives if n.get('selection')]
     if sels:
         layers = list(sels[0][1]['layers'])
@@ -950,8 +969,8 @@ def markdown(study: dict) -> str:
         sel = res.get('selection')
         if sel:
             out += ['', f"Tokens no routed expert selects (never read by one), swapped to "
-                    f"M={sel['pool_size']}x{sel['pool_size']} k={sel['topk']} without "
-                    f"retraining, mean over {len(sel['images'])} validation image(s):", '',
+                    f"{sel['label']} without retraining, mean over {len(sel['images'])} "
+                    'validation image(s):', '',
                     '| layer | grid | tokens | never selected | never used |',
                     '|---|---|---:|---:|---:|']
             for layer, v in sel['layers'].items():
@@ -1075,7 +1094,7 @@ def plot_native(res: dict, out_png: str) -> str:
                                   gridspec_kw=dict(width_ratios=[1.7, 1]))
     base = next(r for r in res['rows'] if r['kind'] == 'baseline')
     series = [('standard attention, swapped', 'k', swaps, base)]
-    series += [(f"trained with MiTA M={n['pool_size']}x{n['pool_size']} k={n['topk']}", c,
+    series += [(f"trained with MiTA {n['label']}", c,
                 [r for r in n['rows'] if r['kind'] == 'native'],
                 next((r for r in n['rows'] if r['kind'] == 'native-dense'), None))
                for n, c in zip(natives, ('tab:blue', 'tab:orange', 'tab:green', 'tab:red'))]
@@ -1096,7 +1115,7 @@ def plot_native(res: dict, out_png: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc='best', framealpha=0.7)
     sels = [('standard attention, swapped', 'k', res.get('selection'))] + [
-        (f"trained M={n['pool_size']}x{n['pool_size']} k={n['topk']}", c, n.get('selection'))
+        (f"trained {n['label']}", c, n.get('selection'))
         for n, c in zip(natives, ('tab:blue', 'tab:orange', 'tab:green', 'tab:red'))]
     for label, colour, sel in sels:
         if not sel:
@@ -1104,7 +1123,7 @@ def plot_native(res: dict, out_png: str) -> str:
         names = list(sel['layers'])
         ax2.plot(range(len(names)), [100 * sel['layers'][n]['never_selected'] for n in names],
                  'o-', c=colour, ms=4,
-                 label=f"{label} (at M={sel['pool_size']}x{sel['pool_size']} k={sel['topk']})")
+                 label=f"{label} (at {sel['label']})")
         ax2.set_xticks(range(len(names)))
         ax2.set_xticklabels([n.replace('decode_head', 'head').replace('backbone.', '')
                              .replace('.attn', '').replace('layers.', 'L') for n in names],

@@ -2,13 +2,16 @@
 mmengine load local checkpoints weights-only with mmengine's few safe globals allowed
 (:func:`mita_seg.utils.checkpoint.register_safe_globals`).
 
+The settings (rules, spelling, label) are :mod:`mita_seg.setting`, re-exported here.
+
 Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
 <- ``plan`` <- ``swap`` <- ``token_merge``
 (the high-level swap depends on the modules, never the reverse); ``segmentors`` stands apart.
 """
+from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, MiTASetting, MiTASettingError,
+                              check_settings)
 from mita_seg.utils.checkpoint import register_safe_globals
-from .attention import (MITA_DEFAULTS, MITA_KEYS, MiTAAttention, MiTASettingError,
-                        MiTASettingsMixin, check_settings, use_dense, use_mita)
+from .attention import MiTAAttention, MiTASettingsMixin, use_dense, use_mita
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .grid import GridContext, GridMismatchError, guard_grids
@@ -29,5 +32,5 @@ __all__ = [
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
-    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError'
+    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError', 'MiTASetting'
 ]

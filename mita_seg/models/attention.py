@@ -1,11 +1,9 @@
-"""``MiTAAttention``: mmcv's ``MultiheadAttention`` with MiTA as its attention, the MiTA
-settings (defaults defined once, in its signature, and their validation), and
+"""``MiTAAttention``: mmcv's ``MultiheadAttention`` with MiTA as its attention (its settings'
+defaults and rules are those of :mod:`mita_seg.setting`, re-exported here), and
 :func:`use_mita`, which puts given layers of a token owner on MiTA (the low-level
 replacement the MiTA backbone, the MiTA head and :func:`mita_seg.swap_attention` share)."""
-import inspect
 import warnings
-from numbers import Real
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -16,74 +14,9 @@ from mmseg.registry import MODELS
 
 from mita_seg.ops import mita_attention
 from mita_seg.ops.routing import pair
+from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES,  # noqa: F401
+                              MiTASettingError, check_settings)
 from .grid import GridContext, grid_context, resolve_grid
-
-# The MiTA settings of MiTAAttention (what configs' mita_cfg and --mita-cfg set).
-MITA_KEYS = ('pool_size', 'topk', 'router_topk', 'with_shared_expert', 'shared_scale')
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_pool(x: Any) -> bool:
-    if _is_int(x):
-        return x >= 1
-    return (isinstance(x, (tuple, list)) and len(x) == 2
-            and all(_is_int(i) and i >= 1 for i in x))
-
-
-# setting -> (what it must be, check)
-SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
-    'pool_size': ('an int >= 1 or a pair [h, w] of them', _is_pool),
-    'topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
-    'router_topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
-    'with_shared_expert': ('True or False', lambda x: isinstance(x, bool)),
-    'shared_scale': ('a number > 0, or None for 1/d',
-                     lambda x: x is None or (isinstance(x, Real) and not isinstance(x, bool)
-                                             and x > 0)),
-    'with_dwc': ('True or False', lambda x: isinstance(x, bool)),
-}
-
-
-class MiTASettingError(ValueError):
-    """A MiTA setting (or a layer choice) that cannot be used: an unknown name, a bad value,
-    ``router_topk`` above the number of landmarks, a layer the model does not have."""
-
-
-def check_settings(settings: Dict[str, Any],
-                   rules: Optional[Dict[str, Tuple[str, Callable]]] = None) -> Dict[str, Any]:
-    """Check names and values of settings against ``rules`` (default: the MiTA settings).
-
-    Args:
-        settings (dict): e.g. ``dict(pool_size=7, topk=49)``.
-        rules (dict, optional): ``name -> (description, check)``. Default:
-            :data:`SETTING_RULES`.
-
-    Returns:
-        dict: ``settings`` (unchanged) when every name is known and every value valid.
-
-    Raises:
-        MiTASettingError: an unknown name (the message lists the allowed ones), a bad value
-            (the message says what the value must be), or ``router_topk`` above the
-            ``M = Ph * Pw`` landmarks of ``pool_size`` given with it.
-    """
-    rules = SETTING_RULES if rules is None else rules
-    for key, value in settings.items():
-        if key not in rules:
-            raise MiTASettingError(f'unknown MiTA setting {key!r}; allowed: '
-                                   + ', '.join(f'{k} ({rules[k][0]})' for k in rules))
-        what, ok = rules[key]
-        if not ok(value):
-            raise MiTASettingError(f'{key}={value!r}: {key} must be {what}')
-    if 'pool_size' in settings and 'router_topk' in settings:
-        ph, pw = pair(settings['pool_size'], 'pool_size')
-        if settings['router_topk'] > ph * pw:
-            raise MiTASettingError(
-                f"router_topk={settings['router_topk']} is more than the M={ph * pw} "
-                f"landmarks (experts) of pool_size={settings['pool_size']}: a query reads at "
-                f'most M experts; give router_topk <= {ph * pw} or a larger pool_size')
-    return settings
 
 
 class MiTASettingsMixin:
@@ -91,7 +24,8 @@ class MiTASettingsMixin:
     (:meth:`configure`, checked by :func:`check_settings`), what a forward over a given grid
     runs with (:meth:`effective_settings`), and their repr. Shared by every MiTA attention
     module (:class:`MiTAAttention`, the BEiT/MAE ones); their defaults are
-    :data:`MITA_DEFAULTS`, i.e. those of :class:`MiTAAttention`'s signature."""
+    :data:`MITA_DEFAULTS` (:mod:`mita_seg.setting`), which :class:`MiTAAttention`'s
+    signature repeats."""
 
     def configure(self, **settings) -> None:
         """Change MiTA settings (any of :data:`MITA_KEYS`), e.g. M and k at test time.
@@ -301,13 +235,6 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
 
 # (settings, effective settings) already logged by MiTASettingsMixin.effective_settings
 _ADAPTED: set = set()
-
-# The defaults of the MiTA settings: those of MiTAAttention's signature.
-MITA_DEFAULTS: Dict[str, Any] = {
-    k: inspect.signature(MiTAAttention.__init__).parameters[k].default
-    for k in MITA_KEYS
-}
-
 
 def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
                   name: str = 'layers') -> List[int]:

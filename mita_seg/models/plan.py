@@ -28,10 +28,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from .attention import MITA_KEYS, SETTING_RULES, check_settings
+from mita_seg.setting import DENSE, MITA_KEYS, SETTING_RULES, check_settings, label
 
 PLAN_FORMAT = 'mita_seg.swap_plan/1'
-DENSE = 'dense'
 # what a layer name must look like: an attention module of a token owner's layers
 _LAYER_NAME = re.compile(r'^([A-Za-z_][\w.]*\.)?layers\.(\d+)\.attn$')
 
@@ -39,25 +38,6 @@ _LAYER_NAME = re.compile(r'^([A-Za-z_][\w.]*\.)?layers\.(\d+)\.attn$')
 class PlanError(ValueError):
     """A plan file that cannot be read or is malformed, or a plan that does not fit the
     model it is applied to (the message names the file, the layer and the fix)."""
-
-
-def setting_label(setting: Optional[Dict[str, Any]]) -> str:
-    """A short label of one layer's setting: ``dense``, ``M=7x7 k=49`` (+ ``route-only``,
-    other settings as ``key=value``)."""
-    if setting is None:
-        return DENSE
-    parts = []
-    if 'pool_size' in setting:
-        p = setting['pool_size']
-        ph, pw = (p, p) if isinstance(p, int) else tuple(p)
-        parts.append(f'M={ph}x{pw}')
-    if 'topk' in setting:
-        parts.append(f'k={setting["topk"]}')
-    if setting.get('with_shared_expert') is False:
-        parts.append('route-only')
-    parts += [f'{k}={v}' for k, v in setting.items()
-              if k not in ('pool_size', 'topk', 'with_shared_expert')]
-    return ' '.join(parts) or 'MiTA (defaults)'
 
 
 @dataclass
@@ -204,8 +184,8 @@ class SwapPlan:
             if setting is not None and defaults:
                 setting = {k: v for k, v in setting.items()
                            if k in ('pool_size', 'topk') or defaults.get(k) != v}
-            groups.setdefault(setting_label(setting), []).append(name)
-        return '; '.join(f'{label}: {_span(names)}' for label, names in groups.items())
+            groups.setdefault(label(setting), []).append(name)
+        return '; '.join(f'{text}: {_span(names)}' for text, names in groups.items())
 
     def summary(self) -> str:
         """``14 layers: 9 on MiTA, 5 dense``."""

@@ -5,12 +5,13 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
+from mita_seg.setting import MiTASetting
 from mita_seg.utils.modules import is_attention_module
 from .attention import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, MiTASettingsMixin,
                         can_use_mita, check_settings, layer_indices, use_dense, use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
-from .plan import PlanError, SwapPlan, setting_label
+from .plan import PlanError, SwapPlan
 
 # Attention modules this tool knows it cannot swap, by class name, and why.
 _UNSWAPPABLE = {
@@ -180,8 +181,8 @@ def swap_attention(model: nn.Module,
     if verbose and plan is not None:
         chosen = {}
         for name in swapped:
-            label = setting_label({k: getattr(model.get_submodule(name), k)
-                                   for k in ('pool_size', 'topk', 'with_shared_expert')})
+            label = MiTASetting.from_cfg({k: getattr(model.get_submodule(name), k)
+                                          for k in MITA_KEYS}).label
             chosen[label] = chosen.get(label, 0) + 1
         print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on MiTA ('
                   + ', '.join(f'{n} x {label}' for label, n in chosen.items())

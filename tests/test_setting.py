@@ -1,0 +1,95 @@
+"""One MiTA setting (:mod:`mita_seg.setting`): the spelling users type, its label, its
+config dict and back, the errors (naming the text and showing the spelling), and that the
+module loads without torch or the mm stack (tools parse settings before importing them)."""
+import subprocess
+import sys
+
+import pytest
+
+from mita_seg.setting import (MITA_DEFAULTS, MiTASetting, MiTASettingError, label,
+                              setting_arg)
+
+
+def test_spelling_label_and_config():
+    s = MiTASetting.parse('7:49')
+    assert s == MiTASetting(7, 49) == MiTASetting((7, 7), 49)    # a square pool: its side
+    assert (s.text, s.label, s.num_experts) == ('7:49', 'M=7x7 k=49', 49)
+    assert s.cfg() == dict(MITA_DEFAULTS, pool_size=7, topk=49)
+    r = MiTASetting.parse('4x6:16:route')
+    assert r.pool_size == (4, 6) and r.pool == (4, 6) and r.num_experts == 24
+    assert not r.with_shared_expert
+    assert (r.text, r.label) == ('4x6:16:route', 'M=4x6 k=16 route-only')
+    # the spelling reads back, whitespace around it aside
+    for text in ('7:49', '4x6:16', '5:16:route', '1:1'):
+        assert MiTASetting.parse(f' {text} ').text == text
+    # settings the spelling has no place for: key=value in text and label
+    x = MiTASetting(7, 49, router_topk=2, shared_scale=0.02)
+    assert x.text == '7:49 router_topk=2 shared_scale=0.02'
+    assert x.label == 'M=7x7 k=49 router_topk=2 shared_scale=0.02'
+    # a config dict and back; settings not given are the defaults
+    assert MiTASetting.from_cfg(x.cfg()) == x
+    assert MiTASetting.from_cfg(dict(topk=16)) == MiTASetting(7, 16)
+    assert MiTASetting.from_cfg(dict(pool_size=[4, 6], topk=8)).pool_size == (4, 6)
+    # dense where a list allows it
+    assert MiTASetting.parse_or_dense('dense') is None
+    assert MiTASetting.parse_or_dense('2:8:route') == MiTASetting(2, 8, with_shared_expert=False)
+
+
+def test_label_of_a_plan_layer():
+    # a plan's layer may give some settings only: the label shows those given
+    assert label(None) == 'dense'
+    assert label(dict(topk=16)) == 'k=16'
+    assert label(dict(pool_size=[2, 3], topk=8, with_shared_expert=False)) == \
+        'M=2x3 k=8 route-only'
+    assert label(dict(pool_size=4, topk=16, router_topk=1, shared_scale=None)) == 'M=4x4 k=16'
+    assert label({}) == 'MiTA (defaults)'
+
+
+def test_ran_label():
+    # as asked, a pool larger than the grid (run on the grid), several grids, k >= N
+    assert MiTASetting(4, 8).ran_label() == 'M=4x4 k=8'
+    assert MiTASetting(20, 49).ran_label([(16, 16)]) == 'M=16x16 k=49 (asked M=20x20)'
+    assert MiTASetting(4, 8).ran_label([(2, 2), (4, 4)], [True, False]) == \
+        'M=2x2/4x4 k=8 (every key in some layers) (asked M=4x4)'
+    assert MiTASetting(2, 10**5, with_shared_expert=False).ran_label([(2, 2)], [True]) == \
+        'M=2x2 k=100000 (every key) route-only'
+    assert MiTASetting(4, 8, router_topk=2).ran_label([(4, 4)]) == 'M=4x4 k=8 router_topk=2'
+
+
+@pytest.mark.parametrize('text', ['7', '7:0', '0:49', '0x3:4', 'x:49', '7:49:shared',
+                                  '7:49:route:1', '7:49x', 'dense', '', '7.5:49'])
+def test_bad_spelling(text):
+    # anything but P:K, PhxPw:K, P:K:route: the message names the text and shows the spelling
+    with pytest.raises(MiTASettingError, match=f"MiTA setting {text!r}: write P:K .* e.g. "
+                       '7:49, 4x6:16 or 7:49:route'):
+        MiTASetting.parse(text)
+
+
+def test_errors():
+    # the old spelling is refused, showing the new one
+    with pytest.raises(MiTASettingError, match="'7,49' is the old spelling: write 7:49"):
+        MiTASetting.parse('7,49')
+    # where dense is allowed, the message says so
+    with pytest.raises(MiTASettingError, match='or dense'):
+        MiTASetting.parse_or_dense('none')
+    # values: the rules of --mita-cfg and the modules
+    with pytest.raises(MiTASettingError, match='topk=0: topk must be an int >= 1'):
+        MiTASetting(7, 0)
+    with pytest.raises(MiTASettingError, match='router_topk=5 is more than the M=4 landmarks'):
+        MiTASetting(2, 8, router_topk=5)
+    # a dict of swap_attention's other arguments is not a setting
+    with pytest.raises(MiTASettingError, match="unknown MiTA setting 'layers'"):
+        MiTASetting.from_cfg(dict(topk=8, layers=[0]))
+    # argparse's type: a usage error
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match="MiTA setting '7,49'"):
+        setting_arg('7,49')
+
+
+def test_no_heavy_imports():
+    code = ('import sys, mita_seg.setting as s; s.MiTASetting.parse("7:49"); '
+            'print(sorted(m for m in ("torch", "mmseg", "mmengine", "mmcv", "numpy") '
+            'if m in sys.modules))')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == '[]'
