@@ -66,12 +66,13 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
                    tmp_path / 'sweep.png')
     with open(tmp_path / 'sweep.csv') as f:
         rows = list(csv.DictReader(f))
-    # k at least N: every key, and the label says so
+    # k at least N: every key, and the label says so (and that the experts are route-only)
     assert [r['setting'] for r in rows] == [
-        'baseline', 'MiTA M=2x2 k=8', 'MiTA M=2x2 k=100000 (every key)', 'MiTA M=4x4 k=8',
-        'MiTA M=4x4 k=100000 (every key)']
-    rows = [{k: (float(v) if k not in ('setting', 'M', 'topk') else v) for k, v in r.items()}
-            for r in rows]
+        'baseline', 'MiTA M=2x2 k=8 route-only', 'MiTA M=2x2 k=100000 (every key) route-only',
+        'MiTA M=4x4 k=8 route-only', 'MiTA M=4x4 k=100000 (every key) route-only']
+    assert [r['kind'] for r in rows] == ['baseline'] + ['swap'] * 4
+    rows = [{k: (float(v) if k not in ('setting', 'kind', 'M', 'topk') else v)
+             for k, v in r.items()} for r in rows]
     base = rows[0]
     for r in rows[1:]:
         if r['topk'] == '100000':   # route-only with every key: softmax attention, same mIoU
@@ -82,9 +83,10 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
             # the whole-model trace saves what the analytic attention count saves
             assert base['model_GFLOPs'] - r['model_GFLOPs'] == pytest.approx(
                 base['attn_GMACs'] - r['attn_GMACs'], rel=0.01)
-    assert (tmp_path / 'sweep.md').read_text().startswith('| setting | M | topk | mIoU')
+    # no ToMe: no merge_ratio column
+    assert (tmp_path / 'sweep.md').read_text().startswith('| setting | kind | M | topk | mIoU')
     assert (tmp_path / 'sweep.png').stat().st_size > 10000
-    assert f'{"MiTA M=2x2 k=100000 (every key)":<28}{base["mIoU"]:8.2f}   +0.00' in out
+    assert f'MiTA M=2x2 k=100000 (every key) route-only{base["mIoU"]:8.2f}   +0.00' in out
 
 
 @pytest.mark.slow

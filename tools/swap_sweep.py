@@ -38,7 +38,8 @@ from mita_seg.apis import (KeyValueAction, add_merge_args, add_mita_args,  # noq
                            config_name, ensure_parent, int_range, load_config, merge_model,
                            output_dir, output_file, prepare_config, run_tool, swap_model,
                            swap_sweep, wrap_title)
-from mita_seg.apis.sweep import FLOP_NOTE  # noqa: E402
+from mita_seg.apis.sweep import FLOP_NOTE, sweep_points  # noqa: E402
+from mita_seg.setting import MITA_KEYS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -80,11 +81,14 @@ def parse_args(argv=None):
 
 
 def write_tables(rows, out_md, note):
-    """Write ``rows`` (list of dicts) as markdown and CSV beside it; returns both paths."""
+    """Write ``rows`` (:class:`~mita_seg.apis.sweep.SweepRow`) as markdown and CSV beside
+    it, without the columns no row has a value in; returns both paths."""
     stem = osp.splitext(out_md)[0]
     out_csv = stem + '.csv'
     out_md = stem + '.md'
-    keys = list(rows[0])
+    rows = [r.as_dict() for r in rows]
+    keys = [k for k in rows[0] if any(r[k] is not None for r in rows)]
+    rows = [{k: '' if r[k] is None else r[k] for k in keys} for r in rows]
     with open(out_csv, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
@@ -103,8 +107,9 @@ def write_tables(rows, out_md, note):
 
 
 def plot_sweep(rows, out_png, title):
-    """mIoU against whole-model GFLOPs and against attention GMACs; one line per pool
-    size and one for ToMe's ratios, the baseline as a star."""
+    """mIoU against whole-model GFLOPs and against attention GMACs of ``rows``
+    (:class:`~mita_seg.apis.sweep.SweepRow`); one line per number of landmarks and one for
+    ToMe's ratios, the plans as diamonds, the baseline as a star."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -112,24 +117,24 @@ def plot_sweep(rows, out_png, title):
     base = rows[0]
     for ax, key, xlabel in ((axes[0], 'model_GFLOPs', 'model GFLOPs per image'),
                             (axes[1], 'attn_GMACs', 'attention GMACs per image')):
-        ax.scatter([base[key]], [base['mIoU']], marker='*', s=200, c='k',
-                   label=base['setting'], zorder=3)
-        tome = sorted((r for r in rows[1:] if r.get('merge_ratio', '') != ''),
-                      key=lambda r: r[key])
+        x = lambda r: getattr(r, key)  # noqa: E731
+        ax.scatter([x(base)], [base.mIoU], marker='*', s=200, c='k', label=base.label,
+                   zorder=3)
+        tome = sorted((r for r in rows if r.kind == 'tome'), key=x)
         if tome:
-            ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome], 'D--', c='C7',
+            ax.plot([x(r) for r in tome], [r.mIoU for r in tome], 'D--', c='C7',
                     label='ToMe (token merging)')
             for r in tome:
-                ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
+                ax.annotate(f'r={r.merge_ratio:g}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, -9))
-        plans = [r for r in rows[1:] if r['M'] == 'plan']
-        for r in plans:
-            ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, zorder=3, label=r['setting'])
-        for m in sorted({r['M'] for r in rows[1:] if r['M'] not in ('', 'plan')}):
-            sel = sorted((r for r in rows[1:] if r['M'] == m), key=lambda r: r[key])
-            ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel], 'o-', label=f'MiTA M={m}')
+        for r in (r for r in rows if r.kind in ('plan', 'swap+tome')):
+            ax.scatter([x(r)], [r.mIoU], marker='D', s=60, zorder=3, label=r.label)
+        swaps = [r for r in rows if r.kind == 'swap']
+        for m in sorted({r.M for r in swaps}):
+            sel = sorted((r for r in swaps if r.M == m), key=x)
+            ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-', label=f'MiTA M={m}')
             for r in sel:
-                ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
+                ax.annotate(f'k={r.topk}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, 3))
         ax.set_xlabel(f'{xlabel} (1 MAC = 1 FLOP)')
         ax.grid(alpha=0.3)
@@ -157,9 +162,13 @@ def main(argv=None):
     plans = [args.mita_plan] if args.mita_plan is not None else []
     for plan in plans:  # a plan for another model is an error before the baseline too
         swap_model(copy.deepcopy(runner.model), dict(plan=plan), verbose=False)
-    rows = swap_sweep(runner, args.pool_sizes, args.topks, args.mita_cfg, args.flops_images,
-                      progress=lambda line: print(f'[swap_sweep] {line}', flush=True),
-                      merge_ratios=args.merge_ratios, plans=plans)
+    mita_cfg = args.mita_cfg or {}
+    points = sweep_points(args.pool_sizes, args.topks,
+                          {k: v for k, v in mita_cfg.items() if k in MITA_KEYS},
+                          merge_ratios=args.merge_ratios, plans=plans)
+    rows = swap_sweep(runner, points, {k: v for k, v in mita_cfg.items() if k not in MITA_KEYS},
+                      args.flops_images,
+                      progress=lambda line: print(f'[swap_sweep] {line}', flush=True))
 
     batch = next(iter(runner.test_dataloader))
     shape = tuple(batch['inputs'][0].shape[-2:])
@@ -170,8 +179,8 @@ def main(argv=None):
     png = plot_sweep(rows, ensure_parent(out_png), f'{osp.basename(args.config)} ({mode} inference)')
     print(f'\n{"setting":<28}{"mIoU":>8}{"delta":>8}{"model GFLOPs":>14}{"attn GMACs":>12}')
     for r in rows:
-        print(f'{r["setting"]:<28}{r["mIoU"]:8.2f}{r["delta_mIoU"]:+8.2f}'
-              f'{r["model_GFLOPs"]:14.4g}{r["attn_GMACs"]:12.4g}')
+        print(f'{r.label:<28}{r.mIoU:8.2f}{r.delta_mIoU:+8.2f}'
+              f'{r.model_GFLOPs:14.4g}{r.attn_GMACs:12.4g}')
     print(f'wrote {md}, {csv_path}, {png}')
     return rows
 

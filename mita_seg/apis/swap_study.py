@@ -58,7 +58,8 @@ from .calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
 from .export import export_swapped, mita_config
 from .model import init_model, swap_model
 from .runner import build_runner, prepare_config
-from .sweep import FLOP_NOTE, attention_gmacs, model_gflops, swap_sweep
+from .sweep import (FLOP_NOTE, SweepRow, attention_gmacs, model_gflops, swap_sweep,
+                    sweep_points)
 from .token_merge import merge_model
 
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
@@ -463,19 +464,13 @@ def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict],
     return row
 
 
-def _kind(sweep_row: dict) -> str:
-    """``baseline``, ``tome``, ``swap`` or ``swap+tome``: what a :func:`swap_sweep` row ran."""
-    merged = bool(sweep_row.get('merge_ratio'))
-    if sweep_row['M'] == '':
-        return 'tome' if merged else 'baseline'
-    return 'swap+tome' if merged else 'swap'
-
-
-def _setting(sweep_row: dict) -> str:
-    """The table's label of a :func:`swap_sweep` row."""
-    if sweep_row['M'] == '' and not sweep_row.get('merge_ratio'):
-        return 'unswapped (softmax attention)'
-    return sweep_row['setting']
+def _sweep_row(r: SweepRow, base: Optional[dict], setting: Optional[str] = None,
+               kind: Optional[str] = None) -> dict:
+    """:func:`_row` of a :func:`swap_sweep` row (its label and kind unless given)."""
+    if setting is None:
+        setting = 'unswapped (softmax attention)' if r.kind == 'baseline' else r.label
+    return _row(setting, kind or r.kind, r.M, r.topk, r.as_dict(), base,
+                merge_ratio=r.merge_ratio)
 
 
 def _test_runner(config, opts: dict, checkpoint: str, work_dir: str, s: StudySettings,
@@ -608,8 +603,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     def do_sweep():
         runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'sweep'), s)
         swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
-        ratios = s.merge_ratios
-        merged = [(m.pool_size, m.topk, r) for m, r in s.merged_swaps]
+        ratios, merged = s.merge_ratios, s.merged_swaps
         if ratios or merged:
             try:
                 merge_model(copy.deepcopy(model), 0.5, verbose=False, **merge_cfg)
@@ -617,10 +611,9 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                 result['notes'].append(f'no ToMe rows: {e}')
                 progress(f'{name}: no ToMe rows: {e}')
                 ratios, merged = (), ()
-        rows = swap_sweep(runner, s.pool_sizes, s.topks, None, 1,
-                          progress=lambda line: progress(f'{name}: sweep {line}'),
-                          measure=measure, merge_ratios=ratios, merge_cfg=merge_cfg,
-                          merged_swaps=merged)
+        points = sweep_points(s.pool_sizes, s.topks, merge_ratios=ratios, merged_swaps=merged)
+        rows = swap_sweep(runner, points, measure=measure, merge_cfg=merge_cfg,
+                          progress=lambda line: progress(f'{name}: sweep {line}'))
         batch = next(iter(runner.test_dataloader))
         result['input'] = list(batch['inputs'][0].shape[-2:])
         result['test_images'] = len(runner.test_dataloader.dataset)
@@ -643,8 +636,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     rows, exact = swept
     base = None
     for r in rows:
-        result['rows'].append(_row(_setting(r), _kind(r), r['M'] or None, r['topk'] or None,
-                                   r, base, merge_ratio=r.get('merge_ratio') or None))
+        result['rows'].append(_sweep_row(r, base))
         base = base or result['rows'][0]
     if exact is not None:
         result['rows'].append(_row('route-only MiTA, every key (check: = unswapped)', 'check',
@@ -661,8 +653,8 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
         if plans:
             def do_plans():
                 runner, _ = _test_runner(config, opts, ckpt, osp.join(work_dir, 'plans'), s)
-                out = swap_sweep(runner, (), (), None, 1, measure=measure,
-                                 plans=[p for p, _ in plans],
+                out = swap_sweep(runner, sweep_points(plans=[p for p, _ in plans]),
+                                 measure=measure,
                                  progress=lambda line: progress(f'{name}: plans {line}'))
                 del runner
                 gc.collect()
@@ -671,12 +663,12 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             evaluated = stage(f'{len(plans)} calibrated plan(s) on the validation images',
                               do_plans)
             if evaluated is not None:
-                if evaluated[0]['mIoU'] != base['mIoU']:   # the same model, the same test
+                if evaluated[0].mIoU != base['mIoU']:   # the same model, the same test
                     result['errors'].append(
-                        f"plans: the unswapped model gave mIoU {evaluated[0]['mIoU']} before "
+                        f"plans: the unswapped model gave mIoU {evaluated[0].mIoU} before "
                         f"the plans, {base['mIoU']} in the sweep")
                 for r, (plan, info) in zip(evaluated[1:], plans):
-                    row = _row(info['label'], 'plan', None, None, r, base)
+                    row = _sweep_row(r, base, info['label'])
                     row.update(plan=info)
                     result['rows'].append(row)
 
@@ -758,7 +750,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
         def do_native_sweep(mita=mita, ndir=ndir, n_ckpt=n_ckpt):
             runner, model = _test_runner(config, opts, n_ckpt, osp.join(ndir, 'sweep'), s,
                                          mita)
-            rows = swap_sweep(runner, s.pool_sizes, s.topks, None, 1, measure=measure,
+            rows = swap_sweep(runner, sweep_points(s.pool_sizes, s.topks), measure=measure,
                               progress=lambda line: progress(f'{name}: native {line}'))
             exact = None
             if s.exact_check:
@@ -773,18 +765,18 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
             rows, exact = swept
             trained = f'trained {setting.label}'
             trained_row = _row(f'{trained}, tested as trained', 'native', setting.num_experts,
-                               setting.topk, rows[0], base)
+                               setting.topk, rows[0].as_dict(), base)
             trained_row['trained_setting'] = True
             native['rows'].append(trained_row)
             for r in rows[1:]:
-                if (r['M'], r['topk']) == (setting.num_experts, setting.topk):  # itself
-                    if r['mIoU'] != trained_row['mIoU']:
+                if (r.M, r.topk) == (setting.num_experts, setting.topk):   # itself
+                    if r.mIoU != trained_row['mIoU']:
                         result['errors'].append(
                             f"native {setting.label}: set to its own setting at test "
-                            f"time it gave mIoU {r['mIoU']}, as trained {trained_row['mIoU']}")
+                            f"time it gave mIoU {r.mIoU}, as trained {trained_row['mIoU']}")
                     continue
-                native['rows'].append(_row(f"{trained}, tested at {r['setting'][5:]}",
-                                           'native', r['M'], r['topk'], r, base))
+                native['rows'].append(_sweep_row(r, base, f'{trained}, tested at {r.ran}',
+                                                 'native'))
             if exact is not None:
                 native['rows'].append(_row(f'{trained}, tested with softmax attention '
                                            '(route-only, every key)', 'native-dense', None, 'N',

@@ -1,10 +1,12 @@
 """Evaluate one standard-attention checkpoint unswapped, with token merging (ToMe) at
-several ratios, on MiTA with several (pool size, top-k) settings and with swap plans
-(per-layer settings) (``tools/swap_sweep.py``): mIoU and cost of each setting."""
+several ratios, on MiTA with several settings and with swap plans (per-layer settings)
+(``tools/swap_sweep.py``): mIoU and cost of each point (:class:`SweepPoint`), one typed row
+each (:class:`SweepRow`)."""
 import itertools
 import os.path as osp
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -17,6 +19,7 @@ from mmseg.models.backbones.beit import BEiTAttention
 from mita_seg.models import (MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, SwapPlan,
                              ToMeAttention)
 from mita_seg.ops import attention_flops, mita_flops
+from mita_seg.setting import MiTASetting, MiTASettingError
 from .model import swap_model
 from .token_merge import merge_label, merge_model
 
@@ -92,30 +95,6 @@ def attention_gmacs(model: nn.Module, batches: Sequence[dict],
     return counter.macs / images / 1e9
 
 
-def ran_label(pool: int, topk: int, ran: set) -> Tuple[str, int]:
-    """The label of a sweep row asked as ``pool x pool``, ``topk`` that ran as ``ran``
-    (:attr:`AttentionMacCounter.ran`), and the number of landmarks that ran: a pool
-    larger than the patch grid runs on the grid (``'MiTA M=16x16 k=49 (asked M=20x20)'``), a
-    ``k`` of at least ``N`` reads every key (``'k=100000 (every key)'``)."""
-    pools = {p for p, *_ in ran} or {(pool, pool)}
-    if len(pools) == 1:
-        (ph, pw), = pools
-        label = f'MiTA M={ph}x{pw}'
-        M = ph * pw
-    else:   # grids of several sizes among the counted inputs
-        label = 'MiTA M=' + '/'.join(f'{h}x{w}' for h, w in sorted(pools))
-        M = max(h * w for h, w in pools)
-    label += f' k={topk}'
-    clamped = [k < topk for _, k, _, _ in ran]
-    if clamped and all(clamped):
-        label += ' (every key)'
-    elif any(clamped):
-        label += ' (every key in some layers)'
-    if pools != {(pool, pool)}:
-        label += f' (asked M={pool}x{pool})'
-    return label, M
-
-
 def model_gflops(model: nn.Module, batch: dict) -> float:
     """Whole-model GFLOPs (MACs) of the first image of ``batch`` under the model's test
     mode: one traced ``mode='tensor'`` forward per crop, times the crops."""
@@ -127,121 +106,226 @@ def model_gflops(model: nn.Module, batch: dict) -> float:
     return crops * count_flops(model, (x[..., :hc, :wc].contiguous(), )).total / 1e9
 
 
+SWEEP_KINDS = ('baseline', 'tome', 'swap', 'swap+tome', 'plan')
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One point of a sweep: how the model is evaluated.
+
+    Args:
+        kind (str): ``baseline`` (as configured), ``tome`` (token merging at
+            ``merge_ratio``), ``swap`` (MiTA at ``setting``), ``swap+tome`` (both) or
+            ``plan`` (the swap plan ``plan``).
+        setting (MiTASetting, optional): the MiTA setting of ``swap`` and ``swap+tome``.
+        merge_ratio (float, optional): the ToMe ratio of ``tome`` and ``swap+tome``.
+        plan (SwapPlan, optional): the plan of ``plan``.
+
+    Raises:
+        ValueError: an unknown kind, or a field the kind needs missing (or one it has no
+            use for given).
+    """
+    kind: str
+    setting: Optional[MiTASetting] = None
+    merge_ratio: Optional[float] = None
+    plan: Optional[SwapPlan] = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in SWEEP_KINDS:
+            raise ValueError(f'sweep point kind {self.kind!r}: one of {", ".join(SWEEP_KINDS)}')
+        given = dict(setting=self.setting is not None, merge_ratio=self.merge_ratio is not None,
+                     plan=self.plan is not None)
+        needs = dict(setting=self.kind in ('swap', 'swap+tome'),
+                     merge_ratio=self.kind in ('tome', 'swap+tome'), plan=self.kind == 'plan')
+        if given != needs:
+            raise ValueError(f'a {self.kind!r} sweep point takes '
+                             + (', '.join(k for k, v in needs.items() if v) or 'nothing')
+                             + f'; got {", ".join(k for k, v in given.items() if v) or "none"}')
+
+
+def sweep_points(pool_sizes: Sequence[int] = (),
+                 topks: Sequence[int] = (),
+                 mita_cfg: Optional[dict] = None,
+                 merge_ratios: Sequence[float] = (),
+                 merged_swaps: Sequence[Tuple[MiTASetting, float]] = (),
+                 plans: Sequence[SwapPlan] = ()) -> List[SweepPoint]:
+    """The points of a sweep, in the order :func:`swap_sweep` evaluates them: the baseline,
+    ToMe at every ratio, MiTA at every ``(pool size, top-k)`` (with the further MiTA
+    settings ``mita_cfg``: ``router_topk``...), MiTA with ToMe, the plans.
+
+    Raises:
+        MiTASettingError: a bad setting, or ``mita_cfg`` with another key than a MiTA
+            setting (not ``pool_size``/``topk``, which the sweep sets).
+    """
+    extra = dict(mita_cfg or {})
+    for key in ('pool_size', 'topk'):
+        if key in extra:
+            raise MiTASettingError(f'mita_cfg sets {key}, which the sweep sets (pool_sizes, '
+                                   'topks)')
+    points = [SweepPoint('baseline')]
+    points += [SweepPoint('tome', merge_ratio=r) for r in merge_ratios]
+    points += [SweepPoint('swap', MiTASetting.from_cfg(dict(extra, pool_size=p, topk=k)))
+               for p, k in itertools.product(pool_sizes, topks)]
+    points += [SweepPoint('swap+tome', s, r) for s, r in merged_swaps]
+    points += [SweepPoint('plan', plan=p) for p in plans]
+    return points
+
+
+@dataclass
+class SweepRow:
+    """What one :class:`SweepPoint` gave.
+
+    Attributes:
+        point (SweepPoint): what was asked.
+        label (str): what ran, for tables and plots (``MiTA M=16x16 k=49 (asked
+            M=20x20)``, ``ToMe r=0.40``, ``plan p.json``).
+        ran (str, optional): the MiTA setting as it ran (``M=16x16 k=49 (asked M=20x20)``)
+            for ``swap`` and ``swap+tome``; else None.
+        M (int, optional): the landmarks that ran (the largest grid's) for ``swap`` and
+            ``swap+tome``; else None.
+        mIoU, mAcc, aAcc (float): the test metrics.
+        attn_GMACs (float): analytic attention multiply-adds per image (:data:`FLOP_NOTE`).
+        model_GFLOPs (float): whole-model GFLOPs per image.
+        attn_reduction, model_reduction (float): % below the baseline row.
+        delta_mIoU (float): mIoU minus the baseline's.
+        extra (dict): ``measure``'s columns.
+    """
+    point: SweepPoint
+    label: str
+    ran: Optional[str]
+    M: Optional[int]
+    mIoU: float
+    mAcc: float
+    aAcc: float
+    attn_GMACs: float
+    model_GFLOPs: float
+    attn_reduction: float = 0.0
+    model_reduction: float = 0.0
+    delta_mIoU: float = 0.0
+    extra: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.point.kind
+
+    @property
+    def topk(self) -> Optional[int]:
+        """The ``k`` asked, for ``swap`` and ``swap+tome``; else None."""
+        return self.point.setting.topk if self.point.setting is not None else None
+
+    @property
+    def merge_ratio(self) -> Optional[float]:
+        return self.point.merge_ratio
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The row for CSV and JSON: ``setting`` (the label), ``kind``, ``M``, ``topk``,
+        ``merge_ratio``, the metrics and costs, the reductions (``attn_reduction_%``,
+        ``model_reduction_%``), ``delta_mIoU`` and ``measure``'s columns."""
+        return dict(setting=self.label, kind=self.kind, M=self.M, topk=self.topk,
+                    merge_ratio=self.merge_ratio, mIoU=self.mIoU, mAcc=self.mAcc,
+                    aAcc=self.aAcc, attn_GMACs=self.attn_GMACs, model_GFLOPs=self.model_GFLOPs,
+                    **{'attn_reduction_%': self.attn_reduction,
+                       'model_reduction_%': self.model_reduction},
+                    delta_mIoU=self.delta_mIoU, **self.extra)
+
+
 def swap_sweep(runner: Runner,
-               pool_sizes: Sequence[int],
-               topks: Sequence[int],
-               mita_cfg: Optional[dict] = None,
+               points: Sequence[SweepPoint],
+               swap_cfg: Optional[dict] = None,
                flops_images: int = 1,
                progress: Optional[Callable[[str], None]] = None,
                measure: Optional[Callable[[nn.Module, dict], Dict]] = None,
-               merge_ratios: Sequence[float] = (),
-               plans: Sequence[SwapPlan] = (),
-               merge_cfg: Optional[dict] = None,
-               merged_swaps: Sequence[Tuple[int, int, float]] = ()) -> List[Dict]:
-    """Evaluate ``runner``'s model (checkpoint in ``load_from``) as configured, with
-    token merging (ToMe, :func:`mita_seg.merge_tokens`) at every ratio of
-    ``merge_ratios``, then on MiTA with every ``(pool size, top-k)``, then on MiTA and
-    ToMe together (``merged_swaps``), then with every swap plan of ``plans``.
+               merge_cfg: Optional[dict] = None) -> List[SweepRow]:
+    """Evaluate ``runner``'s model (checkpoint in ``load_from``) at every point of
+    ``points`` (:func:`sweep_points`), in turn, on the same model: as configured, with
+    token merging (ToMe, :func:`mita_seg.merge_tokens`), swapped to MiTA, both, or on a swap
+    plan; the model is unmerged again before a point that does not merge.
 
     Args:
         runner (Runner): a built runner with a test loop and ``load_from``.
-        pool_sizes (Sequence[int]): landmark grid sides ``P`` (``M = P * P``).
-        topks (Sequence[int]): keys per routed expert.
-        mita_cfg (dict, optional): further ``--mita-cfg`` settings (``router_topk``,
-            ``layers``...); not ``pool_size``/``topk``.
+        points (Sequence[SweepPoint]): what to evaluate, the baseline first.
+        swap_cfg (dict, optional): the layer choice of every swap (``layers``,
+            ``include_head`` of :func:`~mita_seg.swap_attention`). Default: None.
         flops_images (int): test images the attention MACs are averaged over. Default: 1.
         progress (Callable, optional): called with a line per step.
         measure (Callable, optional): ``measure(model, batch)`` -> further columns of each
             row, measured on the model as evaluated (e.g. images/s) with the first test
-            batch; its keys come after ``delta_mIoU``. Default: None.
-        merge_ratios (Sequence[float]): token-merging ratios evaluated after the baseline,
-            one row each (``merge_ratio`` column), the model unmerged again after them.
-            Default: ().
-        plans (Sequence[SwapPlan]): swap plans (per-layer settings) evaluated after the
-            uniform settings, one row each (``M`` = ``'plan'``). Default: ().
+            batch (:attr:`SweepRow.extra`). Default: None.
         merge_cfg (dict, optional): further :func:`mita_seg.merge_tokens` arguments of
-            every merged row (``include_head``, ``layers``). Default: None.
-        merged_swaps (Sequence[tuple[int, int, float]]): ``(pool size, top-k, ratio)``:
-            MiTA at ``(pool size, top-k)`` with ToMe at ``ratio`` (layers on MiTA get their
-            MLP merged), one row each, after the uniform settings; the model is unmerged
-            again before the plans. Default: ().
+            every merged point (``include_head``, ``layers``). Default: None.
 
     Returns:
-        list[dict]: one row per setting that ran, baseline first: ``setting, M, topk,
-        mIoU, mAcc, aAcc, attn_GMACs, model_GFLOPs, attn_reduction_%, model_reduction_%,
-        delta_mIoU`` and ``measure``'s columns. ``setting`` and ``M`` say what ran
-        (:func:`ran_label`: a pool larger than the grid runs on the grid); a setting that
-        runs exactly as an earlier one (two pools clamped to the same grid, two ``k`` of at
-        least ``N``) is not evaluated again, and its row is left out (``progress`` says so).
+        list[SweepRow]: one row per point that ran, the baseline first; its ``label`` and
+        ``M`` say what ran (:meth:`~mita_seg.setting.MiTASetting.ran_label`: a pool larger
+        than the grid runs on the grid). A ``swap`` point that runs exactly as an earlier one
+        (two pools clamped to the same grid, two ``k`` of at least ``N``) is not evaluated
+        again, and has no row (``progress`` says so).
+
+    Raises:
+        ValueError: the first point is not the baseline.
     """
+    if not points or points[0].kind != 'baseline':
+        raise ValueError('swap_sweep: the first point must be the baseline (the reductions '
+                         'and deltas are against it); use sweep_points()')
     progress = progress or (lambda line: None)
-    settings: List[Optional[Tuple]] = [None]
-    settings += [('tome', r) for r in merge_ratios]
-    settings += list(itertools.product(pool_sizes, topks))
-    settings += [('mita+tome', ) + tuple(c) for c in merged_swaps] + list(plans)
-    merge_cfg = dict(merge_cfg or {})
-    unmerge_at = {len(merge_ratios) + 1} if merge_ratios else set()
-    if merged_swaps:
-        unmerge_at.add(len(settings) - len(plans))
+    merge_cfg, swap_cfg = dict(merge_cfg or {}), dict(swap_cfg or {})
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
-    rows: List[Dict] = []
+    rows: List[SweepRow] = []
     seen: Dict[frozenset, str] = {}      # what ran -> the label of its row
+    merged = False
+    first = {}                           # kind -> index of its first point (verbose once)
     t0 = time.time()
-    for i, setting in enumerate(settings):
-        if i in unmerge_at:
+    for i, point in enumerate(points):
+        verbose = first.setdefault(point.kind, i) == i and point.kind in ('tome', 'swap')
+        if merged and point.kind != 'tome':
             merge_model(model, 0.0, verbose=False, **merge_cfg)  # exactly unmerged again
+            merged = False
         ran: set = set()
-        M = topk = merge_ratio = ''
-        attn = None     # after runner.test(), which loads the checkpoint, sets eval()
-        if setting is None:
+        attn = ran_label = M = None   # attn after runner.test(), which sets eval(), if None
+        if point.kind == 'baseline':
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
-        elif isinstance(setting, tuple) and setting[0] == 'tome':
-            merge_ratio = setting[1]
-            merge_model(model, merge_ratio, verbose=(i == 1), **merge_cfg)
-            label = merge_label(merge_ratio)
-        elif isinstance(setting, tuple) and setting[0] == 'mita+tome':
-            _, pool, topk, merge_ratio = setting
-            swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk), verbose=False)
-            merge_model(model, merge_ratio, verbose=False, **merge_cfg)
+        elif point.kind == 'tome':
+            merge_model(model, point.merge_ratio, verbose=verbose, **merge_cfg)
+            merged, label = True, merge_label(point.merge_ratio)
+        elif point.kind == 'plan':
+            swap_model(model, dict(plan=point.plan), verbose=False)
+            label = f'plan {osp.basename(point.plan.source) or i}'
+        else:   # swap, swap+tome: what runs, counted first
+            swap_model(model, dict(swap_cfg, **point.setting.cfg()), verbose=verbose)
+            if point.kind == 'swap+tome':
+                merge_model(model, point.merge_ratio, verbose=False, **merge_cfg)
+                merged = True
             attn = attention_gmacs(model, batches, ran)
-            label, M = ran_label(pool, topk, ran)
-            label = f'{label} + {merge_label(merge_ratio)}'
-        elif isinstance(setting, SwapPlan):
-            swap_model(model, dict(plan=setting), verbose=False)
-            label, M = f'plan {osp.basename(setting.source) or i}', 'plan'
-        else:
-            pool, topk = setting
-            swap_model(model, dict(mita_cfg or {}, pool_size=pool, topk=topk),
-                       verbose=(i == 1))
-            attn = attention_gmacs(model, batches, ran)   # first: what runs
-            label, M = ran_label(pool, topk, ran)
-            same = seen.get(frozenset(ran))
-            if same is not None:
-                progress(f'[{i + 1}/{len(settings)}] MiTA M={pool}x{pool} k={topk} runs '
-                         f'exactly as {same!r} on these inputs: not evaluated again, no row')
-                continue
-            seen[frozenset(ran)] = label
-        progress(f'[{i + 1}/{len(settings)}] {label}: evaluating '
+            ran_label = point.setting.ran_label({p for p, *_ in ran},
+                                                [k < point.setting.topk for _, k, _, _ in ran])
+            M = max((h * w for (h, w), *_ in ran), default=point.setting.num_experts)
+            label = f'MiTA {ran_label}'
+            if point.kind == 'swap+tome':
+                label += f' + {merge_label(point.merge_ratio)}'
+            else:
+                same = seen.get(frozenset(ran))
+                if same is not None:
+                    progress(f'[{i + 1}/{len(points)}] MiTA {point.setting.label} runs '
+                             f'exactly as {same!r} on these inputs: not evaluated again, no row')
+                    continue
+                seen[frozenset(ran)] = label
+        progress(f'[{i + 1}/{len(points)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
         if attn is None:
             attn = attention_gmacs(model, batches)
-        row = dict(setting=label, M=M, topk=topk)
-        if merge_ratios or merged_swaps:
-            row['merge_ratio'] = merge_ratio
-        row.update(mIoU=float(metrics['mIoU']),
-                   mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
-                   attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]))
+        row = SweepRow(point, label, ran_label, M, mIoU=float(metrics['mIoU']),
+                       mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
+                       attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]))
         base = rows[0] if rows else row
-        row['attn_reduction_%'] = 100.0 * (1 - row['attn_GMACs'] / base['attn_GMACs'])
-        row['model_reduction_%'] = 100.0 * (1 - row['model_GFLOPs'] / base['model_GFLOPs'])
-        row['delta_mIoU'] = row['mIoU'] - base['mIoU']
+        row.attn_reduction = 100.0 * (1 - row.attn_GMACs / base.attn_GMACs)
+        row.model_reduction = 100.0 * (1 - row.model_GFLOPs / base.model_GFLOPs)
+        row.delta_mIoU = row.mIoU - base.mIoU
         if measure is not None:
-            row.update(measure(model, batches[0]))
+            row.extra = dict(measure(model, batches[0]))
         rows.append(row)
-        progress(f'[{i + 1}/{len(settings)}] {label}: mIoU {row["mIoU"]:.2f}, attention '
-                 f'{row["attn_GMACs"]:.3f} GMACs/img, model {row["model_GFLOPs"]:.3f} '
-                 'GFLOPs/img')
+        progress(f'[{i + 1}/{len(points)}] {label}: mIoU {row.mIoU:.2f}, attention '
+                 f'{row.attn_GMACs:.3f} GMACs/img, model {row.model_GFLOPs:.3f} GFLOPs/img')
     return rows
