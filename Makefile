@@ -24,7 +24,8 @@ test-sanitize: setup
 	PY=$(PY) bash scripts/test_sanitize.sh
 
 # About 55 minutes on 2 cores, one thread: trains, sweeps (ToMe, MiTA, calibrated plans),
-# fine-tunes each model, trains the Segmenter with MiTA (tools/swap_study.py; --reuse keeps
-# the models and checkpoints already computed in the work dir).
+# fine-tunes each model, trains the Segmenter with MiTA (tools/swap_study.py runs the
+# experiment in projects/swap_study/; --reuse keeps the models and checkpoints already
+# computed in the work dir).
 swap-study: setup
 	$(PY) tools/swap_study.py --work-dir work_dirs/swap_study --fig-dir docs/swap_study --threads 1

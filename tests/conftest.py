@@ -15,6 +15,8 @@ import sys
 import pytest
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if ROOT not in sys.path:   # experiments outside the library: `from projects.swap_study import`
+    sys.path.insert(0, ROOT)
 TINY_UPERNET = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
                           'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')

@@ -1,5 +1,5 @@
 """``tools/swap_study.py`` end to end at toy scale, through the same code path as
-``make swap-study`` (:func:`mita_seg.apis.run_swap_study`): the tiny 128x128 Segmenter of
+``make swap-study`` (:func:`projects.swap_study.run_swap_study`): the tiny 128x128 Segmenter of
 ``configs/baselines`` (a 16x16 grid) on ``conftest.tiny_data`` (8 + 4 images), trained 2
 iterations, two sweep points, ToMe and MiTA + ToMe, the route-only check, calibrated plans
 at two budgets (and with fewer images), one exported and fine-tuned setting, the control, one
@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from mita_seg.apis.swap_study import StudySettings, run_swap_study
 from mita_seg.models import SwapPlan
+from projects.swap_study import StudySettings, run_swap_study
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',

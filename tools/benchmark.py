@@ -569,7 +569,7 @@ def onnx_level(args):
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
     from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
-    from mita_seg.apis.swap_study import machine
+    from projects.swap_study.study import machine
 
     init_default_scope('mmseg')
     threads = args.threads or None

@@ -8,7 +8,7 @@ the paper's M = k = 49 (plus a control: the unswapped model trained as long), be
 training-free peer ToMe (token merging) and per-layer plans calibrated for FLOP budgets, with
 model GFLOPs and measured images/s on every row, and the token-selection maps; and the
 Segmenter trained from scratch with MiTA (small and paper-size experts), evaluated over the
-same grid (:func:`mita_seg.apis.swap_study.run_swap_study`). Writes
+same grid (:func:`projects.swap_study.run_swap_study`). Writes
 ``WORK_DIR/swap_study.{json,md}``, ``FIG_DIR/swap_study.png``, ``FIG_DIR/<model>_native.png``
 and the selection maps; ``make swap-study`` runs it as in
 docs/swap_study.md.
@@ -38,10 +38,10 @@ sys.path.insert(0, ROOT)
 
 from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
                                output_dir)
-from mita_seg.apis.swap_study import STUDY_CANDIDATES  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
                               setting_or_dense_arg)
+from projects.swap_study.study import STUDY_CANDIDATES  # noqa: E402
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
 MODELS = {
@@ -206,7 +206,7 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from mita_seg.apis.swap_study import StudySettings, run_swap_study
+    from projects.swap_study import StudySettings, run_swap_study
     skipped = sorted(set(MODELS) - {n for n, _ in args.models})
     if skipped:
         print(f'[swap_study] not in this study: {", ".join(skipped)} '

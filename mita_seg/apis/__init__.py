@@ -7,9 +7,9 @@
 - ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
-- swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`run_swap_study`
-  (:class:`StudySettings`), :func:`calibrate_swap` (:class:`SwapCalibrator`: per-layer
-  settings for a FLOP budget, a :class:`~mita_seg.models.SwapPlan`);
+- swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`calibrate_swap`
+  (:class:`SwapCalibrator`: per-layer settings for a FLOP budget, a
+  :class:`~mita_seg.models.SwapPlan`);
 - deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
 - careless input (:mod:`mita_seg.apis.cli`): argument types that refuse a bad path or
   number at parsing (:func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
@@ -30,14 +30,13 @@ from .model import init_model, swap_model
 from .onnx_export import MIN_OPSET, OnnxExportError, OnnxReport, check_onnx, export_onnx
 from .runner import QuietRunner, build_runner, prepare_config
 from .sweep import swap_sweep
-from .swap_study import StudySettings, run_swap_study
 from .token_merge import add_merge_args, merge_model
 
 __all__ = [
     'load_config', 'config_name', 'use_slim_inference', 'init_model', 'swap_model', 'load_checkpoint',
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
-    'swap_sweep', 'export_swapped', 'run_swap_study', 'StudySettings', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'swap_sweep', 'export_swapped', 'mita_config', 'run_tool', 'USER_ERRORS',
     'add_merge_args', 'merge_model',
     'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET',
     'calibrate_swap', 'SwapCalibrator', 'CalibrationError',
