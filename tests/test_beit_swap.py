@@ -30,7 +30,7 @@ from mita_seg.analysis.segmentor_cost import SegmentorFlops
 from mita_seg.analysis.token_selection import TokenSelectionRecorder
 from mita_seg.apis import load_config
 from mita_seg.apis.export import mita_config
-from mita_seg.apis.sweep import AttentionMacCounter
+from mita_seg.analysis.attention_macs import AttentionMacCounter
 from mita_seg.models import (GridMismatchError, MiTABEiT, MiTABEiTAttention, MiTAMAE,
                              MiTAMAEAttention, guard_grids)
 from mita_seg.ops import (Inputs, RelPosBias, attention_flops, bias_flops_per_head,

@@ -6,7 +6,9 @@
   attention / neck / head;
 - :mod:`.segmentor_cost`: segmentors built from configs, baseline and MiTA side by side,
   per crop and per image under the test mode;
-- :mod:`.token_selection`: which tokens MiTA's routed experts select.
+- :mod:`.token_selection`: which tokens MiTA's routed experts select;
+- :mod:`.attention_macs`: analytic attention multiply-adds of the calls a model makes (the
+  sweep's ``attn_GMACs``).
 
 Submodules are imported on use, so ``import mita_seg.analysis`` stays light.
 """

@@ -52,10 +52,11 @@ from mmengine.config import Config, ConfigDict
 from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
 
+from mita_seg.analysis.attention_macs import attention_gmacs
 from mita_seg.apis import (build_runner, export_swapped, init_model, load_config,
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
-from mita_seg.apis.sweep import SweepRow, attention_gmacs, model_gflops, sweep_points
+from mita_seg.apis.sweep import SweepRow, model_gflops, sweep_points
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.setting import MiTASetting, label as label_of
 from .report import markdown, plot_native, plot_study
