@@ -7,7 +7,8 @@
 - ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
 - runs: :func:`prepare_config`, :func:`build_runner` (train/test);
 - token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
-- swap workflows: :func:`swap_sweep`, :func:`export_swapped`, :func:`calibrate_swap`
+- swap workflows: :func:`swap_sweep` (of :func:`sweep_points`, :class:`SweepPoint`, one
+  :class:`SweepRow` each), :func:`export_swapped`, :func:`calibrate_swap`
   (:class:`SwapCalibrator`: per-layer settings for a FLOP budget, a
   :class:`~mita_seg.models.SwapPlan`);
 - deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
@@ -29,7 +30,7 @@ from .mita_cfg import add_mita_args, check_mita_cfg, swap_settings
 from .model import init_model, swap_model
 from .onnx_export import MIN_OPSET, OnnxExportError, OnnxReport, check_onnx, export_onnx
 from .runner import QuietRunner, build_runner, prepare_config
-from .sweep import swap_sweep
+from .sweep import SweepPoint, SweepRow, swap_sweep, sweep_points
 from .token_merge import add_merge_args, merge_model
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     'inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'add_mita_args',
     'check_mita_cfg', 'swap_settings', 'prepare_config', 'build_runner', 'QuietRunner',
     'swap_sweep', 'export_swapped', 'mita_config', 'run_tool', 'USER_ERRORS',
+    'sweep_points', 'SweepPoint', 'SweepRow',
     'add_merge_args', 'merge_model',
     'export_onnx', 'check_onnx', 'OnnxReport', 'OnnxExportError', 'MIN_OPSET',
     'calibrate_swap', 'SwapCalibrator', 'CalibrationError',
