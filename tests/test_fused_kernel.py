@@ -77,7 +77,8 @@ def test_kernel_routing_is_the_reference_routing(case, dtype, float32_gemms):
         for m in range(M):
             grp = order[bh, offsets[bh, m]:offsets[bh, m + 1]]
             assert torch.equal(grp, (items[bh] == m).nonzero().flatten())
-    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, p)
+    ref = mita_attention_reference(Inputs(q.float(), k.float(), v.float(), (h, w), pool, topk,
+                                          r, p))
     torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -193,7 +194,7 @@ def test_large_logits_and_nans_as_the_reference(shared):
     kw = dict(hw_shape=(8, 8), pool_size=(2, 2), topk=9, with_shared_expert=shared)
     big = q * 300  # routed logits up to ~1e4
     out = mita_attention(big, k, v, backend='fused_cpu', **kw)
-    ref = mita_attention_reference(big, k, v, **kw)
+    ref = mita_attention_reference(Inputs(big, k, v, **kw))
     assert torch.isfinite(out).all()
     # float32 logits of ~1e4 carry rounding errors of ~1e-3 (in either order of the products)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
@@ -211,7 +212,7 @@ def test_large_logits_and_nans_as_the_reference(shared):
         nan[0, 1, :, 3] = holds[rt.choice[0, 1, :, 0]]
         assert 0 < nan.sum() < out.shape[2]
     assert torch.equal(torch.isnan(out), nan)
-    ref = mita_attention_reference(q, k, v, **kw)
+    ref = mita_attention_reference(Inputs(q, k, v, **kw))
     torch.testing.assert_close(out[0, 0], ref[0, 0], atol=1e-5, rtol=1e-5)  # the other head
 
 
@@ -342,9 +343,9 @@ def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype, float32_
     assert torch.equal(keys.sort(-1).values, rt.expert_keys.reshape(BH, M, topk).sort(-1).values)
     assert torch.equal(choice.sort(-1).values, rt.choice.reshape(BH, N, r).sort(-1).values)
     without = _forward(q, k, v, h, w, 1, pool, topk, r)
-    assert not torch.equal(keys, without[2]), 'the bias does not move the routing'
-    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, 1,
-                                   bias=bias)
+    assert not torch.equal(keys, without.keys), 'the bias does not move the routing'
+    ref = mita_attention_reference(Inputs(q.float(), k.float(), v.float(), (h, w), pool, topk,
+                                          r, 1, bias=bias))
     torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
     # inference (no probabilities saved): the experts' local buffer takes the bias too
     flat = (t.reshape(BH, N, d) for t in (q, k, v))
@@ -615,12 +616,14 @@ def test_lowp_gemms_keep_the_float32_routing(case, dtype, save, monkeypatch):
     path32, f32 = run('0')
     path, low = run('1')
     assert path32 == 'float32' and path in ('brgemm', 'cpublas')
-    for name, i in (('keys', 2), ('choice', 3), ('offsets', 4), ('order', 5), ('R', 6),
-                    ('probs', 7), ('Ls', 8)):
-        assert torch.equal(low[i], f32[i]), name
-    assert not torch.equal(low[10], f32[10]), 'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs'
-    ref = mita_attention_reference(*(t.float().reshape(B, H, N, d) for t in (q, k, v)),
-                                   (h, w), pool, topk, r, p, bias=bias).reshape(BH, N, d)
+    for name in ('keys', 'choice', 'offsets', 'order', 'landmarks', 'probs',
+                 'shared_logits'):
+        assert torch.equal(getattr(low, name), getattr(f32, name)), name
+    assert not torch.equal(low.out_float, f32.out_float), \
+        'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs'
+    ref = mita_attention_reference(Inputs(
+        *(t.float().reshape(B, H, N, d) for t in (q, k, v)), (h, w), pool, topk, r, p,
+        bias=bias)).reshape(BH, N, d)
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3  # ~4 ulp of the P, V products' rounding
     torch.testing.assert_close(low.out_float, ref, atol=tol, rtol=tol)
     torch.testing.assert_close(low.shared_values, f32.shared_values, atol=tol, rtol=tol)
@@ -658,7 +661,7 @@ def test_lowp_gemms_in_the_backward(case, dtype, monkeypatch):
 
     low, f32 = grads('1'), grads('0')
     x, b = leaves(lambda t: t.float())
-    ref = mita_attention_reference(*x[:3], (h, w), pool, topk, r, p, bias=b)
+    ref = mita_attention_reference(Inputs(*x[:3], (h, w), pool, topk, r, p, bias=b))
     ref = torch.autograd.grad(ref, x, dout.float())
     tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
     for name, a, b, c in zip(['dq', 'dk', 'dv', 'dtable'], low, f32, ref):

@@ -265,18 +265,17 @@ class MiTAFused(torch.autograd.Function):
         return (dq, dk, dv, *dbias) + (None, ) * 8
 
 
-def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
-                             num_prefix_tokens=1, with_shared_expert=True,
-                             shared_scale=None, block_size=None, bias=None):
-    """Fused CPU MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated;
-    ``block_size`` is unused).
+def mita_attention_fused_cpu(inp):
+    """Fused CPU MiTA of ``inp`` (a :class:`mita_seg.ops.dispatch.Inputs`: the arguments of
+    :func:`mita_seg.ops.mita_attention`, validated; ``block_size`` is unused).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v and
         the bias table.
     """
+    q, k, v, bias, pool_size = inp.q, inp.k, inp.v, inp.bias, inp.pool_size
     B, H, N, d = q.shape
-    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    shared_scale = 1.0 / d if inp.shared_scale is None else float(inp.shared_scale)
     qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
     bias_q = bias_k = table = None
     window = (0, 0)
@@ -286,7 +285,7 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         acc = routing_dtype(q.dtype)
         table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
         bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
-    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(hw_shape),
-                          tuple(pool_size), num_prefix_tokens, topk, router_topk,
-                          with_shared_expert, shared_scale)
+    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
+                          tuple(pool_size), inp.num_prefix_tokens, inp.topk, inp.router_topk,
+                          inp.with_shared_expert, shared_scale)
     return out.view(B, H, N, d)
