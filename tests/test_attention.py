@@ -6,7 +6,7 @@ from mmseg.registry import MODELS
 
 import mita_seg.models  # noqa: F401  (registers MiTAAttention)
 from mita_seg.models import MiTAAttention
-from mita_seg.ops import mita_attention_reference
+from mita_seg.ops import Inputs, mita_attention_reference
 
 
 def _mmcv_attn(C=32, H=4, seed=0):
@@ -56,7 +56,7 @@ def test_matches_reference_on_projected_heads():
         out = mita(x, hw_shape=(6, 8))
         qkv = torch.nn.functional.linear(x, ref.attn.in_proj_weight, ref.attn.in_proj_bias)
         q, k, v = qkv.reshape(2, -1, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        o = mita_attention_reference(q, k, v, (6, 8), (3, 3), 6, 2, 1)
+        o = mita_attention_reference(Inputs(q, k, v, (6, 8), (3, 3), 6, 2, 1))
         expected = x + ref.attn.out_proj(o.transpose(1, 2).reshape(2, -1, 32))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -4,7 +4,7 @@ about 5 s on 2 cores."""
 import pytest
 import torch
 
-from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference
+from mita_seg.ops import Inputs, RelPosBias, mita_attention, mita_attention_reference
 from mita_seg.ops.bias import table_size
 from mita_seg.ops.fused_cpu import _C
 
@@ -41,8 +41,8 @@ def test_fused_gradients_match_dense_reference(case, shared):
               with_shared_expert=shared)
     out = mita_attention(q, k, v, pool_size=pool, backend='fused_cpu', **kw)
     fused = torch.autograd.grad(out, (q, k, v), grad)
-    ref = torch.autograd.grad(mita_attention_reference(q, k, v, pool_size=_pair(pool), **kw),
-                              (q, k, v), grad)
+    ref = torch.autograd.grad(
+        mita_attention_reference(Inputs(q, k, v, pool_size=_pair(pool), **kw)), (q, k, v), grad)
     for name, a, b in zip('qkv', fused, ref):
         assert a.abs().sum() > 0, f'd{name} is zero'
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f'd{name}: {m}')
@@ -66,7 +66,7 @@ def test_fused_gradients_low_precision():
     q, k, v = (t.detach().bfloat16() for t in (q, k, v))
     kw = dict(hw_shape=(8, 8), pool_size=(4, 4), topk=12, router_topk=2)
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(mita_attention_reference(*leaves, **kw), leaves, grad)
+    ref = torch.autograd.grad(mita_attention_reference(Inputs(*leaves, **kw)), leaves, grad)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     out = mita_attention(*leaves, backend='fused_cpu', **kw)
     for a, b in zip(torch.autograd.grad(out, leaves, grad.bfloat16()), ref):
@@ -91,7 +91,7 @@ def test_fused_gradients_with_bias_router_top2(shared):
     leaves = (q, k, v, table)
     out = mita_attention(q, k, v, backend='fused_cpu', rel_pos_bias=RelPosBias(table, (h, w)),
                          **kw)
-    ref = mita_attention_reference(q, k, v, bias=RelPosBias(table, (h, w)), **kw)
+    ref = mita_attention_reference(Inputs(q, k, v, bias=RelPosBias(table, (h, w)), **kw))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for name, a, b in zip(['q', 'k', 'v', 'table'], torch.autograd.grad(out, leaves, grad),
                           torch.autograd.grad(ref, leaves, grad)):
@@ -109,7 +109,7 @@ def test_fused_gradients_low_precision_with_bias():
     table = _table(H, h, w)
     kw = dict(hw_shape=(h, w), pool_size=(4, 4), topk=12, router_topk=2)
     leaves = [t.float().requires_grad_() for t in (q, k, v)] + [table]
-    ref = mita_attention_reference(*leaves[:3], bias=RelPosBias(table, (h, w)), **kw)
+    ref = mita_attention_reference(Inputs(*leaves[:3], bias=RelPosBias(table, (h, w)), **kw))
     ref_grads = torch.autograd.grad(ref, leaves, grad)
     leaves = [t.requires_grad_() for t in (q, k, v)] + [table]
     out = mita_attention(*leaves[:3], backend='fused_cpu', rel_pos_bias=RelPosBias(table, (h, w)),

@@ -11,10 +11,10 @@ import re
 import pytest
 import torch
 
-from mita_seg.ops import (RelPosBias, mita_attention, mita_attention_reference,
+from mita_seg.ops import (Inputs, RelPosBias, mita_attention, mita_attention_reference,
                           mita_routing)
 from mita_seg.ops.bias import landmark_bias, table_size
-from mita_seg.ops.fused_cpu import _C, profile
+from mita_seg.ops.fused_cpu import _C, FusedState, profile
 
 pytestmark = pytest.mark.skipif(_C is None, reason='the C++ extension mita_seg._C is not built')
 
@@ -42,7 +42,7 @@ def float32_gemms(monkeypatch):
 def _forward(q, k, v, h, w, p, pool, topk, r, shared=True, save=True):
     B, H, N, d = q.shape
     flat = (t.reshape(B * H, N, d) for t in (q, k, v))
-    return _C.mita_forward(*flat, h, w, *pool, p, topk, r, shared, 1.0 / d, save)
+    return FusedState(*_C.mita_forward(*flat, h, w, *pool, p, topk, r, shared, 1.0 / d, save))
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16],
@@ -77,7 +77,8 @@ def test_kernel_routing_is_the_reference_routing(case, dtype, float32_gemms):
         for m in range(M):
             grp = order[bh, offsets[bh, m]:offsets[bh, m + 1]]
             assert torch.equal(grp, (items[bh] == m).nonzero().flatten())
-    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, p)
+    ref = mita_attention_reference(Inputs(q.float(), k.float(), v.float(), (h, w), pool, topk,
+                                          r, p))
     torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -89,30 +90,33 @@ def test_kernel_saves_probabilities_only_when_asked(case):
     q, k, v = _qkv(B, H, p + h * w + s, d)
     kept = _forward(q, k, v, h, w, p, pool, topk, r)
     res = _forward(q, k, v, h, w, p, pool, topk, r, save=False)
-    assert res[7].numel() == 0  # probs
-    for i in range(2, 6):  # the routing
-        assert torch.equal(res[i], kept[i])
-    torch.testing.assert_close(res[0], kept[0], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(res[1], kept[1], atol=1e-6, rtol=1e-6)
+    assert res.probs.numel() == 0
+    for name in ('keys', 'choice', 'offsets', 'order'):  # the routing
+        assert torch.equal(getattr(res, name), getattr(kept, name))
+    torch.testing.assert_close(res.out, kept.out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(res.lse, kept.lse, atol=1e-6, rtol=1e-6)
     res = _forward(q, k, v, h, w, p, pool, topk, r, shared=False)
-    assert res[7].numel() == 0 and res[9].numel() == 0  # route-only: no V_R either
+    assert res.probs.numel() == 0 and res.shared_values.numel() == 0  # route-only: no V_R
 
 
 def _backward_args(case='vit-7x11-cls'):
-    """The arguments of _C.mita_backward, by name, from a real forward."""
+    """The arguments of _C.mita_backward, by name (the state's fields among them), from a
+    real forward."""
     B, H, h, w, p, s, d, pool, topk, r = CASES[case]
     q, k, v = _qkv(B, H, p + h * w + s, d)
-    out, lse, keys, choice, offsets, order, R, probs, ls, vr, _ = _forward(q, k, v, h, w, p,
-                                                                           pool, topk, r)
-    flat = [t.reshape(out.shape) for t in (q, k, v)]
+    state = _forward(q, k, v, h, w, p, pool, topk, r)
+    flat = [t.reshape(state.out.shape) for t in (q, k, v)]
     return dict(q=flat[0], k=flat[1], v=flat[2], h=h, w=w, ph=pool[0], pw=pool[1], prefix=p,
-                shared=True, shared_scale=1.0 / d, keys=keys, choice=choice, offsets=offsets,
-                order=order, R=R, probs=probs, ls=ls, vr=vr, out=out, lse=lse,
-                dout=torch.ones_like(out))
+                shared=True, shared_scale=1.0 / d, **state._asdict(),
+                dout=torch.ones_like(state.out))
 
 
 def _bwd(a):
-    return _C.mita_backward(*a.values())
+    """_C.mita_backward on the arguments of :func:`_backward_args` (the state's fields
+    gathered into its state)."""
+    state = [a[name] for name in FusedState._fields]
+    rest = {key: value for key, value in a.items() if key not in FusedState._fields}
+    return _C.mita_backward(**rest, state=state)
 
 
 def test_kernel_backward_rejects_bad_indices():
@@ -190,7 +194,7 @@ def test_large_logits_and_nans_as_the_reference(shared):
     kw = dict(hw_shape=(8, 8), pool_size=(2, 2), topk=9, with_shared_expert=shared)
     big = q * 300  # routed logits up to ~1e4
     out = mita_attention(big, k, v, backend='fused_cpu', **kw)
-    ref = mita_attention_reference(big, k, v, **kw)
+    ref = mita_attention_reference(Inputs(big, k, v, **kw))
     assert torch.isfinite(out).all()
     # float32 logits of ~1e4 carry rounding errors of ~1e-3 (in either order of the products)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
@@ -208,7 +212,7 @@ def test_large_logits_and_nans_as_the_reference(shared):
         nan[0, 1, :, 3] = holds[rt.choice[0, 1, :, 0]]
         assert 0 < nan.sum() < out.shape[2]
     assert torch.equal(torch.isnan(out), nan)
-    ref = mita_attention_reference(q, k, v, **kw)
+    ref = mita_attention_reference(Inputs(q, k, v, **kw))
     torch.testing.assert_close(out[0, 0], ref[0, 0], atol=1e-5, rtol=1e-5)  # the other head
 
 
@@ -339,17 +343,17 @@ def test_kernel_routing_with_bias_is_the_reference_routing(case, dtype, float32_
     assert torch.equal(keys.sort(-1).values, rt.expert_keys.reshape(BH, M, topk).sort(-1).values)
     assert torch.equal(choice.sort(-1).values, rt.choice.reshape(BH, N, r).sort(-1).values)
     without = _forward(q, k, v, h, w, 1, pool, topk, r)
-    assert not torch.equal(keys, without[2]), 'the bias does not move the routing'
-    ref = mita_attention_reference(q.float(), k.float(), v.float(), (h, w), pool, topk, r, 1,
-                                   bias=bias)
+    assert not torch.equal(keys, without.keys), 'the bias does not move the routing'
+    ref = mita_attention_reference(Inputs(q.float(), k.float(), v.float(), (h, w), pool, topk,
+                                          r, 1, bias=bias))
     torch.testing.assert_close(out32.reshape(B, H, N, d), ref, atol=1e-5, rtol=1e-5)
     # inference (no probabilities saved): the experts' local buffer takes the bias too
     flat = (t.reshape(BH, N, d) for t in (q, k, v))
-    res = _C.mita_forward(*flat, h, w, *pool, 1, topk, r, True, 1.0 / d, False, Bq, Bk,
-                          bias.table, h, w)
-    assert res[7].numel() == 0 and torch.equal(res[2], keys)
+    res = FusedState(*_C.mita_forward(*flat, h, w, *pool, 1, topk, r, True, 1.0 / d, False,
+                                      Bq, Bk, bias.table, h, w))
+    assert res.probs.numel() == 0 and torch.equal(res.keys, keys)
     # (in float32: the scores in tiles sum in another order, an fp16 output may round apart)
-    res32 = res[0] if dtype == torch.float32 else res[10]
+    res32 = res.out if dtype == torch.float32 else res.out_float
     torch.testing.assert_close(res32, out32, atol=1e-6, rtol=1e-5)
 
 
@@ -369,30 +373,33 @@ def test_tiled_scores_as_one_tile():
     Bk[:, 5:10] = float('-inf')                           # no shared expert for queries 5-9
 
     def run(save, Bq=Bq, shared=True):
-        return _C.mita_forward(q, k, v, h, w, *pool, 1, topk, 1, shared, 1.0 / d, save, Bq, Bk,
-                               bias.table, h, w)
+        return FusedState(*_C.mita_forward(q, k, v, h, w, *pool, 1, topk, 1, shared, 1.0 / d,
+                                           save, Bq, Bk, bias.table, h, w))
 
     tiled, whole = run(False), run(True)
-    for i in range(2, 6):  # keys, choice, offsets, order
-        assert torch.equal(tiled[i], whole[i])
-    for i in (0, 1, 9):  # out, lse, V_R
-        torch.testing.assert_close(tiled[i], whole[i], atol=1e-5, rtol=1e-5)
+    for name in ('keys', 'choice', 'offsets', 'order'):
+        assert torch.equal(getattr(tiled, name), getattr(whole, name))
+    for name in ('out', 'lse', 'shared_values'):
+        torch.testing.assert_close(getattr(tiled, name), getattr(whole, name), atol=1e-5,
+                                   rtol=1e-5)
     rt = mita_routing(q[None], k[None], (h, w), pool, topk, 1, 1, landmark_bias=(Bq, Bk))
-    assert torch.equal(tiled[2].sort(-1).values, rt.expert_keys[0].sort(-1).values)
-    assert (tiled[2][:, 0] >= 1500).all()
-    torch.testing.assert_close(tiled[9], torch.softmax(rt.scores[0], -1) @ v, atol=1e-5,
+    assert torch.equal(tiled.keys.sort(-1).values, rt.expert_keys[0].sort(-1).values)
+    assert (tiled.keys[:, 0] >= 1500).all()
+    torch.testing.assert_close(tiled.shared_values, torch.softmax(rt.scores[0], -1) @ v,
+                               atol=1e-5,
                                rtol=1e-5)
     alone = run(False, shared=False)  # route-only: the same choices, no shared expert
-    assert torch.equal(alone[3], tiled[3])
-    torch.testing.assert_close(tiled[0][:, 5:10], alone[0][:, 5:10], atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(tiled[0][:, 10:20], alone[0][:, 10:20])
+    assert torch.equal(alone.choice, tiled.choice)
+    torch.testing.assert_close(tiled.out[:, 5:10], alone.out[:, 5:10], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(tiled.out[:, 10:20], alone.out[:, 10:20])
     # NaN scores: never among the keys while others are available; V_R is NaN (as softmax)
     nan = Bq.clone()
     nan[:, 2, 1000:1100] = float('nan')
     tiled, whole = run(False, nan), run(True, nan)
-    assert torch.equal(tiled[2], whole[2])
-    assert not ((tiled[2][:, 2] >= 1000) & (tiled[2][:, 2] < 1100)).any()
-    assert tiled[9][:, 2].isnan().all() and not tiled[9][:, 3].isnan().any()
+    assert torch.equal(tiled.keys, whole.keys)
+    assert not ((tiled.keys[:, 2] >= 1000) & (tiled.keys[:, 2] < 1100)).any()
+    assert tiled.shared_values[:, 2].isnan().all()
+    assert not tiled.shared_values[:, 3].isnan().any()
 
 
 @pytest.mark.parametrize('save', [False, True], ids=['tiled', 'whole-rows'])
@@ -407,15 +414,16 @@ def test_low_precision_inputs_are_read_in_place(dtype, save, float32_gemms):
     q, k, v = (t.reshape(H, N, d).to(dtype) for t in _qkv(1, H, N, d, seed=3))
 
     def run(q, k, v, r):
-        return _C.mita_forward(q, k, v, h, w, *pool, 1, topk, r, True, 1.0 / d, save)
+        return FusedState(*_C.mita_forward(q, k, v, h, w, *pool, 1, topk, r, True, 1.0 / d,
+                                           save))
 
     for r in (1, 2):  # the routed partial merged in the routed phase (r = 1) or phase 6
         wide = run(q.float(), k.float(), v.float(), r)
         strided = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
         for low in (run(q, k, v, r), run(*strided, r)):
-            assert low[0].dtype == dtype and torch.equal(low[0], wide[0].to(dtype))
-            assert torch.equal(low[10], wide[0])  # out in float32
-            for a, b in zip(low[1:10], wide[1:10]):  # lse, routing, R, probs, Ls, V_R
+            assert low.out.dtype == dtype and torch.equal(low.out, wide.out.to(dtype))
+            assert torch.equal(low.out_float, wide.out)
+            for a, b in zip(low[1:-1], wide[1:-1]):  # lse, routing, R, probs, Ls, V_R
                 assert torch.equal(a, b)
 
 
@@ -456,11 +464,9 @@ def test_kernel_rejects_bad_bias_inputs():
     fwd(r'needs tokens \[cls, 11x7 grid\].*grid 7x11', window_h=11, window_w=7)
     fwd(r'needs tokens \[cls, 7x11 grid\].*got prefix 0', prefix=0)
     # the backward: the table and window as the forward took them
-    out, lse, keys, choice, offsets, order, R, probs, ls, vr, _ = res
     bwd = dict(q=a['q'], k=a['k'], v=a['v'], h=a['h'], w=a['w'], ph=a['ph'], pw=a['pw'],
-               prefix=1, shared=True, shared_scale=a['shared_scale'], keys=keys,
-               choice=choice, offsets=offsets, order=order, R=R, probs=probs, ls=ls, vr=vr,
-               out=out, lse=lse, dout=torch.ones_like(out), table=a['table'], window_h=a['h'],
+               prefix=1, shared=True, shared_scale=a['shared_scale'], state=res,
+               dout=torch.ones_like(res[0]), table=a['table'], window_h=a['h'],
                window_w=a['w'])
     grads = _C.mita_backward(**bwd)
     assert [tuple(g.shape) for g in grads[3:]] == [(H, M, N), (H, N, M), (H, T)]
@@ -485,9 +491,9 @@ def test_fake_implementations_match_the_kernel(with_bias, shared):
     fwd_args = list(a.values())
     torch.library.opcheck(fused_cpu._fused_fwd, fwd_args, test_utils=('test_schema',
                                                                       'test_faketensor'))
-    out, lse, *routing, out_float = fused_cpu._fused_fwd(*fwd_args)
+    state = fused_cpu._fused_fwd(*fwd_args)
     bwd_args = [a['q'], a['k'], a['v'], a['h'], a['w'], a['ph'], a['pw'], 1, shared,
-                a['shared_scale'], routing + [out, lse], torch.ones_like(out), a['table'],
+                a['shared_scale'], state, torch.ones_like(state[0]), a['table'],
                 a['window_h'], a['window_w']]
     torch.library.opcheck(fused_cpu._fused_bwd, bwd_args, test_utils=('test_schema',
                                                                       'test_faketensor'))
@@ -604,23 +610,25 @@ def test_lowp_gemms_keep_the_float32_routing(case, dtype, save, monkeypatch):
     def run(setting):
         monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
         path = _C.lowp_gemm_path(dtype)
-        return path, _C.mita_forward(q, k, v, h, w, *pool, p, topk, r, True, 1.0 / d, save,
-                                     *extra)
+        return path, FusedState(*_C.mita_forward(q, k, v, h, w, *pool, p, topk, r, True,
+                                                 1.0 / d, save, *extra))
 
     path32, f32 = run('0')
     path, low = run('1')
     assert path32 == 'float32' and path in ('brgemm', 'cpublas')
-    for name, i in (('keys', 2), ('choice', 3), ('offsets', 4), ('order', 5), ('R', 6),
-                    ('probs', 7), ('Ls', 8)):
-        assert torch.equal(low[i], f32[i]), name
-    assert not torch.equal(low[10], f32[10]), 'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs'
-    ref = mita_attention_reference(*(t.float().reshape(B, H, N, d) for t in (q, k, v)),
-                                   (h, w), pool, topk, r, p, bias=bias).reshape(BH, N, d)
+    for name in ('keys', 'choice', 'offsets', 'order', 'landmarks', 'probs',
+                 'shared_logits'):
+        assert torch.equal(getattr(low, name), getattr(f32, name)), name
+    assert not torch.equal(low.out_float, f32.out_float), \
+        'MITA_CPU_BF16_GEMM=1 ran the float32 GEMMs'
+    ref = mita_attention_reference(Inputs(
+        *(t.float().reshape(B, H, N, d) for t in (q, k, v)), (h, w), pool, topk, r, p,
+        bias=bias)).reshape(BH, N, d)
     tol = 2e-2 if dtype == torch.bfloat16 else 3e-3  # ~4 ulp of the P, V products' rounding
-    torch.testing.assert_close(low[10], ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(low[9], f32[9], atol=tol, rtol=tol)  # V_R
-    torch.testing.assert_close(low[1], f32[1], atol=tol, rtol=tol)  # lse
-    assert low[0].dtype == dtype and torch.equal(low[0], low[10].to(dtype))
+    torch.testing.assert_close(low.out_float, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(low.shared_values, f32.shared_values, atol=tol, rtol=tol)
+    torch.testing.assert_close(low.lse, f32.lse, atol=tol, rtol=tol)
+    assert low.out.dtype == dtype and torch.equal(low.out, low.out_float.to(dtype))
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
@@ -653,7 +661,7 @@ def test_lowp_gemms_in_the_backward(case, dtype, monkeypatch):
 
     low, f32 = grads('1'), grads('0')
     x, b = leaves(lambda t: t.float())
-    ref = mita_attention_reference(*x[:3], (h, w), pool, topk, r, p, bias=b)
+    ref = mita_attention_reference(Inputs(*x[:3], (h, w), pool, topk, r, p, bias=b))
     ref = torch.autograd.grad(ref, x, dout.float())
     tol = 3e-2 if dtype == torch.bfloat16 else 4e-3
     for name, a, b, c in zip(['dq', 'dk', 'dv', 'dtable'], low, f32, ref):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mita_seg.ops import mita_attention, mita_attention_reference
+from mita_seg.ops import Inputs, mita_attention, mita_attention_reference
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +82,7 @@ def test_operator_fuzz(c):
         out = mita_attention(q, k, v, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
-    ref = mita_attention_reference(q, k, v, **{**kw, 'topk': min(c['topk'], N)})
+    ref = mita_attention_reference(Inputs(q, k, v, **{**kw, 'topk': min(c['topk'], N)}))
     tol = 1e-5 if c['dtype'] == torch.float32 else 1e-10
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import onnx  # requirements.txt: onnx, onnxruntime, onnxscript
 import onnxruntime as ort
 
-from mita_seg.ops import RelPosBias, mita_attention, mita_attention_reference
+from mita_seg.ops import Inputs, RelPosBias, mita_attention, mita_attention_reference
 from mita_seg.ops.bias import table_size
 from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,
                                onnx_unsupported, pool_matrix)
@@ -87,7 +87,7 @@ def test_translation_matches_reference(case, formulation, tmp_path):
     B, H, d, hw, p, s, pool, topk, r, shared, bias = CASES[case]
     q, k, v, table = case_inputs(B, H, d, hw, p, s, bias)
     rb = None if table is None else RelPosBias(table, hw)
-    ref = mita_attention_reference(q, k, v, hw, pool, topk, r, p, shared, None, None, rb)
+    ref = mita_attention_reference(Inputs(q, k, v, hw, pool, topk, r, p, shared, None, rb))
     out = run_in_ort(MiTACall(hw, pool, topk, r, p, shared, table), (q, k, v),
                      tmp_path / 'mita.onnx', formulation)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
@@ -97,7 +97,7 @@ def test_translation_matches_reference(case, formulation, tmp_path):
 def test_tile_sizes_agree(tile_size, tmp_path):
     # one slot per tile, a few, and one tile larger than any expert's queries
     q, k, v, _ = case_inputs(1, 2, 8, (6, 7), 1, 3, False, seed=1)
-    ref = mita_attention_reference(q, k, v, (6, 7), (3, 2), 8, 1, 1)
+    ref = mita_attention_reference(Inputs(q, k, v, (6, 7), (3, 2), 8, 1, 1))
     out = run_in_ort(MiTACall((6, 7), (3, 2), 8), (q, k, v), tmp_path / 'm.onnx',
                      tile_size=tile_size)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

@@ -32,8 +32,8 @@ def test_matches_dense_reference(case, shared, impl):
     q, k, v = _qkv(B, H, p + h * w + s, d)
     kw = dict(hw_shape=(h, w), pool_size=pool, topk=topk, router_topk=r, num_prefix_tokens=p,
               with_shared_expert=shared)
-    ref = mita_attention_reference(q, k, v, **{**kw, 'pool_size': (pool, pool) if
-                                               isinstance(pool, int) else pool})
+    ref = mita_attention_reference(Inputs(q, k, v, **{**kw, 'pool_size': (pool, pool) if
+                                               isinstance(pool, int) else pool}))
     if impl == 'op':
         out = mita_attention(q, k, v, **kw)
     else:  # every backend, forced through the public op
@@ -46,7 +46,7 @@ def test_matches_dense_reference(case, shared, impl):
 def test_any_block_size_is_the_same_operator(block_size):
     q, k, v = _qkv(2, 2, 1 + 9 * 13, 8, seed=1)
     kw = dict(hw_shape=(9, 13), pool_size=4, topk=20, router_topk=2)
-    ref = mita_attention_reference(q, k, v, **{**kw, 'pool_size': (4, 4)})
+    ref = mita_attention_reference(Inputs(q, k, v, **{**kw, 'pool_size': (4, 4)}))
     torch.testing.assert_close(mita_attention(q, k, v, block_size=block_size, **kw), ref,
                                atol=1e-5, rtol=1e-5)
 
@@ -142,8 +142,8 @@ def test_backward_matches_reference_gradients():
     kw = dict(hw_shape=(7, 11), pool_size=3, topk=9, router_topk=2)
     g = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
     grads = torch.autograd.grad(mita_attention(q, k, v, **kw), (q, k, v), g)
-    ref = torch.autograd.grad(mita_attention_reference(q, k, v, **{**kw, 'pool_size': (3, 3)}),
-                              (q, k, v), g)
+    ref = torch.autograd.grad(
+        mita_attention_reference(Inputs(q, k, v, **{**kw, 'pool_size': (3, 3)})), (q, k, v), g)
     for a, b in zip(grads, ref):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -155,8 +155,8 @@ def test_low_precision_forward_backward(dtype):
     kw = dict(hw_shape=(8, 8), pool_size=4, topk=12)
     out = mita_attention(q, k, v, **kw)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    ref = mita_attention_reference(*(t.detach().float() for t in (q, k, v)),
-                                   **{**kw, 'pool_size': (4, 4)})
+    ref = mita_attention_reference(Inputs(*(t.detach().float() for t in (q, k, v)),
+                                   **{**kw, 'pool_size': (4, 4)}))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     out.float().square().sum().backward()
     assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q, k, v))

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mita_seg.ops import mita_attention, mita_attention_reference
+from mita_seg.ops import Inputs, mita_attention, mita_attention_reference
 from mita_seg.ops.fused_cpu import _C
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -100,8 +100,8 @@ def _check_low_precision(case, dtype, device, backend):
     kw = dict(hw_shape=(h, w), pool_size=pool, topk=min(topk, N), num_prefix_tokens=p,
               with_shared_expert=shared)
 
-    ref = mita_attention_reference(*fp32, **{**kw, 'pool_size': (pool, pool) if
-                                             isinstance(pool, int) else pool})
+    ref = mita_attention_reference(Inputs(*fp32, **{**kw, 'pool_size': (pool, pool) if
+                                             isinstance(pool, int) else pool}))
     out = mita_attention(*lowp, **kw, backend=backend)
     assert out.dtype == dtype and torch.isfinite(out).all()
     sdpa_ref = F.scaled_dot_product_attention(*fp32)

@@ -45,7 +45,8 @@ def tiny_cfg(crop=64, stride=42, **head):
 
 def build_pair(model_cfg, swap=False):
     """mmseg's EncoderDecoder with seeded random weights and a SlimEncoderDecoder holding the
-    same weights."""
+    same weights, on mmseg's dense attention path (the fast one is equal to rounding, not
+    bit for bit: tests/test_fast_attention.py)."""
     init_default_scope('mmseg')
     torch.manual_seed(0)
     ref = MODELS.build(dict(copy.deepcopy(model_cfg), type='EncoderDecoder')).eval()
@@ -55,6 +56,7 @@ def build_pair(model_cfg, swap=False):
         swap_attention(ref, pool_size=2, topk=8, verbose=False)
     slim_cfg = copy.deepcopy(model_cfg)
     slim_cfg.type = 'SlimEncoderDecoder'
+    slim_cfg.dense_attn = 'mmseg'
     slim = MODELS.build(slim_cfg).eval()
     if swap:
         swap_attention(slim, pool_size=2, topk=8, verbose=False)

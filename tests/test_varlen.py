@@ -45,8 +45,8 @@ def test_outputs_and_gradients_match_reference(case, shared, kernel_name):
     B, H, h, w, p, s, d, pool, topk = case
     q, k, v, g = _qkv(B, H, p + h * w + s, d)
     kw = _kw(case, shared)
-    out = mita_attention_varlen(q, k, v, **kw, kernel_name=kernel_name)
-    ref = mita_attention_reference(q, k, v, **kw)
+    out = mita_attention_varlen(Inputs(q, k, v, **kw), kernel_name=kernel_name)
+    ref = mita_attention_reference(Inputs(q, k, v, **kw))
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -63,8 +63,8 @@ def test_public_op_forced_to_varlen(case):
     kw = _kw(case, True)
     with torch.no_grad():   # the opaque custom op
         out = mita_attention(q, k, v, backend='varlen', **kw)
-    torch.testing.assert_close(out, mita_attention_reference(q, k, v, **kw), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(out, mita_attention_reference(Inputs(q, k, v, **kw)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_packing_layout():
@@ -115,9 +115,9 @@ def test_experts_with_no_query_are_dropped():
     p = pack(q, k, v, R, R, rt.expert_keys, rt.choice, 1.0)
     assert p.cu_seq_q.tolist() == [0, N]
     for kernel_name in KERNELS:
-        out = mita_attention_varlen(q, k, v, **kw, kernel_name=kernel_name)
-        torch.testing.assert_close(out, mita_attention_reference(q, k, v, **kw), atol=1e-5,
-                                   rtol=1e-5)
+        out = mita_attention_varlen(Inputs(q, k, v, **kw), kernel_name=kernel_name)
+        torch.testing.assert_close(out, mita_attention_reference(Inputs(q, k, v, **kw)),
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('prefix,suffix', [(0, 0), (1, 0), (1, 7)])
@@ -138,7 +138,7 @@ def test_shared_scale(shared_scale):
     q, k, v, _ = _qkv(2, 2, 1 + 8 * 9, 16, seed=7)
     kw = dict(hw_shape=(8, 9), pool_size=3, topk=12, shared_scale=shared_scale)
     out = mita_attention(q, k, v, backend='varlen', **kw)
-    ref = mita_attention_reference(q, k, v, **{**kw, 'pool_size': (3, 3)})
+    ref = mita_attention_reference(Inputs(q, k, v, **{**kw, 'pool_size': (3, 3)}))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -150,7 +150,7 @@ def test_low_precision_routes_like_float32(dtype):
     kw = dict(hw_shape=(10, 10), pool_size=(4, 4), topk=20)
     out = mita_attention(q, k, v, backend='varlen', **kw)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    ref = mita_attention_reference(*(t.detach().float() for t in (q, k, v)), **kw)
+    ref = mita_attention_reference(Inputs(*(t.detach().float() for t in (q, k, v)), **kw))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -217,7 +217,7 @@ def test_cuda_kernels_match_reference(case, dtype):
     assert select_backend(x) == 'varlen'
     out = mita_attention(q, k, v, **kw)
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = mita_attention_reference(*fp32, **kw)
+    ref = mita_attention_reference(Inputs(*fp32, **kw))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     grads = torch.autograd.grad(out, (q, k, v), g)

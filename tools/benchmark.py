@@ -41,8 +41,10 @@ Peak memory on CPU is the rise of the process's peak RSS during one call
 (``/proc/self/status`` VmHWM, reset through ``/proc/self/clear_refs``), with glibc's mmap
 threshold lowered so freed buffers go back to the OS (the script re-executes itself to set
 that); on CUDA it is the rise of ``torch.cuda.max_memory_allocated``. Times are taken with
-glibc's thresholds where a running process has them (:func:`steady_allocator`): buffers
-below 32 MiB reused, not page-faulted in afresh on every call.
+glibc's thresholds where a running process has them
+(:func:`mita_seg.analysis.timing.steady_allocator`): buffers below 32 MiB reused, not
+page-faulted in afresh on every call. The timers, the memory peak and the CPU's description
+are :mod:`mita_seg.analysis.timing`'s.
 
 Examples::
 
@@ -61,16 +63,14 @@ Examples::
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-settings 7:49 4:16
 """
 import argparse
-import contextlib
 import copy
-import ctypes
 import gc
 import os
 import statistics
 import sys
 import time
 
-MMAP_ENV = 'MALLOC_MMAP_THRESHOLD_'
+MMAP_ENV = 'MALLOC_MMAP_THRESHOLD_'  # mita_seg.analysis.timing.MMAP_ENV (torch not yet loaded)
 if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
     # Large buffers through mmap, so RSS falls when they are freed and peaks are exact.
     os.environ[MMAP_ENV] = '65536'
@@ -78,9 +78,10 @@ if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.benchmark import Timer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mita_seg.analysis.timing import (cpu_description, interleaved_medians,  # noqa: E402
+                                      median_time, peak_memory_rise, steady_allocator)
 from mita_seg.ops import (Inputs, RelPosBias, attention_flops, mita_attention,  # noqa: E402
                           mita_flops, select_backend)
 from mita_seg.ops.bias import bias_index, table_size  # noqa: E402
@@ -108,103 +109,12 @@ MODELS = {
 }
 
 
-def peak_memory_rise(fn, device):
-    """Run ``fn`` once to warm up (lazy initialisation, first-call allocations), then once
-    measured; return its result and the rise of peak memory in MiB: CUDA's peak allocated
-    memory on ``cuda``, the process's peak RSS on CPU (None where /proc/self/clear_refs is
-    not available)."""
-    fn()
-    gc.collect()
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        out = fn()
-        torch.cuda.synchronize(device)
-        return out, (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    try:
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')  # reset VmHWM to the current RSS
-    except OSError:
-        return fn(), None
-
-    def status(key):
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) / 1024
-    before = status('VmRSS:')
-    out = fn()
-    return out, status('VmHWM:') - before
-
-
 def describe(device):
-    """The device, in words: the GPU's name, or the CPU's thread count."""
+    """The device, in words: the GPU's name, or the CPU (:func:`cpu_description`) and
+    torch's thread count."""
     if device.type == 'cuda':
         return torch.cuda.get_device_name(device)
-    return f'{torch.get_num_threads()} threads'
-
-
-# glibc's mallopt parameters and the values of a running process's steady state.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-STEADY_MMAP, STEADY_TRIM = 32 * 2**20, 64 * 2**20
-
-
-@contextlib.contextmanager
-def steady_allocator():
-    """glibc's allocator as a process that runs a model has it, while timing. glibc raises
-    its mmap threshold to the size of each mmapped buffer freed (up to 32 MiB) and its trim
-    threshold to twice that, so after its first calls a process reuses freed buffers below
-    32 MiB instead of mapping (and page-faulting) them afresh. The lowered threshold this
-    script sets for exact memory peaks (``MALLOC_MMAP_THRESHOLD_``) would charge those page
-    faults to every timed call, SDPA's and MiTA's; inside this block the thresholds are at
-    their steady-state values, afterwards back to the low one with the freed memory
-    returned (``malloc_trim``). A no-op where glibc is not the C library."""
-    try:
-        libc = ctypes.CDLL('libc.so.6')
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
-        yield
-        return
-    low = int(os.environ.get(MMAP_ENV, 0))
-    mallopt(M_MMAP_THRESHOLD, STEADY_MMAP)
-    mallopt(M_TRIM_THRESHOLD, STEADY_TRIM)
-    try:
-        yield
-    finally:
-        if low:
-            mallopt(M_MMAP_THRESHOLD, low)
-            mallopt(M_TRIM_THRESHOLD, 128 * 1024)  # glibc's default
-            trim(0)
-
-
-def median_time(fn, min_run_time):
-    # Timer runs single-threaded unless told otherwise: use the threads torch would use.
-    # It synchronizes the accelerator around each measurement (CUDA time is real time).
-    with steady_allocator():
-        fn()  # buffers of the steady state
-        return Timer('fn()', globals={'fn': fn}, num_threads=torch.get_num_threads()
-                     ).blocked_autorange(min_run_time=min_run_time).median
-
-
-def interleaved_median_times(fns, min_run_time, device, rounds=3):
-    """Median seconds per call of each of ``fns``, timed in turn (one call of each per round,
-    at least ``rounds`` rounds and ``min_run_time`` seconds each): calls of several seconds
-    on a shared host drift, and a ratio of runs taken minutes apart carries that drift."""
-    times = [[] for _ in fns]
-    with steady_allocator():
-        for fn in fns:  # buffers of the steady state
-            fn()
-        while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
-            for fn, t in zip(fns, times):
-                if device.type == 'cuda':
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                fn()
-                if device.type == 'cuda':
-                    torch.cuda.synchronize(device)
-                t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return f'{cpu_description()}; {torch.get_num_threads()} threads'
 
 
 def mmcv_attention_core(q, k, v):
@@ -376,7 +286,7 @@ def thread_scaling(args):
                    lambda: mita_attention(q, k, v, (side, side), args.pool_size, args.topk)]
             runs = [on(t, fn) for t in counts for fn in fns]
             with torch.no_grad():
-                times = interleaved_median_times(runs, args.min_run_time, dev, rounds=5)
+                times = interleaved_medians(runs, args.min_run_time, rounds=5, device=dev)
             for i, t in enumerate(counts):
                 sdpa, mita = times[2 * i], times[2 * i + 1]
                 print(f'{N:>6} {dtype:>8} {t:>7} | {sdpa * 1e3:9.2f} {mita * 1e3:9.2f} | '
@@ -431,7 +341,6 @@ def op_bias_level(args):
                 for name, f in fns.items():
                     run = timed_call(f, pass_, (q, k, v) + ((table, ) if '+B' in name else ()),
                                      grad)
-                    run()  # warm-up
                     times[name] = median_time(run, args.min_run_time)
                 ovh = [times[c + '+B'] / times[c] for c in ['SDPA'] + backends]
                 vs = [times['SDPA+B'] / times[n + '+B'] for n in backends]
@@ -525,8 +434,8 @@ def model_level(args):
             mode, (h, w), runs = models[name]
             runs = {v: autocast(dtype, run) for v, run in runs.items()}
             mems = peaks[(name, dtype)]
-            times = dict(zip(runs, interleaved_median_times(list(runs.values()),
-                                                            args.min_run_time, dev)))
+            times = dict(zip(runs, interleaved_medians(list(runs.values()),
+                                                       args.min_run_time, device=dev)))
             mem = lambda v: f'{mems[v]:9.0f}' if mems[v] is not None else f"{'n/a':>9}"  # noqa
             print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} {dtype:>8} | " +
                   ' '.join(f'{1 / times[v]:9.3f}' for v in names) + ' | ' +
@@ -569,14 +478,13 @@ def onnx_level(args):
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
     from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
-    from projects.swap_study.study import machine
 
     init_default_scope('mmseg')
     threads = args.threads or None
     from mita_seg.setting import MiTASetting
     settings = args.onnx_settings or [MiTASetting(args.pool_size, args.topk)]
     print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
-          f'threads, on {machine()["cpu"]} ({os.cpu_count()} logical CPUs); random weights, batch '
+          f'threads, on {cpu_description()}; random weights, batch '
           f'1, whole image; speed-up against softmax attention; "no mixing (bound)": MiTA\'s '
           'node exported as out = v (attention removed, projections kept)')
     header = (f"{'model':>16} {'image':>10} {'N':>6} {'attention':>18} | {'img/s':>7} "

@@ -25,8 +25,8 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, calibrate_swap, checkpoint_file,  # noqa: E402
-                           config_file, config_name, ensure_parent, float_range, int_range,
+from mita_seg.apis import (KeyValueAction, add_dense_attn_arg, calibrate_swap,  # noqa: E402
+                           checkpoint_file, config_file, config_name, ensure_parent, float_range, int_range,
                            output_file, python_command, run_tool)
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES  # noqa: E402
 from mita_seg.setting import label, setting_or_dense_arg  # noqa: E402
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     parser.add_argument('--seed', type=int_range(0), default=0, help='which training images')
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
+    add_dense_attn_arg(parser)
     args = parser.parse_args(argv)
     if args.reduction is not None and not 0 <= args.reduction < 1:
         parser.error(f'--reduction must be in [0, 1), got {args.reduction}')

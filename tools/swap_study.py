@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
                                output_dir)
+from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
                               setting_or_dense_arg)
@@ -167,6 +168,7 @@ def parse_args(argv=None):
                         'same settings (to add a model to a finished study)')
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override settings of every config, key=value')
+    add_dense_attn_arg(parser)
     parser.add_argument('--verbose', action='store_true',
                         help="print the Runner's config dumps and per-class tables")
     args = parser.parse_args(argv)

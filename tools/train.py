@@ -3,11 +3,13 @@
 Usage::
 
     python tools/train.py CONFIG [--work-dir DIR] [--resume] [--amp]
-        [--cfg-options key=value ...] [--launcher {none,pytorch,slurm,mpi}] [--verbose]
+        [--cfg-options key=value ...] [--dense-attn {fast,mmseg}]
+        [--launcher {none,pytorch,slurm,mpi}] [--verbose]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``. Besides mmseg's tool: any config gets the
 crash-safe, strict, weights-only checkpoint hook; ``--launcher pytorch`` runs on gloo
-without CUDA; ``--amp`` is bf16 on CPU; the console leaves out the config dump (the log
+without CUDA; ``--amp`` is bf16 on CPU; dense attention runs on PyTorch's fused path
+(``--dense-attn mmseg`` keeps mmseg's); the console leaves out the config dump (the log
 file in the work dir keeps everything; ``--verbose`` shows it). Multi-GPU / multi-node:
 ``tools/dist_train.sh CONFIG GPUS [ARGS]``.
 """
@@ -18,8 +20,9 @@ import sys
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, build_runner, config_file,  # noqa: E402
-                           config_name, load_config, output_dir, prepare_config, run_tool)
+from mita_seg.apis import (KeyValueAction, add_dense_attn_arg, build_runner,  # noqa: E402
+                           config_file, config_name, load_config, output_dir, prepare_config,
+                           run_tool)
 
 
 def parse_args(argv=None):
@@ -34,6 +37,7 @@ def parse_args(argv=None):
                         help='automatic mixed precision (fp16 on CUDA, bf16 on CPU)')
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override settings of the config, key=value (a list: key="[a,b]")')
+    add_dense_attn_arg(parser)
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
                         default='none', help='job launcher')
     parser.add_argument('--verbose', action='store_true',

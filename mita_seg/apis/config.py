@@ -1,10 +1,13 @@
 """Configs for the tools: a file or ``mmseg::<dir>/<name>.py``, ``--cfg-options``, work_dir,
-and the segmentor that gives mmseg's results with lighter inference."""
+the segmentor that gives mmseg's results with lighter inference, and the dense attention
+path (``dense_attn``)."""
 import os.path as osp
 from typing import Optional
 
+import torch.nn as nn
 from mmengine.config import Config
 
+from mita_seg.models.fast_attention import check_dense_attn, set_dense_attn
 from .cli import InputError
 
 
@@ -71,6 +74,27 @@ def load_config(config: str,
 # segmentor type -> the one with the same results and lighter slide inference
 SLIM_SEGMENTORS = {'EncoderDecoder': 'SlimEncoderDecoder',
                    'mmseg.EncoderDecoder': 'SlimEncoderDecoder'}
+SLIM_TYPES = ('SlimEncoderDecoder', 'mmseg.SlimEncoderDecoder')
+
+
+def dense_attn_setting(cfg: Config) -> str:
+    """The dense attention path ``cfg`` asks for: its top-level ``dense_attn``
+    (``--dense-attn``), else that of its ``SlimEncoderDecoder`` (a TTA model's too), else
+    ``'fast'``.
+
+    Raises:
+        InputError: neither ``'fast'`` nor ``'mmseg'``.
+    """
+    mode = cfg.get('dense_attn', None)
+    model = cfg.get('model')
+    while mode is None and isinstance(model, dict):
+        mode = model.get('dense_attn', None)
+        model = model.get('module')     # SegTTAModel wraps the segmentor
+    mode = 'fast' if mode is None else mode
+    try:
+        return check_dense_attn(mode)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def use_slim_inference(cfg: Config) -> Config:
@@ -82,10 +106,21 @@ def use_slim_inference(cfg: Config) -> Config:
     ``SlimEncoderDecoder`` itself. Other segmentors are left as they are; a switched
     config imports ``mita_seg.models`` (``custom_imports``), so its dump builds anywhere.
 
+    It also settles the dense attention path (:func:`dense_attn_setting`:
+    ``--dense-attn``, ``'fast'`` by default; :func:`~mita_seg.models.set_dense_attn`):
+    written to the config's top level ``dense_attn`` (what :func:`use_dense_attn` applies
+    to a model of any segmentor) and to a ``SlimEncoderDecoder``'s arguments (so a dumped
+    config builds the same).
+
     Returns:
         Config: ``cfg``.
+
+    Raises:
+        InputError: ``dense_attn`` is neither ``'fast'`` nor ``'mmseg'``.
     """
     slim = cfg.get('slim_inference', True)
+    dense_attn = dense_attn_setting(cfg)
+    cfg.dense_attn = dense_attn
     model = cfg.get('model')
     while isinstance(model, dict):
         kind = model.get('type')
@@ -95,7 +130,22 @@ def use_slim_inference(cfg: Config) -> Config:
             if 'mita_seg.models' not in imports:   # a dumped config builds it too
                 cfg.custom_imports = dict(imports=imports + ['mita_seg.models'],
                                           allow_failed_imports=False)
-        elif not slim and kind in ('SlimEncoderDecoder', 'mmseg.SlimEncoderDecoder'):
+        elif not slim and kind in SLIM_TYPES:
             model['type'] = 'EncoderDecoder'
+        if model.get('type') in SLIM_TYPES:
+            model['dense_attn'] = dense_attn
+        else:
+            model.pop('dense_attn', None)   # mmseg's EncoderDecoder has no such argument
         model = model.get('module')     # SegTTAModel wraps the segmentor
     return cfg
+
+
+def use_dense_attn(model: nn.Module, cfg: Config) -> int:
+    """Put ``model``, built from ``cfg``, on the dense attention path ``cfg`` asks for
+    (:func:`dense_attn_setting`), whatever its segmentor (mmseg's ``EncoderDecoder`` has
+    no such argument), in place.
+
+    Returns:
+        int: the number of mmcv ``MultiheadAttention`` modules on that path.
+    """
+    return set_dense_attn(model, dense_attn_setting(cfg))

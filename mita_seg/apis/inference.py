@@ -7,8 +7,9 @@ import numpy as np
 import torch.nn as nn
 from mmseg.apis import MMSegInferencer, inference_model, show_result_pyplot
 
+from mita_seg.models import check_dense_attn
 from mita_seg.utils.checkpoint import check_checkpoint_keys
-from .config import use_slim_inference
+from .config import use_dense_attn, use_slim_inference
 from .model import swap_model
 
 __all__ = ['inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'draw_title']
@@ -59,6 +60,9 @@ class MiTASegInferencer(MMSegInferencer):
         weights (str, optional): a local checkpoint (loaded weights-only).
         mita_cfg (dict, optional): swap the attention to MiTA with these settings
             (``--mita-cfg``); None runs the model as configured. Default: None.
+        dense_attn (str, optional): ``'fast'`` or ``'mmseg'``, the dense attention path
+            (:func:`~mita_seg.apis.init_model`'s); None: the config's, else ``'fast'``.
+            Default: None.
         **kwargs: the other arguments of ``MMSegInferencer`` (``device``, ``palette``...).
 
     Raises:
@@ -67,15 +71,22 @@ class MiTASegInferencer(MMSegInferencer):
     """
 
     def __init__(self, model: str, weights: Optional[str] = None,
-                 mita_cfg: Optional[dict] = None, **kwargs):
+                 mita_cfg: Optional[dict] = None, dense_attn: Optional[str] = None,
+                 **kwargs):
         self.mita_cfg = mita_cfg
+        self.dense_attn = None if dense_attn is None else check_dense_attn(dense_attn)
         self.weights_source = weights
         super().__init__(model, weights=weights, **kwargs)
 
     def _init_model(self, cfg, weights: Optional[str], device: str = 'cpu') -> nn.Module:
         """``MMSegInferencer``'s model, built as ``SlimEncoderDecoder`` where the config has
-        an ``EncoderDecoder`` (:func:`~mita_seg.apis.use_slim_inference`)."""
-        return super()._init_model(use_slim_inference(cfg), weights, device)
+        an ``EncoderDecoder`` (:func:`~mita_seg.apis.use_slim_inference`), its dense
+        attention on the config's path (``dense_attn``, ``'fast'`` by default)."""
+        if self.dense_attn is not None:
+            cfg.dense_attn = self.dense_attn
+        model = super()._init_model(use_slim_inference(cfg), weights, device)
+        use_dense_attn(model, cfg)
+        return model
 
     def _load_weights_to_model(self, model: nn.Module, checkpoint: Optional[dict], cfg) -> None:
         """Check the checkpoint's keys, let mmseg load it (and its class names), then

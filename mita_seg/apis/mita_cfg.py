@@ -19,7 +19,7 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mita_seg.models import SWAP_RULES, PlanError, SwapPlan
+from mita_seg.models import DENSE_ATTN_MODES, SWAP_RULES, PlanError, SwapPlan
 from mita_seg.setting import MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, check_settings
 from .cli import KeyValueAction
 
@@ -81,10 +81,32 @@ def read_plan_arg(path: str) -> SwapPlan:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class DenseAttnAction(argparse.Action):
+    """``--dense-attn MODE``: ``--cfg-options dense_attn=MODE`` (merged into the tool's
+    ``cfg_options``, which every tool passes to its config), also kept as ``dense_attn``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        options = dict(getattr(namespace, 'cfg_options', None) or {})
+        options['dense_attn'] = values
+        namespace.cfg_options = options
+
+
+def add_dense_attn_arg(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dense-attn {fast,mmseg}`` to a tool with ``--cfg-options`` (the config's
+    ``dense_attn``, :func:`~mita_seg.apis.use_slim_inference`)."""
+    parser.add_argument(
+        '--dense-attn', choices=DENSE_ATTN_MODES, default=None, action=DenseAttnAction,
+        help='path of the dense (standard) global attention: "fast" (default: PyTorch\'s '
+        'fused scaled_dot_product_attention, mmseg\'s results to float32 rounding) or '
+        '"mmseg" (mmseg\'s own, which materialises the N x N weights); same as '
+        '--cfg-options dense_attn=...')
+
+
 def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
                   exclude: Sequence[str] = ()) -> None:
     """Add ``--mita-cfg`` and ``--mita-plan`` (and ``--swap-attn {none,mita}`` with
-    ``swap_flag``) to a tool.
+    ``swap_flag``) to a tool, and ``--dense-attn`` (:func:`add_dense_attn_arg`).
 
     Args:
         parser (ArgumentParser): the tool's parser.
@@ -108,6 +130,7 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
         '--mita-plan', type=read_plan_arg, default=None, metavar='PLAN.json',
         help='per-layer MiTA settings (dense allowed) from a swap plan, e.g. written by '
         'tools/calibrate_swap.py; instead of --mita-cfg')
+    add_dense_attn_arg(parser)
 
 
 def swap_settings(parser: argparse.ArgumentParser,

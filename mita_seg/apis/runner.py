@@ -12,7 +12,7 @@ from mita_seg.engine import use_amp, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
 from .cli import InputError
-from .config import use_slim_inference
+from .config import use_dense_attn, use_slim_inference
 
 # The environment each launcher reads (mmengine's init_dist), and what sets it.
 LAUNCHER_ENV = {'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
@@ -80,7 +80,8 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
     if amp:
         use_amp(cfg)
     use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
-    use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to)
+    use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to),
+    #                           the dense attention path (dense_attn, 'fast' by default)
     setup_cpu_distributed(cfg, launcher)
     return cfg
 
@@ -88,11 +89,13 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
 def build_runner(cfg: Config, verbose: bool = False) -> Runner:
     """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default. A
     BEiT/MAE backbone's grid is checked on every forward
-    (:func:`~mita_seg.models.guard_grids`)."""
+    (:func:`~mita_seg.models.guard_grids`); the model's dense attention is on the path
+    ``cfg.dense_attn`` says (:func:`~mita_seg.apis.use_dense_attn`, any segmentor)."""
     if 'runner_type' in cfg:
         from mmseg.registry import RUNNERS
         runner = RUNNERS.build(cfg)
     else:
         runner = (Runner if verbose else QuietRunner).from_cfg(cfg)
     guard_grids(runner.model)
+    use_dense_attn(runner.model, cfg)
     return runner

@@ -6,7 +6,8 @@ The settings (rules, spelling, label) are :mod:`mita_seg.setting`, re-exported h
 
 Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``, ``heads``
 <- ``plan`` <- ``swap`` <- ``token_merge``
-(the high-level swap depends on the modules, never the reverse); ``segmentors`` stands apart.
+(the high-level swap depends on the modules, never the reverse); ``fast_attention`` (mmcv's
+dense attention on PyTorch's fused path) stands apart, ``segmentors`` builds on it.
 """
 from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, MiTASetting, MiTASettingError,
                               check_settings)
@@ -14,6 +15,8 @@ from mita_seg.utils.checkpoint import register_safe_globals
 from .attention import MiTAAttention, MiTASettingsMixin, use_dense, use_mita
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
+from .fast_attention import (DENSE_ATTN_MODES, FastMultiheadAttention, check_dense_attn,
+                             dense_attn_of, set_dense_attn)
 from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
 from .plan import PLAN_FORMAT, PlanError, SwapPlan
@@ -32,5 +35,7 @@ __all__ = [
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
     'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
-    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError', 'MiTASetting'
+    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError', 'MiTASetting',
+    'DENSE_ATTN_MODES', 'FastMultiheadAttention', 'check_dense_attn', 'dense_attn_of',
+    'set_dense_attn'
 ]

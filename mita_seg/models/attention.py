@@ -316,7 +316,9 @@ _DENSE_ORIGINAL = '_mita_dense_original'
 def use_dense(owner: nn.Module, layer_ids: Iterable[int]) -> int:
     """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) back on the
     standard attention :func:`use_mita` replaced (the very module, with the very parameters:
-    the reverse of the swap); layers on standard attention are left as they are.
+    the reverse of the swap); layers on standard attention are left as they are. The module
+    put back runs the dense path the model is on (its inner ``nn.MultiheadAttention`` is the
+    one the MiTA module holds, which :func:`~mita_seg.models.set_dense_attn` switches too).
 
     Returns:
         int: the number of layers put back.

@@ -87,20 +87,21 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.reshape(-1)).view(*index.shape, x.shape[-1])
 
 
-def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
-                           num_prefix_tokens=1, with_shared_expert=True,
-                           shared_scale=None, block_size=None, bias=None):
-    """Blocked MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated;
-    ``bias`` the ``rel_pos_bias``).
+def mita_attention_blocked(inp):
+    """Blocked MiTA of ``inp`` (a :class:`mita_seg.ops.dispatch.Inputs`: the arguments of
+    :func:`mita_seg.ops.mita_attention`, validated; ``bias`` the ``rel_pos_bias``, tiles of
+    ``block_size`` items, :func:`default_block_size` if None).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
     """
+    q, k, v, bias, topk = inp.q, inp.k, inp.v, inp.bias, inp.topk
     B, H, N, d = q.shape
-    BH, r = B * H, router_topk
+    BH, r = B * H, inp.router_topk
     scale = d ** -0.5
-    rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale, None if bias is None else landmark_bias(bias, pool_size))
+    rt = mita_routing(q, k, inp.hw_shape, inp.pool_size, topk, r, inp.num_prefix_tokens,
+                      inp.shared_scale,
+                      None if bias is None else landmark_bias(bias, inp.pool_size))
     M = rt.landmarks.shape[2]
     acc = routing_dtype(q.dtype)
     # Matmuls run in the input dtype on GPU; CPU low-precision matmuls are slow and
@@ -108,7 +109,7 @@ def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     mm = q.dtype if q.is_cuda else acc
 
     # Routed experts, tiled: [BH, nT, T] items against [BH, nT, k] keys.
-    T = block_size or default_block_size(N * r, M)
+    T = inp.block_size or default_block_size(N * r, M)
     item_slot, slot_item, tile_expert = _tile_layout(rt.choice.reshape(BH, N * r), M, T)
     nT = tile_expert.shape[1]
     L = nT * T
@@ -137,7 +138,7 @@ def mita_attention_blocked(q, k, v, hw_shape, pool_size, topk, router_topk=1,
     s_r = p_r.sum(-1).view(BH, L).gather(1, item_slot).view(BH, N, r)
 
     m = m_r.amax(-1)                                                  # [BH, N]
-    if with_shared_expert:
+    if inp.with_shared_expert:
         v_r = torch.softmax(rt.scores, dim=-1) @ v.to(acc)            # [B, H, M, d]
         logits_s = rt.router.reshape(BH, N, M)
         m_s = logits_s.amax(-1)

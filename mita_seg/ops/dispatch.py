@@ -7,7 +7,7 @@ otherwise the first of the device's order that can run is used, and when none ca
 lists each backend's reasons, one per line. Each backend also carries its multiply-add
 formula (what it executes, padding included), which the FLOP tools count.
 
-Adding a backend: a module with ``fn`` (the signature of
+Adding a backend: a module with ``fn(inp: Inputs) -> out`` (as
 :func:`~mita_seg.ops.reference.mita_attention_reference`, differentiable with respect to q,
 k, v), ``unsupported(inp) -> list[str]`` and ``flops(...)``, one entry in :data:`BACKENDS`,
 and its place in :data:`AUTO_ORDER`.
@@ -25,7 +25,7 @@ __all__ = ['Inputs', 'Backend', 'BACKENDS', 'AUTO_ORDER', 'select_backend']
 
 class Inputs(NamedTuple):
     """One MiTA call's arguments, validated (see :func:`mita_seg.ops.mita_attention`), as
-    the backends see them when deciding whether they can run."""
+    the backends see them when deciding whether they can run, and run them."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -37,6 +37,7 @@ class Inputs(NamedTuple):
     with_shared_expert: bool = True
     shared_scale: Optional[float] = None
     bias: Optional[RelPosBias] = None
+    block_size: Optional[int] = None
 
     @property
     def device(self) -> torch.device:
@@ -64,10 +65,8 @@ class Backend(NamedTuple):
     """An implementation of MiTA.
 
     Attributes:
-        fn (Callable): ``fn(q, k, v, hw_shape, pool_size, topk, router_topk,
-            num_prefix_tokens, with_shared_expert, shared_scale, block_size, bias=None) ->
-            out``, differentiable with respect to q, k, v (and the bias table) by its own
-            autograd.
+        fn (Callable): ``fn(inp: Inputs) -> out`` (``[B, H, N, d]``), differentiable with
+            respect to q, k, v (and the bias table) by its own autograd.
         unsupported (Callable): ``unsupported(inp: Inputs) -> list[str]``, why it cannot run
             these inputs (empty when it can).
         flops (Callable): ``flops(num_tokens, head_dim, num_experts, topk, router_topk,

@@ -43,7 +43,7 @@ tracers (``torch.compile``) see opaque nodes.
 import importlib.util
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -51,7 +51,6 @@ from torch import Tensor
 from .bias import table_size
 from .flops import mita_flops_per_head
 from .routing import routing_dtype
-
 
 
 def _load_extension():
@@ -97,12 +96,31 @@ def unsupported(inp) -> List[str]:
 flops = mita_flops_per_head
 
 
+class FusedState(NamedTuple):
+    """What the fused forward returns and its backward reads (``_C.mita_forward``'s list, in
+    this order; ``FusedState`` in the C++). ``BH`` rows of ``N`` tokens, ``M`` experts of
+    ``K`` keys, ``r`` choices per query; float tensors in the compute dtype (float32, float64
+    for float64 inputs) unless said otherwise."""
+    out: Tensor            # [BH, N, d] in the inputs' dtype
+    lse: Tensor            # [BH, N] log-sum-exp of each query's M + r K logits
+    keys: Tensor           # [BH, M, K] int64, each expert's keys
+    choice: Tensor         # [BH, N, r] int64, each query's experts
+    offsets: Tensor        # [BH, M + 1] int64: expert m's items are order[offsets[m]:..[m+1]]
+    order: Tensor          # [BH, N r] int64, the items (query n, choice c) by expert
+    landmarks: Tensor      # [BH, M, d] R
+    probs: Tensor          # [BH, M, N] softmax(S) (empty unless shared and saved for backward)
+    shared_logits: Tensor  # [BH, N, M] Ls (empty unless shared and saved for backward)
+    shared_values: Tensor  # [BH, M, d] V_R (empty route-only)
+    out_float: Tensor      # [BH, N, d] out in float32 for bf16/fp16 inputs (empty otherwise)
+
+
 @torch.library.custom_op('mita_seg::fused_fwd', mutates_args=())
 def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
                topk: int, router_topk: int, shared: bool, shared_scale: float,
                save_probs: bool, bias_q: Optional[Tensor] = None,
                bias_k: Optional[Tensor] = None, table: Optional[Tensor] = None,
                window_h: int = 0, window_w: int = 0) -> List[Tensor]:
+    """:class:`FusedState` as a list (custom ops return lists)."""
     return _C.mita_forward(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared,
                            shared_scale, save_probs, bias_q, bias_k, table, window_h, window_w)
 
@@ -113,25 +131,30 @@ def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, sa
     BH, N, d = q.shape
     M, r = ph * pw, router_topk
     long, acc = dict(dtype=torch.long), dict(dtype=routing_dtype(q.dtype))
-    return [torch.empty_like(q), q.new_empty(BH, N, **acc), q.new_empty(BH, M, topk, **long),
-            q.new_empty(BH, N, r, **long), q.new_empty(BH, M + 1, **long),
-            q.new_empty(BH, N * r, **long), q.new_empty(BH, M, d, **acc),
-            q.new_empty(BH if shared and save_probs else 0, M, N, **acc),
-            q.new_empty(BH if shared and save_probs else 0, N, M, **acc), q.new_empty(BH if shared else 0, M, d, **acc),
-            q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)]
+    saved = BH if shared and save_probs else 0
+    return list(FusedState(
+        out=torch.empty_like(q), lse=q.new_empty(BH, N, **acc),
+        keys=q.new_empty(BH, M, topk, **long), choice=q.new_empty(BH, N, r, **long),
+        offsets=q.new_empty(BH, M + 1, **long), order=q.new_empty(BH, N * r, **long),
+        landmarks=q.new_empty(BH, M, d, **acc), probs=q.new_empty(saved, M, N, **acc),
+        shared_logits=q.new_empty(saved, N, M, **acc),
+        shared_values=q.new_empty(BH if shared else 0, M, d, **acc),
+        out_float=q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)))
 
 
 @torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
 def _fused_bwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
-               shared: bool, shared_scale: float, saved: List[Tensor], grad_out: Tensor,
+               shared: bool, shared_scale: float, state: List[Tensor], grad_out: Tensor,
                table: Optional[Tensor] = None, window_h: int = 0,
                window_w: int = 0) -> List[Tensor]:
-    return _C.mita_backward(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, *saved,
+    """``state``: the forward's :class:`FusedState` (``out`` may be empty where
+    ``out_float`` is not: the backward reads the latter)."""
+    return _C.mita_backward(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, state,
                             grad_out, table, window_h, window_w)
 
 
 @_fused_bwd.register_fake
-def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, saved, grad_out, table=None,
+def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, state, grad_out, table=None,
       window_h=0, window_w=0):
     # dq, dk, dv; with a bias, in the compute dtype: dbias_q [H, M, N], dbias_k [H, N, M]
     # (empty without the shared expert) and dtable [H, T]; empty without a bias.
@@ -219,41 +242,40 @@ class MiTAFused(torch.autograd.Function):
     def forward(ctx, q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
                 router_topk, shared, shared_scale):
         save = any(ctx.needs_input_grad[:6])
-        # out (q.dtype), lse, keys, choice, offsets, order, R, probs, Ls, V_R, and for bf16 /
-        # fp16 inputs out in float32 (empty otherwise)
-        out, lse, *routing, out_float = _fused_fwd(q, k, v, *hw_shape, *pool_size, prefix,
-                                                   topk, router_topk, shared, shared_scale,
-                                                   save, bias_q, bias_k, table, *window)
+        state = FusedState(*_fused_fwd(q, k, v, *hw_shape, *pool_size, prefix, topk,
+                                       router_topk, shared, shared_scale, save, bias_q,
+                                       bias_k, table, *window))
         if save:
-            ctx.save_for_backward(q, k, v, table, *routing,
-                                  out_float if out_float.numel() else out, lse)
+            saved = state
+            if state.out_float.numel():  # the backward reads out_float: keep no bf16 out
+                saved = state._replace(out=state.out.new_empty(0))
+            ctx.save_for_backward(q, k, v, table, *saved)
             ctx.args = (*hw_shape, *pool_size, prefix, shared, shared_scale)
             ctx.window = window
-        return out
+        return state.out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, table, *saved = ctx.saved_tensors
-        dq, dk, dv, *dbias = _fused_bwd(q, k, v, *ctx.args, saved, grad_out.contiguous(),
+        q, k, v, table, *state = ctx.saved_tensors
+        dq, dk, dv, *dbias = _fused_bwd(q, k, v, *ctx.args, state, grad_out.contiguous(),
                                         table, *ctx.window)
         # dbias_q, dbias_k, dtable: empty where there is no such input or no gradient
         dbias = [g if g.numel() else None for g in dbias]
         return (dq, dk, dv, *dbias) + (None, ) * 8
 
 
-def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
-                             num_prefix_tokens=1, with_shared_expert=True,
-                             shared_scale=None, block_size=None, bias=None):
-    """Fused CPU MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated;
-    ``block_size`` is unused).
+def mita_attention_fused_cpu(inp):
+    """Fused CPU MiTA of ``inp`` (a :class:`mita_seg.ops.dispatch.Inputs`: the arguments of
+    :func:`mita_seg.ops.mita_attention`, validated; ``block_size`` is unused).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v and
         the bias table.
     """
+    q, k, v, bias, pool_size = inp.q, inp.k, inp.v, inp.bias, inp.pool_size
     B, H, N, d = q.shape
-    shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
+    shared_scale = 1.0 / d if inp.shared_scale is None else float(inp.shared_scale)
     qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
     bias_q = bias_k = table = None
     window = (0, 0)
@@ -263,7 +285,7 @@ def mita_attention_fused_cpu(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         acc = routing_dtype(q.dtype)
         table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
         bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
-    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(hw_shape),
-                          tuple(pool_size), num_prefix_tokens, topk, router_topk,
-                          with_shared_expert, shared_scale)
+    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
+                          tuple(pool_size), inp.num_prefix_tokens, inp.topk, inp.router_topk,
+                          inp.with_shared_expert, shared_scale)
     return out.view(B, H, N, d)

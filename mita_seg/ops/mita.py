@@ -68,16 +68,11 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
     return (h, w), (ph, pw), topk
 
 
-def _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
-         with_shared_expert, shared_scale, block_size, backend, bias_table=None,
-         window_h=0, window_w=0):
-    bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
+def _run(inp: Inputs, backend: str) -> torch.Tensor:
     # The operator picks its own precision (routing and softmax in float32): autocast
     # (e.g. mmengine's --amp) must not push its matmuls into bf16/fp16.
-    with torch.autocast(q.device.type, enabled=False):
-        return BACKENDS[backend].fn(q, k, v, (h, w), (ph, pw), topk, router_topk,
-                                    num_prefix_tokens, with_shared_expert, shared_scale,
-                                    block_size, bias=bias)
+    with torch.autocast(inp.device.type, enabled=False):
+        return BACKENDS[backend].fn(inp)
 
 
 @torch.library.custom_op('mita_seg::mita_attention', mutates_args=())
@@ -86,10 +81,11 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              with_shared_expert: bool, shared_scale: float, block_size: int,
              backend: str, bias_table: Optional[torch.Tensor] = None, window_h: int = 0,
              window_w: int = 0) -> torch.Tensor:
-    """The operator as one opaque node, for calls that need no gradient."""
-    return _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
-                with_shared_expert, shared_scale, block_size, backend, bias_table, window_h,
-                window_w)
+    """The operator as one opaque node, for calls that need no gradient (torch.library
+    takes primitive arguments: :class:`Inputs` flattened)."""
+    bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
+    return _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
+                       with_shared_expert, shared_scale, bias, block_size), backend)
 
 
 @_mita_op.register_fake
@@ -182,17 +178,17 @@ def mita_attention(q: torch.Tensor,
     if rel_pos_bias is not None:
         rel_pos_bias = RelPosBias(rel_pos_bias.table, tuple(rel_pos_bias.window))
         check_bias(rel_pos_bias, q.shape[1], q.shape[2], hw_shape, num_prefix_tokens)
-    inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                 with_shared_expert, shared_scale, rel_pos_bias)
-    name = select_backend(inp, backend)
     if block_size is None:
         block_size = default_block_size(q.shape[2] * router_topk, pool_size[0] * pool_size[1])
     elif block_size < 1:
         raise ValueError(f'block_size must be >= 1, got {block_size}')
+    inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
+                 with_shared_expert, shared_scale, rel_pos_bias, block_size)
+    name = select_backend(inp, backend)
     # One opaque node wherever no gradient is needed, and in jit traces (FLOP counting);
     # the backend's own autograd otherwise.
-    call = _mita_op if torch.jit.is_tracing() or not inp.requires_grad else _run
+    if not torch.jit.is_tracing() and inp.requires_grad:
+        return _run(inp, name)
     bias_args = () if rel_pos_bias is None else (rel_pos_bias.table, *rel_pos_bias.window)
-    return call(q, k, v, hw_shape[0], hw_shape[1], pool_size[0], pool_size[1], topk,
-                router_topk, num_prefix_tokens, with_shared_expert, shared_scale, block_size,
-                name, *bias_args)
+    return _mita_op(q, k, v, *hw_shape, *pool_size, topk, router_topk, num_prefix_tokens,
+                    with_shared_expert, shared_scale, block_size, name, *bias_args)

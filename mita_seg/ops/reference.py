@@ -26,29 +26,30 @@ def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_to
     return head_dim * per_head
 
 
-def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
-                             num_prefix_tokens=1, with_shared_expert=True,
-                             shared_scale=None, block_size=None, bias=None):
+def mita_attention_reference(inp):
     """MiTA as one softmax over a concatenation of dense, masked logit blocks.
 
     For every query ``n`` the logits are ``[G[n] * shared_scale | L_1 | ... | L_r]`` with
     values ``[V_R | V | ... | V]``, where ``L_c[j] = q_n . k_j / sqrt(d)`` if key ``j`` is in
-    the expert of the query's ``c``-th choice, and ``-inf`` otherwise. Arguments as for
-    :func:`mita_seg.ops.mita_attention` (taken as already validated;
-    ``block_size`` is unused). With a relative position ``bias``, the dense bias ``B``
+    the expert of the query's ``c``-th choice, and ``-inf`` otherwise. ``inp`` (a
+    :class:`mita_seg.ops.dispatch.Inputs`) holds the arguments of
+    :func:`mita_seg.ops.mita_attention` (taken as already validated; ``block_size`` is
+    unused). With a relative position ``bias``, the dense bias ``B``
     ``[H, N, N]`` is added to the dense logits, and its means over the landmarks' regions
     (pooled exactly as the queries are) to the scores and the shared logits.
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``.
     """
+    q, k, v, bias, router_topk = inp.q, inp.k, inp.v, inp.bias, inp.router_topk
     B, H, N, d = q.shape
     dense_b = lm_bias = None
     if bias is not None:
         dense_b = dense_bias(bias)                                    # [H, N, N]
-        lm_bias = pooled_dense_bias(dense_b, hw_shape, pool_size, num_prefix_tokens)
-    rt = mita_routing(q, k, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                      shared_scale, lm_bias)
+        lm_bias = pooled_dense_bias(dense_b, inp.hw_shape, inp.pool_size,
+                                    inp.num_prefix_tokens)
+    rt = mita_routing(q, k, inp.hw_shape, inp.pool_size, inp.topk, router_topk,
+                      inp.num_prefix_tokens, inp.shared_scale, lm_bias)
     dt = rt.landmarks.dtype
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     M = rt.landmarks.shape[2]
@@ -66,7 +67,7 @@ def mita_attention_reference(q, k, v, hw_shape, pool_size, topk, router_topk=1,
         mask = member.gather(2, e.unsqueeze(-1).expand(B, H, N, N))   # [B, H, N, N]
         logits.append(dense.masked_fill(~mask, float('-inf')))
         values.append(vf)
-    if with_shared_expert:
+    if inp.with_shared_expert:
         v_r = torch.softmax(rt.scores, dim=-1) @ vf                   # [B, H, M, d]
         logits.append(rt.router)
         values.append(v_r)

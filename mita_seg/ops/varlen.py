@@ -215,25 +215,24 @@ def _padded_sdpa(p: VarlenPack, num_buckets: int = 4) -> Tensor:
     return torch.cat(outs)[torch.cat(rows).argsort()]
 
 
-def mita_attention_varlen(q, k, v, hw_shape, pool_size, topk, router_topk=1,
-                          num_prefix_tokens=1, with_shared_expert=True, shared_scale=None,
-                          block_size=None, bias=None, kernel_name=None):
-    """Varlen MiTA; arguments as :func:`mita_seg.ops.mita_attention` (validated,
-    ``router_topk == 1``; ``block_size`` is unused; ``bias`` the ``rel_pos_bias``).
-    ``kernel_name`` forces a kernel (:func:`attend`).
+def mita_attention_varlen(inp, kernel_name=None):
+    """Varlen MiTA of ``inp`` (a :class:`mita_seg.ops.dispatch.Inputs`: the arguments of
+    :func:`mita_seg.ops.mita_attention`, validated, ``router_topk == 1``; ``block_size`` is
+    unused; ``bias`` the ``rel_pos_bias``). ``kernel_name`` forces a kernel (:func:`attend`).
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v.
     """
+    q, k, v, bias, pool_size = inp.q, inp.k, inp.v, inp.bias, inp.pool_size
     B, H, N, d = q.shape
-    shared_scale = 1.0 / d if shared_scale is None else shared_scale
+    shared_scale = 1.0 / d if inp.shared_scale is None else inp.shared_scale
     lm_bias = None if bias is None else landmark_bias(bias, pool_size)   # [H, M, N], [H, N, M]
     with torch.no_grad():
-        rt = mita_routing(q, k, hw_shape, pool_size, topk, 1, num_prefix_tokens, shared_scale,
-                          lm_bias)
+        rt = mita_routing(q, k, inp.hw_shape, pool_size, inp.topk, 1, inp.num_prefix_tokens,
+                          shared_scale, lm_bias)
     R = v_r = None
-    if with_shared_expert:
-        R = landmarks(q, hw_shape, pool_size, num_prefix_tokens).to(q.dtype)  # [B, H, M, d]
+    if inp.with_shared_expert:
+        R = landmarks(q, inp.hw_shape, pool_size, inp.num_prefix_tokens).to(q.dtype)
         v_r = F.scaled_dot_product_attention(
             R, k, v, None if bias is None else lm_bias[0].to(q.dtype))       # [B, H, M, d]
     p = pack(q, k, v, R, v_r, rt.expert_keys, rt.choice, shared_scale * d ** 0.5, bias,

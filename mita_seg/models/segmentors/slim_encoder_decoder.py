@@ -1,5 +1,5 @@
 """mmseg's ``EncoderDecoder`` with the same results from lighter slide inference and
-post-processing."""
+post-processing, and its dense attention on PyTorch's fused path."""
 from typing import List, Sequence, Tuple
 
 import torch
@@ -12,6 +12,8 @@ from mmseg.models.utils import resize
 from mmseg.registry import MODELS
 from mmseg.structures import SegDataSample
 from mmseg.utils import OptSampleList, SampleList
+
+from ..fast_attention import check_dense_attn, set_dense_attn
 
 
 def runs(mask: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -50,9 +52,22 @@ class SlimEncoderDecoder(EncoderDecoder):
     do so for ``EncoderDecoder`` configs unless the config says ``slim_inference=False``
     (:func:`mita_seg.apis.use_slim_inference`).
 
+    Its dense global attention (mmcv ``MultiheadAttention``: the ViT family, Segmenter's
+    mask head) runs on PyTorch's fused path by default (``dense_attn='fast'``,
+    :func:`~mita_seg.models.set_dense_attn`): mmseg's results to float32 rounding, not bit
+    for bit; ``dense_attn='mmseg'`` keeps mmseg's path, and with it mmseg's results bit for
+    bit.
+
     Args:
+        dense_attn (str): ``'fast'`` (``F.scaled_dot_product_attention``, the ``N x N``
+            weights never formed) or ``'mmseg'`` (mmseg's own path). Default: 'fast'.
         **kwargs: the arguments of ``EncoderDecoder``.
     """
+
+    def __init__(self, dense_attn: str = 'fast', **kwargs):
+        check_dense_attn(dense_attn)
+        super().__init__(**kwargs)
+        set_dense_attn(self, dense_attn)
 
     def slide_inference(self, inputs: Tensor, batch_img_metas: List[dict]) -> Tensor:
         """mmseg's ``slide_inference`` (same crops, same order, same sums and division),

@@ -1685,15 +1685,34 @@ BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tenso
   return b;
 }
 
+// What mita_forward returns and mita_backward reads: the fields of
+// mita_seg.ops.fused_cpu.FusedState, in the same order (shapes there).
+struct FusedState {
+  static constexpr size_t kSize = 11;
+  torch::Tensor out, lse, keys, choice, offsets, order, landmarks, probs, shared_logits,
+      shared_values, out_float;
+
+  std::vector<torch::Tensor> list() const {
+    return {out,       lse,   keys,          choice,        offsets,  order,
+            landmarks, probs, shared_logits, shared_values, out_float};
+  }
+  static FusedState from(const char* name, const std::vector<torch::Tensor>& t) {
+    TORCH_CHECK(t.size() == kSize, name, ": the state must be the ", kSize,
+                " tensors mita_forward returned, got ", t.size());
+    return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10]};
+  }
+};
+
 // q, k, v: [BH, N, d]; the grid is tokens prefix .. prefix + h w, pooled to ph x pw;
 // topk keys per expert, router_topk experts per query; with a relative position bias
 // (window_h, window_w > 0): bias_q [H, M, N] and bias_k [H, N, M] (the landmarks' mean bias,
-// mita_seg.ops.bias.landmark_bias) and the table [H, T] (see bias_tensors). Returns
-//   out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
-//   keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
-//   R [BH, M, d] (landmarks), probs [BH, M, N] (softmax(S); empty unless shared and
-//   save_probs), Ls [BH, N, M] (shared logits), V_R [BH, M, d] (empty without shared),
-//   and, for bf16/fp16 inputs, out in float32 (what the backward reads; empty otherwise).
+// mita_seg.ops.bias.landmark_bias) and the table [H, T] (see bias_tensors). Returns the
+// FusedState as a list: out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
+// keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
+// landmarks R [BH, M, d], probs [BH, M, N] (softmax(S); empty unless shared and save_probs),
+// shared_logits Ls [BH, N, M] (empty unless shared and save_probs), shared_values V_R
+// [BH, M, d] (empty without shared), and out_float: for bf16/fp16 inputs out in float32
+// (what the backward reads; empty otherwise).
 // bf16/fp16 inputs are computed in float32, read by the phases a tile or a row at a time
 // (routing identical to float32 on the same values); the first out has the inputs' dtype,
 // every other tensor float32/float64.
@@ -1752,31 +1771,35 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
       merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), out.data_ptr<T>(),
                      lse.data_ptr<T>(), g);
   });
-  if (in_dtype == out.scalar_type())
-    return {out, lse, keys, choice, offsets, order, R, probs, ls, vr,
-            torch::empty({0}, opts)};  // no aliased returns
-  return {convert({out}, in_dtype)[0], lse, keys, choice, offsets, order, R, probs, ls, vr,
-          out};
+  const bool wide = in_dtype == out.scalar_type();
+  return FusedState{wide ? out : convert({out}, in_dtype)[0], lse, keys, choice, offsets, order,
+                    R, probs, ls, vr, wide ? torch::empty({0}, opts) : out}  // no aliases
+      .list();
 }
 
-// Gradients of mita_forward: q, k, v and the geometry as it takes them; what it returned
-// (keys, choice, offsets, order: the routing; R, probs, Ls, V_R: ignored unless shared;
-// the float out, lse); dout; the bias table and window as the forward took them (the
+// Gradients of mita_forward: q, k, v and the geometry as it takes them; the state it
+// returned (the routing; landmarks, probs, shared logits, shared values: ignored unless
+// shared; lse and the out in the compute dtype: out_float where it is not empty, else out,
+// which may then be empty); dout; the bias table and window as the forward took them (the
 // backward recomputes the routed logits, bias included; the scores and shared logits it
 // reads from probs and Ls). Returns dq, dk, dv in the dtype of q and, with a bias, in the
 // compute dtype (float32, float64 for float64 inputs): dbias_q [H, M, N] and dbias_k
 // [H, N, M] (the scores' and the shared logits' gradients summed over the batch; empty
 // without the shared expert) and dtable [H, T] (the routed logits' gradients scatter-added
 // at their entries); empty tensors without a bias.
-std::vector<torch::Tensor> mita_backward(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t h, int64_t w, int64_t ph,
-    int64_t pw, int64_t prefix, bool shared, double shared_scale, torch::Tensor keys,
-    torch::Tensor choice, torch::Tensor offsets, torch::Tensor order, torch::Tensor R,
-    torch::Tensor probs, torch::Tensor ls, torch::Tensor vr, torch::Tensor out,
-    torch::Tensor lse, torch::Tensor dout, const c10::optional<torch::Tensor>& table,
-    int64_t window_h, int64_t window_w) {
+std::vector<torch::Tensor> mita_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                         int64_t h, int64_t w, int64_t ph, int64_t pw,
+                                         int64_t prefix, bool shared, double shared_scale,
+                                         const std::vector<torch::Tensor>& state,
+                                         torch::Tensor dout,
+                                         const c10::optional<torch::Tensor>& table,
+                                         int64_t window_h, int64_t window_w) {
   const char* name = "mita_backward";
   check_qkv(name, q, k, v);
+  const FusedState s = FusedState::from(name, state);
+  torch::Tensor keys = s.keys, choice = s.choice, offsets = s.offsets, order = s.order;
+  torch::Tensor R = s.landmarks, probs = s.probs, ls = s.shared_logits, vr = s.shared_values;
+  torch::Tensor out = s.out_float.numel() ? s.out_float : s.out, lse = s.lse;
   const auto in_dtype = q.scalar_type();
   // bf16/fp16 with lowp GEMMs: phase B's GEMMs read q, k, v (and dout) as they came in
   const LowpPath lp = in_dtype == at::kBFloat16 ? lowp_path<c10::BFloat16>()
@@ -1977,8 +2000,8 @@ std::vector<std::pair<std::string, double>> profile(bool enable) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("mita_forward", &mita_forward,
-        "Fused MiTA forward on CPU, routing included: (out, lse, keys, choice, offsets, "
-        "order, landmarks, probs, shared_logits, shared_values, out_float); optional "
+        "Fused MiTA forward on CPU, routing included: the state (out, lse, keys, choice, "
+        "offsets, order, landmarks, probs, shared_logits, shared_values, out_float); optional "
         "relative position bias: bias_q [H, M, N], bias_k [H, N, M], table [H, T], window",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("h"), py::arg("w"), py::arg("ph"),
         py::arg("pw"), py::arg("prefix"), py::arg("topk"), py::arg("router_topk"),
@@ -1986,13 +2009,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias_q") = py::none(), py::arg("bias_k") = py::none(),
         py::arg("table") = py::none(), py::arg("window_h") = 0, py::arg("window_w") = 0);
   m.def("mita_backward", &mita_backward,
-        "Gradients of mita_forward from what it saved (CPU): (dq, dk, dv, dbias_q, dbias_k, "
-        "dtable), the last three empty without a bias",
+        "Gradients of mita_forward from the state it returned (CPU): (dq, dk, dv, dbias_q, "
+        "dbias_k, dtable), the last three empty without a bias",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("h"), py::arg("w"), py::arg("ph"),
         py::arg("pw"), py::arg("prefix"), py::arg("shared"), py::arg("shared_scale"),
-        py::arg("keys"), py::arg("choice"), py::arg("offsets"), py::arg("order"),
-        py::arg("R"), py::arg("probs"), py::arg("ls"), py::arg("vr"), py::arg("out"),
-        py::arg("lse"), py::arg("dout"), py::arg("table") = py::none(),
+        py::arg("state"), py::arg("dout"), py::arg("table") = py::none(),
         py::arg("window_h") = 0, py::arg("window_w") = 0);
   m.def("landmark_bias", &landmark_bias,
         "The landmarks' mean biases (mita_seg.ops.bias.landmark_bias) from the table [H, T]: "

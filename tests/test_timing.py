@@ -1,0 +1,82 @@
+"""mita_seg.analysis.timing: the timers' bookkeeping, the memory peak and the CPU's
+description (the figures are the benchmark's; no time is asserted here)."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mita_seg.analysis.timing import (cpu_description, interleaved_medians, median_time,
+                                      peak_memory_rise, vector_units)
+
+
+def test_interleaved_medians_rounds_and_order():
+    # rounds < 1 cannot give a median
+    with pytest.raises(ValueError, match='rounds must be >= 1'):
+        interleaved_medians([lambda: None], rounds=0)
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    times = interleaved_medians(fns, rounds=4)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    # one warm-up call of each, then one call of each per round, in turn
+    assert calls == [0, 1, 2] * 5
+    calls.clear()
+    interleaved_medians(fns, rounds=2, warmup=False)
+    assert calls == [0, 1, 2] * 2
+
+
+def test_interleaved_medians_runs_until_min_run_time():
+    calls = []
+
+    def slow():
+        calls.append(0)
+        time.sleep(0.05)
+
+    interleaved_medians([slow], min_run_time=0.2, rounds=1, warmup=False)
+    assert len(calls) >= 2  # one call of 50 ms does not fill 200 ms
+
+
+def test_median_time_warms_up_and_is_positive():
+    calls = []
+    t = median_time(lambda: calls.append(0), min_run_time=0.01)
+    assert t > 0 and len(calls) > 2
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/clear_refs'), reason='needs Linux /proc')
+def test_peak_memory_rise_sees_a_large_buffer():
+    # 64 MiB is above glibc's largest dynamic mmap threshold (32 MiB): mapped afresh and
+    # touched, so the process's peak RSS rises by it during the call
+    out, rise = peak_memory_rise(lambda: float(torch.ones(16 * 2**20).sum()))
+    assert out == 16 * 2**20
+    assert rise is not None and rise >= 60, rise
+    _, small = peak_memory_rise(lambda: torch.ones(16).sum())
+    assert small < 30, small
+
+
+@pytest.mark.parametrize('flags, text', [
+    ('fma avx avx2 f16c', 'AVX2, no AVX-512, no AMX'),
+    ('avx avx2 avx512f avx512_vnni avx512_bf16', 'AVX-512 (BF16, VNNI), no AMX'),
+    ('avx2 avx512f amx_tile amx_bf16 amx_int8', 'AVX-512, AMX (BF16, INT8)'),
+    ('sse4_2', 'no AVX, no AVX-512, no AMX'),
+], ids=['zen3', 'zen4', 'sapphire-rapids', 'no-avx'])
+def test_vector_units(flags, text):
+    assert vector_units(flags.split()) == text
+
+
+def test_cpu_description_names_the_cpus():
+    text = cpu_description()
+    assert f'{os.cpu_count()} ' in text and 'CPUs' in text, text
+    if os.path.exists('/proc/cpuinfo'):
+        assert 'AMX' in text, text  # the vector units are said, present or not
+
+
+def test_timing_imports_no_mm_stack():
+    # the study and the benchmark import it before (or without) the mm stack
+    code = ('import sys, mita_seg.analysis.timing; '
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('mmseg', 'mmengine', 'mmcv')))")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == '[]', out
