@@ -135,7 +135,7 @@ def markdown(study: dict) -> str:
     m = study['machine']
     s = study['settings']
     out = [f"# MiTA swap study ({study['started']} to {study['finished']})", '',
-           f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['simd']) or 'no AVX2'}), "
+           f"Machine: {m['cpu']}, "
            f"torch {m['torch']} with {m['threads']} thread(s); mmseg {m['mmseg']}, mmengine "
            f"{m['mmengine']}, mmcv {m['mmcv']}. Load average (1 min) over the run: "
            f"{study['load_range'][0]:.1f} to {study['load_range'][1]:.1f} "

@@ -53,6 +53,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
 
 from mita_seg.analysis.attention_macs import attention_gmacs
+from mita_seg.analysis.timing import cpu_description, median_time
 from mita_seg.apis import (build_runner, export_swapped, init_model, load_config,
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
@@ -268,22 +269,12 @@ class Progress:
 
 
 def machine() -> dict:
-    """The CPU (name, cores, SIMD flags), torch's threads and the library versions."""
+    """The CPU in words (name, family, vCPUs, vector units:
+    :func:`mita_seg.analysis.timing.cpu_description`), torch's threads and the versions."""
     import mmcv
     import mmengine
     import mmseg
-    name, flags = platform.processor() or 'unknown CPU', set()
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name') and name in ('unknown CPU', 'x86_64', ''):
-                    name = line.split(':', 1)[1].strip()
-                elif line.startswith('flags'):
-                    flags = set(line.split(':', 1)[1].split())
-    except OSError:
-        pass
-    simd = [f for f in ('avx2', 'fma', 'avx512f', 'amx_tile') if f in flags]
-    return dict(cpu=name, cores=os.cpu_count(), simd=simd, threads=torch.get_num_threads(),
+    return dict(cpu=cpu_description(), cores=os.cpu_count(), threads=torch.get_num_threads(),
                 torch=torch.__version__, mmseg=mmseg.__version__,
                 mmengine=mmengine.__version__, mmcv=mmcv.__version__,
                 python=platform.python_version())
@@ -371,18 +362,15 @@ def logged_training_seconds(work_dir: str, iters: int) -> float:
 def images_per_second(model: nn.Module, batch: dict, min_run_time: float) -> Dict[str, float]:
     """Test-mode images/s of ``model`` on ``batch`` (``test_step``: preprocessing, forward
     under the config's test mode, post-processing), the median of
-    ``torch.utils.benchmark.Timer`` with torch's threads."""
-    from torch.utils.benchmark import Timer
+    :func:`mita_seg.analysis.timing.median_time` (``torch.utils.benchmark.Timer`` with
+    torch's threads)."""
 
     def run():
         with torch.no_grad():
             model.test_step(batch)
 
     model.eval()
-    run()  # warm-up
-    t = Timer('run()', globals={'run': run},
-              num_threads=torch.get_num_threads()).blocked_autorange(min_run_time=min_run_time)
-    return {'img_per_s': len(batch['inputs']) / t.median}
+    return {'img_per_s': len(batch['inputs']) / median_time(run, min_run_time)}
 
 
 def evaluate(cfg: Config, checkpoint: str, work_dir: str, settings: StudySettings) -> dict:
