@@ -91,7 +91,8 @@ STACK_PACKAGES = ('mmcv', 'mmengine', 'mmseg')
 # ... warnings raised elsewhere on the stack's behalf (message starts) ...
 STACK_WARNINGS = ('pkg_resources is deprecated as an API', )
 # ... and mmengine log records (message starts).
-STACK_LOG_NOISE = ('Failed to search registry with scope', )
+STACK_LOG_NOISE = ('Failed to search registry with scope', 'Distributed training is not used',
+                   'The prefix is not set in metric class')
 
 
 def is_stack_noise(record) -> bool:
