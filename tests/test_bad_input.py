@@ -575,3 +575,161 @@ def test_careless_input_found_with_the_model(segmenter_ckpt, tiny_data, tools, t
                                                       ('MiTA M=16x16 k=8', '256')]
     assert "MiTA M=20x20 k=8 runs exactly as 'MiTA M=16x16 k=8' on these inputs: not " \
            'evaluated again, no row' in out
+
+
+# --------------------------------------------------------------------------------------
+# Arguments before the stack: each tool parses its arguments, and refuses a bad one, before
+# it imports mmseg/mmengine/mmcv (or torch): a missing config costs the parsing, not the
+# seconds those imports take.
+
+STACK = ('torch', 'mmcv', 'mmengine', 'mmseg')
+
+# Imports a tool as a module and calls its parse_args; prints which of STACK got imported.
+PARSE_ONLY = r'''
+import importlib.util, json, sys
+script, argv = sys.argv[1], sys.argv[2:]
+spec = importlib.util.spec_from_file_location('tool', script)
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+try:
+    tool.parse_args(argv)
+    code = 0
+except SystemExit as e:
+    code = e.code
+stack = %r
+print('IMPORTED ' + json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(stack))))
+sys.exit(code)
+''' % (STACK, )
+
+MISSING_CONFIG = {
+    'test': ['nope.py', 'x.pth'],
+    'train': ['nope.py', '--cfg-options', 'train_cfg.max_iters=10'],
+    'get_flops': ['nope.py', '--swap-attn', 'mita', '--mita-cfg', 'topk=16'],
+    'export_swapped': ['nope.py', 'x.pth', '--out-dir', 'o'],
+    'export_onnx': ['nope.py', 'x.pth', '--out', 'm.onnx'],
+    'analyze_token_selection': ['nope.py', 'x.pth', 'README.md', '--out-dir', 'o'],
+    'image_demo': ['nope.png', 'nope.py', 'x.pth', '--out-file', 'o.png'],
+    'swap_sweep': ['nope.py', 'x.pth', '--merge-ratios', '0.3'],
+}
+
+
+@pytest.mark.parametrize('tool', sorted(MISSING_CONFIG))
+def test_missing_config_refused_before_the_stack(tools, tool):
+    argv = MISSING_CONFIG[tool]
+    what = 'image' if tool == 'image_demo' else 'config'
+    # as a user runs it: argparse's usage, one error line naming the file, exit status 2
+    code, out = tools(f'tools/{tool}.py', *argv, check=False)
+    lines = out.strip().splitlines()
+    assert code == 2 and 'Traceback' not in out, out[-2000:]
+    assert lines[0].startswith(f'usage: {tool}.py'), out[-2000:]
+    assert lines[-1].startswith(f"{tool}.py: error: argument {'img' if what == 'image' else what}"
+                                f": {what} '{argv[0]}' does not exist"), out[-2000:]
+    # and the stack was not imported to say so
+    proc = subprocess.run([sys.executable, '-c', PARSE_ONLY, f'tools/{tool}.py', *argv],
+                          cwd=tools.root, env=tools.env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'IMPORTED []' in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_help_and_a_good_parse_need_no_stack(tools, careless):
+    # --help quotes the MiTA and ToMe defaults (they are read when help is printed)
+    code, out = tools('tools/test.py', '--help')
+    flat = ' '.join(out.split())
+    assert 'Defaults for a model swapped now: pool_size=7 topk=49' in flat, out
+    assert 'in [0, 0.5]' in flat and 'include_head' in flat
+    # a command that parses imports nothing of the stack until main() runs
+    argv = [CFG, careless['fake.pth'], '--work-dir', 'w', '--show-interval', '3']
+    proc = subprocess.run([sys.executable, '-c', PARSE_ONLY, 'tools/test.py', *argv],
+                          cwd=tools.root, env=tools.env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and 'IMPORTED []' in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_get_flops_takes_no_checkpoint(tools):
+    code, out = tools('tools/get_flops.py', CFG, 'work_dirs/x/iter_600.pth', check=False)
+    assert code == 2 and 'Traceback' not in out and out.startswith('usage: get_flops.py')
+    assert out.strip().splitlines()[-1] == (
+        "get_flops.py: error: 'work_dirs/x/iter_600.pth': get_flops.py takes no checkpoint "
+        '(FLOPs depend on the config alone, as counted on random weights): give only the '
+        'config')
+
+
+def test_get_flops_prints_no_stack_warnings(tools):
+    # the stack's deprecation, registry and vis-backend noise silenced; what the tool
+    # prints is its table and its progress lines (Python's default warning filters: no
+    # PYTHONWARNINGS=ignore as the other tests run with)
+    env = {k: v for k, v in tools.env.items() if k != 'PYTHONWARNINGS'}
+    proc = subprocess.run([sys.executable, 'tools/get_flops.py', CFG, '--shape', '64'],
+                          cwd=tools.root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    noisy = [line for line in proc.stderr.splitlines() if 'warn' in line.lower()]
+    assert not noisy, proc.stderr
+    assert 'GFLOPs' in proc.stdout
+
+
+def test_key_report_groups_exactly():
+    from mita_seg.utils.checkpoint import expand_group, group_keys
+    keys = ([f'backbone.layers.{i}.attn.attn.{n}' for i in range(12)
+             for n in ('in_proj_weight', 'in_proj_bias')]
+            + ['decode_head.conv_seg.weight', 'decode_head.conv_seg.bias', 'x.0', 'x.2', 'x',
+               'backbone.layers.0.attn.dwc.bias', 'backbone.layers.1.attn.dwc.bias',
+               'backbone.layers.0.attn.dwc.weight']
+            + [f'a.{i}.b.{j}.c' for i in range(3) for j in range(2) if (i, j) != (2, 1)])
+    groups = group_keys(keys)
+    assert 'backbone.layers.{0..11}.attn.attn.{in_proj_bias,in_proj_weight}' in groups
+    assert 'decode_head.conv_seg.{bias,weight}' in groups
+    # not every combination: no group claims a key that is not there
+    assert 'backbone.layers.{0..1}.attn.dwc.bias' in groups
+    assert 'backbone.layers.0.attn.dwc.weight' in groups
+    assert 'x.{0,2}' in groups and 'x' in groups
+    assert 'a.{0..1}.b.{0..1}.c' in groups and 'a.2.b.0.c' in groups
+    expanded = [k for g in groups for k in expand_group(g)]
+    assert sorted(expanded) == sorted(keys)        # every key once, nothing more
+
+    # a report of a checkpoint for another model: counts, groups, short lines
+    from mita_seg.utils import check_state_dict
+    model = {k: torch.zeros(2) for k in keys}
+    ckpt = {k.replace('attn.attn', 'attention'): v for k, v in model.items()}
+    ckpt['decode_head.conv_seg.weight'] = torch.zeros(3)
+    with pytest.raises(CheckpointMismatchError) as e:
+        check_state_dict(model, ckpt, 'ckpt.pth')
+    msg = str(e.value)
+    assert 'missing keys (24): backbone.layers.{0..11}.attn.attn.{in_proj_bias,' in msg
+    assert 'unexpected keys (24): backbone.layers.{0..11}.attention.{in_proj_bias,' in msg
+    assert ('shape mismatch (1): decode_head.conv_seg.weight: checkpoint (3,) vs model (2,)'
+            in msg)
+    assert max(map(len, msg.splitlines())) <= 100, msg
+
+
+TRAIN_CFG = 'configs/mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py'
+
+
+@pytest.mark.parametrize('option, want', [
+    ('train_cfg.max_iters=abc', "error: train_cfg.max_iters='abc' is not a positive int: "
+     'give e.g. --cfg-options train_cfg.max_iters=600'),
+    ('train_cfg.max_iters=0', 'error: train_cfg.max_iters=0 is not a positive int'),
+    ('param_scheduler.1.end=40', 'error: param_scheduler.1 (PolyLR) ends at 40, not after it '
+     'begins at 50 (it begins where param_scheduler.0.end=50 ends): give '
+     'param_scheduler.1.end > 50, or shorten what comes before it (param_scheduler.0.end)'),
+    ('param_scheduler.0.end=x', "error: param_scheduler.0.end='x' (LinearLR) is not an int"),
+], ids=['max-iters-text', 'max-iters-0', 'schedule-shorter-than-warm-up', 'end-text'])
+def test_train_refuses_a_careless_schedule(tools, tmp_path, option, want):
+    work = tmp_path / 'work'
+    code, out = tools('tools/train.py', TRAIN_CFG, '--work-dir', work, '--cfg-options',
+                      option, check=False)
+    lines = out.strip().splitlines()
+    assert code == 1 and 'Traceback' not in out, out[-3000:]
+    assert lines[-1].startswith(want), out[-3000:]
+    assert sum(line.startswith('error:') for line in lines) == 1, out[-3000:]
+    assert not work.exists()          # nothing started: no work dir left behind
+
+
+def test_dense_attn_choices_are_the_models():
+    # spelt out in the parser (built without the stack): the modes the models have
+    import argparse
+    from mita_seg.apis.mita_cfg import add_dense_attn_arg
+    from mita_seg.models import DENSE_ATTN_MODES
+    parser = argparse.ArgumentParser()
+    add_dense_attn_arg(parser)
+    assert tuple(parser._option_string_actions['--dense-attn'].choices) == DENSE_ATTN_MODES

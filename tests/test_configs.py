@@ -1,5 +1,6 @@
 """Every config in configs/ inherits from mmseg, builds, and runs a forward pass (BEiT-B at
 640x640 and MAE-B at 512x512 are ``slow``: tests/test_beit_swap.py runs them smaller)."""
+import copy
 import glob
 import os.path as osp
 
@@ -72,9 +73,9 @@ def test_config_inherits_from_mmseg(path):
         assert cfg.model.backbone.mita_cfg == dict(pool_size=7, topk=49)
         assert cfg.train_dataloader.dataset.data_root == 'data/ade/ADEChallengeData2016'
         assert cfg.model.decode_head.num_classes == 150
-    if 'segmenter' in path:
-        assert cfg.model.decode_head.type == 'MiTASegmenterMaskTransformerHead'
-        assert cfg.model.decode_head.mita_cfg == dict(pool_size=7, topk=49)
+    if 'segmenter' in path:  # the paper's swap: the encoder only, mmseg's mask head
+        assert cfg.model.decode_head.type == 'SegmenterMaskTransformerHead'
+        assert 'mita_cfg' not in cfg.model.decode_head
 
 
 @pytest.mark.parametrize(
@@ -85,8 +86,7 @@ def test_config_forward_512(path):
     cfg = Config.fromfile(path)
     model = build(cfg)
     layers = len(model.backbone.layers)
-    heads = len(model.decode_head.layers) if 'segmenter' in path else 0
-    assert num_mita(model) == layers + heads
+    assert num_mita(model) == layers    # the encoder only (Segmenter's head too: dense)
     # UperNet predicts at 1/4 of the input, Segmenter's mask head at the 1/16 patch grid
     stride = 16 if 'segmenter' in path else 4
     size = cfg.model.backbone.img_size[0] if path in BEIT_FAMILY else 512
@@ -97,7 +97,7 @@ def test_config_forward_512(path):
 
 
 def test_non_square_whole_inference():
-    # whole-image inference at 512x683: a 32x43 grid in the backbone and in the mask head
+    # whole-image inference at 512x683: a 32x43 grid in the backbone
     cfg = Config.fromfile(
         osp.join(ROOT, 'configs', 'mita_segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'))
     cfg.model.test_cfg = dict(mode='whole')
@@ -108,7 +108,6 @@ def test_non_square_whole_inference():
     with torch.no_grad():
         seg_logits = model.inference(img, [meta])
     assert model.backbone._mita_grid.hw_shape == (32, 43)
-    assert model.decode_head._mita_grid.hw_shape == (32, 43)
     assert seg_logits.shape == (1, 150, 512, 683)
 
 
@@ -117,19 +116,23 @@ def test_baseline_configs_are_standard_attention_and_swappable():
     path = osp.join(ROOT, 'configs', 'baselines',
                     'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
     model = build(Config.fromfile(path))
-    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 128, 160), 4 + 2, pool_size=4,
+    # the encoder's 4 layers by default; the mask head's 2 as well on request
+    head = copy.deepcopy(model)
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 128, 160), 4, pool_size=4,
                                       topk=16)
+    unswapped_and_swapped(head, torch.randn(1, 3, 128, 160), 4 + 2, pool_size=4, topk=16,
+                          include_head=True)
     assert base.shape == out.shape == (1, 150, 16, 20)
 
     # the tiny Segmenter at 256x256 (tools/swap_study.py): a 32x32 grid, N = 1025 in the
-    # backbone and 1024 + 150 in the mask head
+    # backbone (and 1024 + 150 in the mask head, with include_head=True)
     path = osp.join(ROOT, 'configs', 'baselines',
                     'segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py')
     cfg = Config.fromfile(path)
     assert cfg.train_dataloader.dataset.data_root == 'data/ade/tiny_ade20k_256'
     assert cfg.test_dataloader.dataset.pipeline[1].scale == (1024, 256)
     model = build(cfg)
-    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4 + 2, pool_size=7,
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4, pool_size=7,
                                       topk=49)
     assert model.backbone._mita_grid.hw_shape == (32, 32)
     assert base.shape == out.shape == (1, 150, 32, 32)

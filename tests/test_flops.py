@@ -352,7 +352,8 @@ def test_tool_real_configs(tmp_path, tools):
     assert (image['mode'], image['crops'], image['crop_shape']) == ('slide', 2, [512, 512])
     assert image['baseline'] == pytest.approx(2 * result['baseline']['total'])
     assert 'slide: 2 crops of 512x512' in text and 'decode head' in text
-    assert ('MiTA: 14 attention modules swapped, pool_size=7, topk=49, router_topk=1, '
+    # the paper's swap: the encoder's 12 layers (the mask head on request)
+    assert ('MiTA: 12 attention modules swapped, pool_size=7, topk=49, router_topk=1, '
             'with_shared_expert=True, shared_scale=None') in text
 
     # ViT-B UperNet and SETR ViT-L: traced on meta (same counts, see above).
@@ -379,8 +380,10 @@ def test_tool_sweep_and_plot(tmp_path, tiny_cfg, tools):
     config = tmp_path / 'tiny.py'
     tiny_cfg.dump(str(config))
     png = tmp_path / 'sweep.png'
+    # the mask head on MiTA too: all the attention grows like N
     result, text = get_flops(tools, tmp_path, config, '--shape', 64, '--mita-cfg',
-                             'pool_size=3', 'topk=12', '--sweep', 64, 128, 256, '--plot', png)
+                             'pool_size=3', 'topk=12', 'include_head=True', '--sweep', 64, 128,
+                             256, '--plot', png)
     rows = result['sweep']
     assert [r['size'] for r in rows] == [64, 128, 256]
     assert png.stat().st_size > 10000

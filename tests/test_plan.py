@@ -118,7 +118,8 @@ def test_all_dense_plan_is_the_unswapped_model(segmenter_ckpt, dense_logits):
 
 def test_uniform_plan_is_mita_cfg(segmenter_ckpt):
     config, ckpt = segmenter_ckpt
-    by_cfg = init_model(config, ckpt, mita_cfg=MITA)
+    # LAYERS: the encoder's and the mask head's
+    by_cfg = init_model(config, ckpt, mita_cfg=dict(MITA, include_head=True))
     by_plan = init_model(config, ckpt, mita_cfg=dict(plan=SwapPlan.uniform(LAYERS, MITA)))
     assert repr(by_plan) == repr(by_cfg)
     torch.testing.assert_close(logits(by_plan), logits(by_cfg), rtol=0, atol=0)

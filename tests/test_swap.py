@@ -86,12 +86,13 @@ def test_zoo_checkpoint_swap_keeps_keys_and_reloads(zoo):
     ref = logits(model)
     keys = list(model.state_dict())
     params = {n: p.data_ptr() for n, p in model.named_parameters()}
-    expected = num_attention(model)          # ViT-T: 12 + 2 head layers; DeiT-S: 12
+    head = 2 if name.startswith('segmenter') else 0
+    expected = num_attention(model) - head   # the encoder's 12 (the paper's swap)
 
     n = swap_attention(model, verbose=False)
 
-    assert n == expected == (14 if name.startswith('segmenter') else 12)
-    assert num_attention(model) == 0
+    assert n == expected == 12
+    assert num_attention(model) == head      # Segmenter's mask head: on request only
     assert list(model.state_dict()) == keys
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == params
     load_checkpoint(model, path, map_location='cpu', strict=True, logger='silent')
@@ -121,18 +122,27 @@ def segmenter():
 def test_layers_selection(segmenter, log_records):
     cfg, base = segmenter
     model = copy.deepcopy(base)
-    assert swap_attention(model, layers=[0, -1], verbose=False) == 4   # 2 + 2 head layers
+    assert swap_attention(model, layers=[0, -1], verbose=False,
+                          include_head=True) == 4   # 2 + 2 head layers
     kinds = [type(layer.attn) for layer in model.backbone.layers]
     assert kinds == [MiTAAttention] + [MultiheadAttention] * 10 + [MiTAAttention]
     assert all(isinstance(layer.attn, MiTAAttention) for layer in model.decode_head.layers)
 
     model = copy.deepcopy(base)
-    with log_records() as records:
-        assert swap_attention(model, layers=[3], include_head=False) == 1
+    with log_records() as records:   # the encoder only by default: the head is logged
+        assert swap_attention(model, layers=[3]) == 1
     assert all(type(layer.attn) is MultiheadAttention for layer in model.decode_head.layers)
     log = '\n'.join(records.messages)
     assert 'left backbone.layers.0.attn alone: MultiheadAttention: not in layers=[3]' in log
     assert 'left decode_head.layers.1.attn alone: MultiheadAttention: in a decode head' in log
+
+    # a head already on MiTA is reconfigured only when the head is asked for
+    model = copy.deepcopy(base)
+    swap_attention(model, topk=16, include_head=True, verbose=False)
+    assert swap_attention(model, topk=8, verbose=False) == 12
+    assert [layer.attn.topk for layer in model.decode_head.layers] == [16, 16]
+    assert swap_attention(model, topk=8, include_head=True, verbose=False) == 14
+    assert [layer.attn.topk for layer in model.decode_head.layers] == [8, 8]
 
     # layers must exist in the backbone
     with pytest.raises(ValueError, match='out of range'):
@@ -143,11 +153,12 @@ def test_swapping_twice_reconfigures(segmenter):
     _, base = segmenter
     model = copy.deepcopy(base)
     ref = logits(model)
-    assert swap_attention(model, pool_size=7, topk=49, verbose=False) == 14
+    both = dict(include_head=True, verbose=False)
+    assert swap_attention(model, pool_size=7, topk=49, **both) == 14
     modules = [m for m in model.modules() if isinstance(m, MiTAAttention)]
     assert not torch.allclose(logits(model), ref, atol=1e-4)
 
-    assert swap_attention(model, verbose=False, **EXACT) == 14
+    assert swap_attention(model, **EXACT, **both) == 14
     assert [m for m in model.modules() if isinstance(m, MiTAAttention)] == modules
     assert all(m.pool_size == 2 and m.topk == 10**6 and not m.with_shared_expert
                for m in modules)

@@ -42,11 +42,15 @@ def test_test_py_swap_attn_mita(segmenter_ckpt, tools, tmp_path):
     assert 'on MiTA' not in out and 'per class results' not in out  # short console
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'exact',
                    '--mita-cfg', *EXACT)
-    assert 'swap_attention: 6 attention modules on MiTA' in out    # 4 backbone + 2 head
+    assert 'swap_attention: 4 attention modules on MiTA' in out    # the encoder's 4
     assert tools.miou(out) == base
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'mita',
                    '--swap-attn', 'mita', '--mita-cfg', 'pool_size=4', 'topk=32')
-    assert "6 attention modules on MiTA ({'pool_size': 4, 'topk': 32, 'router_topk': 1" in out
+    assert "4 attention modules on MiTA ({'pool_size': 4, 'topk': 32, 'router_topk': 1" in out
+    assert re_summary(out, 4)
+    # the mask head (2 layers) too, on request
+    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'head',
+                   '--mita-cfg', 'pool_size=4', 'topk=32', 'include_head=True')
     assert re_summary(out, 6)
 
 
@@ -61,7 +65,8 @@ def re_summary(out, swapped):
 def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
     config, ckpt = segmenter_ckpt
     _, out = tools('tools/swap_sweep.py', config, ckpt, '--pool-sizes', 2, 4, '--topks', 8,
-                   100000, '--mita-cfg', 'with_shared_expert=False', '--work-dir',
+                   100000, '--mita-cfg', 'with_shared_expert=False', 'include_head=True',
+                   '--work-dir',
                    tmp_path / 'work', '--out', tmp_path / 'sweep.md', '--plot',
                    tmp_path / 'sweep.png')
     with open(tmp_path / 'sweep.csv') as f:
@@ -101,7 +106,13 @@ def test_export_swapped_pair_loads_strictly_and_matches_swap(segmenter_ckpt, too
     cfg = Config.fromfile(out_cfg)
     assert cfg.model.backbone.type == 'MiTAVisionTransformer'
     assert cfg.model.backbone.mita_cfg == MITA
-    assert cfg.model.decode_head.type == 'MiTASegmenterMaskTransformerHead'
+    # the paper's swap: the encoder; the config says so in its first lines
+    assert cfg.model.decode_head.type == 'SegmenterMaskTransformerHead'
+    head = open(out_cfg).read().splitlines()[:2]
+    assert head[0].startswith(f'# MiTA version of {config} (tools/export_swapped.py): MiTA in '
+                              "all the backbone's attention layers (MiTAVisionTransformer; "
+                              'pool_size=4, topk=32)'), head
+    assert head[1].startswith('# Segmenter mask head on standard attention'), head
     assert {'mita_seg.models', 'mita_seg.engine'} <= set(cfg.custom_imports.imports)
     assert cfg.default_hooks.checkpoint.type == 'SafeCheckpointHook'
     assert cfg.load_from == out_ckpt
@@ -130,7 +141,8 @@ def test_export_refuses_what_it_cannot_swap(segmenter_ckpt, tmp_path):
     # more parameters (the DWC branch) than the checkpoint has is refused by name
     cfg = mita_config(Config.fromfile(config), MITA)
     cfg.model.backbone.mita_cfg.with_dwc = True
-    with pytest.raises(ValueError, match=r'missing keys \(8\): backbone.layers.0.attn.dwc.bias'):
+    with pytest.raises(ValueError, match=r'missing keys \(8\): '
+                       r'backbone\.layers\.\{0\.\.3\}\.attn\.dwc\.\{bias,weight\}'):
         init_model(cfg, ckpt)
     out_cfg, _ = export_swapped(config, ckpt, str(tmp_path), dict(layers=[-1],
                                                                  include_head=False))

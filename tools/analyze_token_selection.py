@@ -11,7 +11,7 @@ writes, per image, a PNG grid of the selection maps over the network input, plus
 Usage::
 
     python tools/analyze_token_selection.py CONFIG CHECKPOINT IMG [IMG ...] --out-dir DIR
-        [--mita-cfg pool_size=7 topk=49 layers=[0,1] include_head=False]
+        [--mita-cfg pool_size=7 topk=49 layers=[0,1] include_head=True]
         [--which selected|used] [--cfg-options key=value ...]
 """
 import argparse
@@ -22,13 +22,10 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import ConfigDict  # noqa: E402
-
-from mita_seg.analysis.token_selection import (plot_selection_overlay,  # noqa: E402
-                                               record_image)
-from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
-                           config_file, image_file, init_model, output_dir, run_tool,
-                           swap_settings)
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
+                                image_file, output_dir, quiet_stack, run_tool)
 
 
 def parse_args(argv=None):
@@ -52,6 +49,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_stack()
+    from mmengine.config import ConfigDict
+
+    from mita_seg.analysis.token_selection import plot_selection_overlay, record_image
+    from mita_seg.apis import init_model
     # a MiTA model keeps the settings --mita-cfg does not give; others get the defaults
     model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options,
                        mita_cfg=args.mita)

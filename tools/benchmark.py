@@ -545,7 +545,7 @@ def onnx_level(args):
 
 def token_count(text):
     """An argparse ``type``: a token count ``N = 1 + s*s``, ``s >= 1``."""
-    from mita_seg.apis.cli import int_range
+    from mita_seg.utils.cli import int_range
     n = int_range(2)(text)
     side = int(round((n - 1) ** 0.5))
     if side * side + 1 != n:
@@ -556,8 +556,8 @@ def token_count(text):
 
 
 def parse_args():
-    from mita_seg.apis.cli import float_range, int_range
     from mita_seg.setting import setting_arg
+    from mita_seg.utils.cli import float_range, int_range
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'all'], default='op',
                    help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')

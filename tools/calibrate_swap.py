@@ -25,11 +25,12 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, add_dense_attn_arg, calibrate_swap,  # noqa: E402
-                           checkpoint_file, config_file, config_name, ensure_parent, float_range, int_range,
-                           output_file, python_command, run_tool)
+from mita_seg.apis import add_dense_attn_arg, calibrate_swap, config_name  # noqa: E402
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES  # noqa: E402
 from mita_seg.setting import label, setting_or_dense_arg  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
+                                ensure_parent, float_range, int_range, output_file, python_command,
+                                run_tool)
 
 
 def parse_args(argv=None):

@@ -23,9 +23,15 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (MIN_OPSET, KeyValueAction, add_mita_args,  # noqa: E402
-                           checkpoint_file, config_file, export_onnx, int_range, output_file,
-                           run_tool, swap_settings)
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (DeferredHelp, KeyValueAction, checkpoint_file,  # noqa: E402
+                                config_file, int_range, output_file, quiet_stack, run_tool)
+
+
+def min_opset() -> int:
+    from mita_seg.apis import MIN_OPSET
+    return MIN_OPSET
 
 
 def parse_args(argv=None):
@@ -37,21 +43,26 @@ def parse_args(argv=None):
                         help='the .onnx file to write')
     parser.add_argument('--shape', type=int_range(1), nargs=2, metavar=('H', 'W'),
                         help='input height and width (default: the config\'s crop size)')
-    parser.add_argument('--opset', type=int_range(1), default=MIN_OPSET,
-                        help=f'ONNX opset, {MIN_OPSET} or later (default: {MIN_OPSET})')
+    parser.add_argument('--opset', type=int_range(1), default=None, help=DeferredHelp(
+        lambda: f'ONNX opset, {min_opset()} or later (default: {min_opset()})'))
     add_mita_args(parser)
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
-    if args.opset < MIN_OPSET:
-        parser.error(f'--opset {args.opset}: MiTA\'s translation needs opset {MIN_OPSET} '
-                     'or later')
     args.swap = swap_settings(parser, args)
+    quiet_stack()
+    # checked once the paths are (the exporter's module imports the stack)
+    if args.opset is None:
+        args.opset = min_opset()
+    elif args.opset < min_opset():
+        parser.error(f'--opset {args.opset}: MiTA\'s translation needs opset {min_opset()} '
+                     'or later')
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    from mita_seg.apis import export_onnx
     r = export_onnx(args.config, args.checkpoint, args.out, args.shape, args.swap,
                     args.opset, args.cfg_options)
     import onnxruntime

@@ -12,7 +12,7 @@ Usage::
 
     python tools/export_swapped.py CONFIG CHECKPOINT --out-dir DIR
         [--mita-cfg pool_size=7 topk=49 router_topk=1 with_shared_expert=True
-                    layers=[0,1] include_head=False | --mita-plan PLAN.json]
+                    layers=[0,1] include_head=True | --mita-plan PLAN.json]
         [--cfg-options key=value ...]
 
 With ``--mita-plan`` the written config carries the plan's per-layer settings
@@ -24,9 +24,10 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
-                           config_file, export_swapped, output_dir, python_command, run_tool,
-                           swap_settings)
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
+                                output_dir, python_command, quiet_stack, run_tool)
 
 TOOLS = osp.dirname(osp.abspath(__file__))
 
@@ -48,6 +49,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_stack()
+    from mita_seg.apis import export_swapped
     out_cfg, out_ckpt = export_swapped(args.config, args.checkpoint, args.out_dir,
                                        args.mita, args.cfg_options)
     # runnable as printed: the interpreter running now (a venv's python), the tools' path

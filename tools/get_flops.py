@@ -30,13 +30,10 @@ import time
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS  # noqa: E402
-from mita_seg.analysis.segmentor_cost import (FlopComparison, SegmentorFlops,  # noqa: E402
-                                              default_shape)
-from mita_seg.apis import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
-                           config_file, config_name, ensure_parent, int_range, load_config,
-                           output_file, run_tool, swap_settings, wrap_title)
-from mita_seg.models import MITA_KEYS, MiTASettingsMixin  # noqa: E402
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_merge_args, add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, config_file, ensure_parent,  # noqa: E402
+                                int_range, output_file, quiet_stack, run_tool, wrap_title)
 
 
 def parse_args(argv=None):
@@ -44,6 +41,8 @@ def parse_args(argv=None):
         description='FLOPs of a segmentor (attention included) and of its MiTA swap')
     parser.add_argument('config', type=config_file,
                         help="config file, or 'mmseg::<dir>/<config>.py'")
+    # FLOPs do not depend on weights: a checkpoint given as mmseg's tools take one is refused
+    parser.add_argument('checkpoint', nargs='?', help=argparse.SUPPRESS)
     parser.add_argument('--shape', type=int_range(1), nargs='+', default=None,
                         help='input shape H [W] of the counted forward (one crop); default: '
                         "the config's crop_size, else 512")
@@ -65,6 +64,9 @@ def parse_args(argv=None):
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
+    if args.checkpoint is not None:
+        parser.error(f'{args.checkpoint!r}: get_flops.py takes no checkpoint (FLOPs depend on '
+                     'the config alone, as counted on random weights): give only the config')
     args.mita = swap_settings(parser, args)
     if args.plot and not args.sweep:
         parser.error('--plot needs --sweep SIZES')
@@ -78,7 +80,7 @@ def parse_args(argv=None):
     return args
 
 
-def sweep(counter: SegmentorFlops, sizes):
+def sweep(counter: 'SegmentorFlops', sizes):  # noqa: F821
     """Count square inputs of each size; progress goes to stderr.
 
     Returns:
@@ -102,6 +104,7 @@ def format_sweep(rows, label: str = 'MiTA') -> str:
     head = f'{"size":>10s}{"baseline":>12s}{"(attn)":>10s}'
     if has_mita:
         head += f'{label:>12s}{"(attn)":>10s}{"reduction":>11s}'
+    from mita_seg.analysis.flop_handles import CONVENTION
     lines = ['GFLOPs against input size (one forward, ' + CONVENTION.split(' (')[0] + ')', head]
     for r in rows:
         line = (f'{r["size"]:>4d}x{r["size"]:<5d}{r["baseline"]:12.1f}'
@@ -145,8 +148,9 @@ def plot_sweep(rows, out: str, title: str):
     plt.close(fig)
 
 
-def format_comparison(c: FlopComparison, settings: str) -> str:
+def format_comparison(c: 'FlopComparison', settings: str) -> str:  # noqa: F821
     """The side-by-side table of a :class:`FlopComparison`."""
+    from mita_seg.analysis.flop_handles import CONVENTION, REL_POS_BIAS
     g = 1e9
     rows = [('total', 'total'), ('backbone', 'backbone'),
             ('  attention (QK^T, AV, SDPA, MiTA)', 'backbone_attention'),
@@ -207,9 +211,10 @@ def format_comparison(c: FlopComparison, settings: str) -> str:
     return '\n'.join(lines)
 
 
-def mita_settings(counter: SegmentorFlops) -> str:
+def mita_settings(counter: 'SegmentorFlops') -> str:  # noqa: F821
     """The MiTA settings of the swapped model, as ``key=value`` pairs (a plan: its file and
     how many layers are dense; '' where only tokens are merged)."""
+    from mita_seg.models import MITA_KEYS, MiTASettingsMixin
     if counter.mita is None:
         return ''
     plan = (counter.mita_cfg or {}).get('plan')
@@ -224,6 +229,9 @@ def mita_settings(counter: SegmentorFlops) -> str:
 def main(argv=None) -> dict:
     """Run the tool; returns the figures written with ``--json`` (``sweep`` rows too)."""
     args = parse_args(argv)
+    quiet_stack()
+    from mita_seg.analysis.segmentor_cost import SegmentorFlops, default_shape
+    from mita_seg.apis import config_name, load_config
     cfg = load_config(args.config, args.cfg_options)
     shape = args.shape or default_shape(cfg)
     name = config_name(args.config)

@@ -19,11 +19,11 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, add_mita_args, checkpoint_file,  # noqa: E402
-                           config_file, device_name, ensure_parent, float_range, image_file,
-                           inference_model, init_model, output_file, run_tool,
-                           show_result_pyplot, swap_settings)
-from mita_seg.apis.inference import draw_title  # noqa: E402
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
+                                device_name, ensure_parent, float_range, image_file, output_file,
+                                quiet_stack, run_tool)
 
 
 def parse_args(argv=None):
@@ -51,6 +51,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_stack()
+    from mita_seg.apis import inference_model, init_model, show_result_pyplot
+    from mita_seg.apis.inference import draw_title
     model = init_model(args.config, args.checkpoint, args.device, args.cfg_options, args.mita)
     result = inference_model(model, args.img)
     drawn = show_result_pyplot(model, args.img, result, opacity=args.opacity,

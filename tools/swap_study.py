@@ -36,7 +36,7 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mita_seg.apis.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
                                output_dir)
 from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
@@ -251,5 +251,5 @@ def main(argv=None):
 
 if __name__ == '__main__':
     ARGS = parse_args()   # a bad argument stops here, before anything is run
-    from mita_seg.apis import run_tool
+    from mita_seg.utils.cli import run_tool
     run_tool(lambda: main(ARGS))

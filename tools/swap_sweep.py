@@ -21,7 +21,7 @@ labelled with the landmarks used (``MiTA M=16x16 k=49 (asked M=20x20)``), ``k >=
 Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
-        [--mita-cfg router_topk=1 with_shared_expert=True layers=[0,1] include_head=False] \\
+        [--mita-cfg router_topk=1 with_shared_expert=True layers=[0,1] include_head=True] \\
         [--merge-ratios 0.2 0.4] [--mita-plan PLAN.json] \\
         [--work-dir DIR] [--out DIR/table.md] [--plot DIR/sweep.png] [--cfg-options k=v ...]
 """
@@ -33,13 +33,12 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
-                           build_runner, check_mita_cfg, checkpoint_file, config_file,
-                           config_name, ensure_parent, int_range, load_config, merge_model,
-                           output_dir, output_file, prepare_config, run_tool, swap_model,
-                           swap_sweep, wrap_title)
-from mita_seg.apis.sweep import FLOP_NOTE, sweep_points  # noqa: E402
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_merge_args, add_mita_args, check_mita_cfg  # noqa: E402
 from mita_seg.setting import MITA_KEYS  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
+                                ensure_parent, int_range, output_dir, output_file, quiet_stack,
+                                run_tool, wrap_title)
 
 
 def parse_args(argv=None):
@@ -72,6 +71,7 @@ def parse_args(argv=None):
     parser.add_argument('--verbose', action='store_true',
                         help="print the config dump and mmseg's per-class tables")
     args = parser.parse_args(argv)
+    quiet_stack()
     if args.mita_cfg:     # router_topk at most the M = P*P landmarks of every pool swept
         try:
             check_mita_cfg(args.mita_cfg, ('pool_size', 'topk'), pool_sizes=args.pool_sizes)
@@ -149,6 +149,10 @@ def plot_sweep(rows, out_png, title):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_stack()
+    from mita_seg.apis import (build_runner, config_name, load_config, merge_model,
+                               prepare_config, swap_model, swap_sweep)
+    from mita_seg.apis.sweep import FLOP_NOTE, sweep_points
     cfg = load_config(args.config, args.cfg_options, args.work_dir or osp.join(
         'work_dirs', 'swap_sweep', config_name(args.config)))
     prepare_config(cfg, checkpoint=args.checkpoint)

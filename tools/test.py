@@ -29,11 +29,11 @@ import sys
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (InputError, KeyValueAction, add_merge_args,  # noqa: E402
-                           add_mita_args, build_runner, checkpoint_file, config_file,
-                           config_name, float_range, int_range, load_config, merge_model,
-                           output_dir, prepare_config, run_tool, swap_model, swap_settings)
-from mita_seg.models import MITA_DEFAULTS, current_plan  # noqa: E402
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_merge_args, add_mita_args, swap_settings  # noqa: E402
+from mita_seg.utils.cli import (InputError, KeyValueAction, checkpoint_file,  # noqa: E402
+                                config_file, float_range, int_range, output_dir, quiet_stack,
+                                run_tool)
 
 
 def parse_args(argv=None):
@@ -70,6 +70,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    quiet_stack()
+    from mita_seg.apis import (build_runner, config_name, load_config, merge_model,
+                               prepare_config, swap_model)
+    from mita_seg.models import MITA_DEFAULTS, current_plan
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
     if args.show or args.show_dir:
         hook = cfg.default_hooks.get('visualization')

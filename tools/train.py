@@ -7,7 +7,9 @@ Usage::
         [--launcher {none,pytorch,slurm,mpi}] [--verbose]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``. Besides mmseg's tool: any config gets the
-crash-safe, strict, weights-only checkpoint hook; ``--launcher pytorch`` runs on gloo
+crash-safe, strict, weights-only checkpoint hook; a schedule mmengine would fail on late
+(``train_cfg.max_iters=abc``, a scheduler ending before it begins) is refused before the
+work dir is made; ``--launcher pytorch`` runs on gloo
 without CUDA; ``--amp`` is bf16 on CPU; dense attention runs on PyTorch's fused path
 (``--dense-attn mmseg`` keeps mmseg's); the console leaves out the config dump (the log
 file in the work dir keeps everything; ``--verbose`` shows it). Multi-GPU / multi-node:
@@ -20,9 +22,10 @@ import sys
 # Make `mita_seg` importable from a checkout without installing it or setting PYTHONPATH.
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import (KeyValueAction, add_dense_attn_arg, build_runner,  # noqa: E402
-                           config_file, config_name, load_config, output_dir, prepare_config,
-                           run_tool)
+# the arguments are parsed (and refused) before the mm stack is imported, in main()
+from mita_seg.apis import add_dense_attn_arg  # noqa: E402
+from mita_seg.utils.cli import (KeyValueAction, config_file, output_dir,  # noqa: E402
+                                quiet_stack, run_tool)
 
 
 def parse_args(argv=None):
@@ -49,7 +52,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = load_config(args.config, args.cfg_options, args.work_dir)
+    quiet_stack()
+    from mita_seg.apis import (build_runner, check_schedule, config_name, load_config,
+                               prepare_config)
+    cfg = check_schedule(load_config(args.config, args.cfg_options, args.work_dir))
     prepare_config(cfg, args.launcher, resume=args.resume, amp=args.amp)
     runner = build_runner(cfg, args.verbose)
     runner.train()

@@ -65,7 +65,7 @@ def majority_miou(data_root: str) -> float:
 
 def main(argv=None):
     sys.path.insert(0, ROOT)
-    from mita_seg.apis.cli import int_range, output_dir
+    from mita_seg.utils.cli import int_range, output_dir
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--iters', type=int_range(1), default=300,
                         help='training iterations (the config has 600; 300 keep the demo to '

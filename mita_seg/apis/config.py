@@ -8,7 +8,7 @@ import torch.nn as nn
 from mmengine.config import Config
 
 from mita_seg.models.fast_attention import check_dense_attn, set_dense_attn
-from .cli import InputError
+from mita_seg.utils.cli import InputError
 
 
 def config_name(config: str) -> str:

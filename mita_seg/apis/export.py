@@ -2,12 +2,13 @@
 
 The written config is the original one (all bases merged) with the ``VisionTransformer``
 backbone switched to ``MiTAVisionTransformer`` (``mita_cfg``, ``mita_layers``), a ``BEiT`` or
-``MAE`` backbone to ``MiTABEiT`` / ``MiTAMAE``, and Segmenter's
-``SegmenterMaskTransformerHead`` to ``MiTASegmenterMaskTransformerHead``, ``mita_seg.models``
+``MAE`` backbone to ``MiTABEiT`` / ``MiTAMAE``, Segmenter's mask head left on mmseg's
+``SegmenterMaskTransformerHead`` (the paper's swap, the encoder only) unless
+``include_head=True`` switches it to ``MiTASegmenterMaskTransformerHead``, ``mita_seg.models``
 and ``mita_seg.engine`` in ``custom_imports``, the crash-safe checkpoint hook, pretrained
 initialisation removed, an ``EncoderDecoder`` on ``SlimEncoderDecoder`` (mmseg's results,
 lighter slide inference; not with ``slim_inference=False``) and ``load_from`` pointing at
-the written checkpoint. MiTA adds no
+the written checkpoint; its first lines say what is on MiTA and what is not. MiTA adds no
 parameters, so the checkpoint holds the very same ``state_dict``. Both models are built and
 the checkpoint is loaded into each strictly before anything is written.
 
@@ -65,7 +66,7 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
     layers = mita_cfg.get('layers')
     backbone.mita_layers = list(layers) if layers is not None else None
     head = cfg.model.decode_head
-    if (mita_cfg.get('include_head', True) and isinstance(head, dict)
+    if (mita_cfg.get('include_head', False) and isinstance(head, dict)
             and head.get('type') in HEAD_TYPES):
         head.type = 'MiTASegmenterMaskTransformerHead'
         head.mita_cfg = {**head.get('mita_cfg', {}), **settings}
@@ -162,5 +163,34 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
         keep.update(mita_plan=plan.to_dict())
     keep.update(exported_from=dict(config=str(config), checkpoint=str(checkpoint)))
     torch.save({'meta': keep, 'state_dict': models[1].state_dict()}, out_ckpt)
-    new_cfg.dump(out_cfg)
+    with open(out_cfg, 'w') as f:     # what Config.dump writes, after what was swapped
+        f.write(swap_comment(new_cfg, config) + new_cfg.pretty_text)
     return out_cfg, out_ckpt
+
+
+def swap_comment(cfg: Config, source: str) -> str:
+    """The comment lines that open an exported config: what is on MiTA, what is not."""
+    backbone, head = cfg.model.backbone, cfg.model.get('decode_head')
+    if backbone.get('mita_layer_cfgs') is not None:
+        dense = sum(c is None for c in backbone.mita_layer_cfgs)
+        what = (f'MiTA per layer (a swap plan) in the backbone ({backbone.type}; '
+                f'{dense} of {len(backbone.mita_layer_cfgs)} layers dense)')
+    else:
+        layers = backbone.get('mita_layers')
+        settings = ', '.join(f'{k}={v}' for k, v in backbone.get('mita_cfg', {}).items())
+        what = (f'MiTA in {"all" if layers is None else f"layers {list(layers)} of"} the '
+                f'backbone\'s attention layers ({backbone.type}'
+                f'{"; " + settings if settings else ""})')
+    lines = [f'MiTA version of {source} (tools/export_swapped.py): {what}']
+    if isinstance(head, dict) and head.get('type') in HEAD_TYPES:
+        if head.get('mita_layer_cfgs') is not None:
+            dense = sum(c is None for c in head.mita_layer_cfgs)
+            lines.append(f'Segmenter mask head per layer (the swap plan; {dense} of '
+                         f'{len(head.mita_layer_cfgs)} layers dense)')
+        else:
+            lines.append(
+                'Segmenter mask head on MiTA too (include_head=True)'
+                if head.type == 'MiTASegmenterMaskTransformerHead' else
+                'Segmenter mask head on standard attention (the paper\'s swap: the encoder '
+                'only; --mita-cfg include_head=True swaps it)')
+    return ''.join(f'# {line}\n' for line in lines)

@@ -1,7 +1,7 @@
 """The one ``--mita-cfg`` of every tool: names and values checked at argument parsing.
 
 ``--mita-cfg pool_size=7 topk=49 router_topk=1 with_shared_expert=True shared_scale=0.02
-layers=[0,1] include_head=False``: the MiTA settings of
+layers=[0,1] include_head=True``: the MiTA settings of
 :class:`~mita_seg.models.MiTAAttention` (their defaults are its signature's,
 :data:`~mita_seg.models.MITA_DEFAULTS`) and the layer choice of
 :func:`~mita_seg.swap_attention`. An unknown name or a bad value ends the tool at once with
@@ -19,14 +19,17 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mita_seg.models import DENSE_ATTN_MODES, SWAP_RULES, PlanError, SwapPlan
 from mita_seg.setting import MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, check_settings
-from .cli import KeyValueAction
+from mita_seg.utils.cli import DeferredHelp, KeyValueAction
+
+# mita_seg.models (the rules, the plans, the dense paths) is imported where it is used: a
+# tool builds its parser, and refuses a bad path or number, without importing the mm stack.
 
 
 def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
     """``name -> (what it must be, check)`` of the settings ``--mita-cfg`` accepts:
     the MiTA settings and ``layers``/``include_head``, less ``exclude``."""
+    from mita_seg.models import SWAP_RULES
     rules = {k: SETTING_RULES[k] for k in MITA_KEYS}
     rules.update(SWAP_RULES)
     return {k: v for k, v in rules.items() if k not in exclude}
@@ -72,9 +75,10 @@ class MiTACfgAction(KeyValueAction):
             parser.error(f'{option_string}: {e}')
 
 
-def read_plan_arg(path: str) -> SwapPlan:
+def read_plan_arg(path: str) -> 'SwapPlan':  # noqa: F821
     """``--mita-plan``'s ``type``: the plan file, read and checked (a bad one is a usage
     error naming the file and the layer or setting)."""
+    from mita_seg.models import PlanError, SwapPlan
     try:
         return SwapPlan.load(path)
     except PlanError as e:
@@ -96,7 +100,9 @@ def add_dense_attn_arg(parser: argparse.ArgumentParser) -> None:
     """Add ``--dense-attn {fast,mmseg}`` to a tool with ``--cfg-options`` (the config's
     ``dense_attn``, :func:`~mita_seg.apis.use_slim_inference`)."""
     parser.add_argument(
-        '--dense-attn', choices=DENSE_ATTN_MODES, default=None, action=DenseAttnAction,
+        # mita_seg.models.DENSE_ATTN_MODES, spelt out: the parser is built without the stack
+        # (tests/test_bad_input.py checks that they agree)
+        '--dense-attn', choices=('fast', 'mmseg'), default=None, action=DenseAttnAction,
         help='path of the dense (standard) global attention: "fast" (default: PyTorch\'s '
         'fused scaled_dot_product_attention, mmseg\'s results to float32 rounding) or '
         '"mmseg" (mmseg\'s own, which materialises the N x N weights); same as '
@@ -114,8 +120,13 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
             ``--mita-cfg``). Default: True.
         exclude (Sequence[str]): settings the tool sets by other means (refused here).
     """
-    rules = mita_cfg_rules(exclude)
-    defaults = ' '.join(f'{k}={MITA_DEFAULTS[k]}' for k in MITA_KEYS if k in rules)
+    def mita_cfg_help() -> str:
+        rules = mita_cfg_rules(exclude)
+        defaults = ' '.join(f'{k}={MITA_DEFAULTS[k]}' for k in MITA_KEYS if k in rules)
+        return (f'MiTA settings: {", ".join(rules)}. Defaults for a model swapped now: '
+                f'{defaults}; a model already on MiTA keeps its values for the settings not '
+                'given.')
+
     if swap_flag:
         parser.add_argument(
             '--swap-attn', choices=['none', 'mita'], default=None,
@@ -124,8 +135,7 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
     action = type('MiTACfg', (MiTACfgAction, ), dict(exclude=tuple(exclude)))
     parser.add_argument(
         '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
-        help=f'MiTA settings: {", ".join(rules)}. Defaults for a model swapped now: '
-        f'{defaults}; a model already on MiTA keeps its values for the settings not given.')
+        help=DeferredHelp(mita_cfg_help))
     parser.add_argument(
         '--mita-plan', type=read_plan_arg, default=None, metavar='PLAN.json',
         help='per-layer MiTA settings (dense allowed) from a swap plan, e.g. written by '

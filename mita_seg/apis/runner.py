@@ -11,7 +11,7 @@ from mmengine.runner import Runner
 from mita_seg.engine import use_amp, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
-from .cli import InputError
+from mita_seg.utils.cli import InputError, is_stack_noise
 from .config import use_dense_attn, use_slim_inference
 
 # The environment each launcher reads (mmengine's init_dist), and what sets it.
@@ -26,7 +26,10 @@ MAX_CONSOLE_LINES = 6
 
 
 def _short_record(record: logging.LogRecord) -> bool:
-    """Console filter: drop long info records and the heading of the per-class table."""
+    """Console filter: drop long info records, the heading of the per-class table and the
+    stack's known noise (:func:`~mita_seg.utils.cli.is_stack_noise`)."""
+    if not is_stack_noise(record):
+        return False
     if record.levelno > logging.INFO:
         return True
     msg = record.getMessage()
@@ -83,6 +86,53 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
     use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to),
     #                           the dense attention path (dense_attn, 'fast' by default)
     setup_cpu_distributed(cfg, launcher)
+    return cfg
+
+
+def _is_count(x, low: int = 1) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check_schedule(cfg: Config) -> Config:
+    """Refuse a training schedule mmengine would fail on only once the Runner is built (a
+    traceback, a work dir left behind): ``train_cfg``'s counts not positive ints, a
+    ``param_scheduler`` entry whose ``end`` is not after its ``begin`` (e.g. a schedule
+    made shorter than the warm-up before it).
+
+    Args:
+        cfg (Config): the training config (``--cfg-options`` merged).
+
+    Returns:
+        Config: ``cfg`` unchanged.
+
+    Raises:
+        InputError: naming the setting as ``--cfg-options`` spells it, and the fix.
+    """
+    train_cfg = cfg.get('train_cfg') or {}
+    for key in ('max_iters', 'max_epochs', 'val_interval', 'val_begin'):
+        if key in train_cfg and not _is_count(train_cfg[key], 0 if key == 'val_begin' else 1):
+            raise InputError(
+                f'train_cfg.{key}={train_cfg[key]!r} is not a positive int: give e.g. '
+                f'--cfg-options train_cfg.{key}={600 if key == "max_iters" else 10}')
+    schedulers = cfg.get('param_scheduler') or []
+    if isinstance(schedulers, dict):
+        schedulers = [schedulers]
+    for i, sched in enumerate(schedulers):
+        name = f'param_scheduler.{i}' if len(schedulers) > 1 else 'param_scheduler'
+        begin, end = sched.get('begin', 0), sched.get('end')
+        for key, value in (('begin', begin), ('end', end)):
+            if value is not None and not _is_count(value, 0):
+                raise InputError(f'{name}.{key}={value!r} ({sched.get("type")}) is not an int '
+                                 f'>= 0: give the {"first" if key == "begin" else "last"} '
+                                 f'{"epoch" if sched.get("by_epoch", True) else "iteration"}')
+        if end is not None and end <= begin:
+            before = [f'param_scheduler.{j}.end={s.get("end")}' for j, s in
+                      enumerate(schedulers[:i]) if s.get('end') == begin]
+            why = f' (it begins where {before[0]} ends)' if before else ''
+            raise InputError(
+                f'{name} ({sched.get("type")}) ends at {end}, not after it begins at {begin}'
+                f'{why}: give {name}.end > {begin}, or shorten what comes before it'
+                + (f' ({before[0].split("=")[0]})' if before else ''))
     return cfg
 
 

@@ -180,7 +180,9 @@ def check_state_dict(expected: Dict[str, Any],
 
     Raises:
         CheckpointMismatchError: keys are missing, unexpected, or of another shape; the
-            message lists them all (up to 20 of each).
+            message counts them and names them in groups (:func:`group_keys`: keys that
+            differ only in layer indices or in their last name), on lines of at most
+            about 100 characters.
     """
     skip = skip or (lambda kind, key: False)
     same_shape = same_shape or (lambda key, want, got: want == got)
@@ -190,19 +192,22 @@ def check_state_dict(expected: Dict[str, Any],
     skipped += [k for k in unexpected if skip('unexpected', k)]
     missing = [k for k in missing if k not in skipped]
     unexpected = [k for k in unexpected if k not in skipped]
-    shapes = []
+    shapes: Dict[tuple, List[str]] = {}     # (checkpoint's, model's) -> keys
     for k in sorted(expected.keys() & state_dict.keys()):
         want, got = (tuple(getattr(d[k], 'shape', ())) for d in (expected, state_dict))
         if not same_shape(k, want, got):
-            shapes.append(f'{k}: checkpoint {got} vs model {want}')
+            shapes.setdefault((got, want), []).append(k)
     if missing or unexpected or shapes:
         lines = [f'checkpoint {source} does not fit {target}:']
-        for title, keys in (('missing keys', missing), ('unexpected keys', unexpected),
-                            ('shape mismatch', shapes)):
-            if keys:
-                more = f' ... and {len(keys) - 20} more' if len(keys) > 20 else ''
-                lines.append(f'  {title} ({len(keys)}): ' + ', '.join(keys[:20]) + more)
-        if any('relative_position_bias_table' in line for line in shapes):
+        mismatched = [f'{g}: checkpoint {got} vs model {want}'
+                      for (got, want), keys in shapes.items() for g in group_keys(keys)]
+        for title, count, groups in (
+                ('missing keys', len(missing), group_keys(missing)),
+                ('unexpected keys', len(unexpected), group_keys(unexpected)),
+                ('shape mismatch', sum(map(len, shapes.values())), mismatched)):
+            if groups:
+                lines += _wrap(f'{title} ({count}): ', groups)
+        if any('relative_position_bias_table' in k for keys in shapes.values() for k in keys):
             lines.append(
                 '  BEiT/MAE: the relative position bias table was built for another patch '
                 'grid (the backbone\'s img_size / patch_size). Set img_size to the crop the '
@@ -214,6 +219,115 @@ def check_state_dict(expected: Dict[str, Any],
                      'the checkpoint.')
         raise CheckpointMismatchError('\n'.join(lines))
     return skipped
+
+
+# ------------------------------------------------------------------------ key reports
+_MAX_GROUPS = 12      # groups named per kind; the count says how many keys there are
+
+
+def group_keys(keys: List[str]) -> List[str]:
+    """``keys`` in groups, each an exact pattern: indices that vary as ``{0..11}`` (a
+    run) or ``{0,2,5}``, last names that vary as ``{weight,bias}``; e.g. the 24 keys
+    ``backbone.layers.{0..11}.attn.attn.{in_proj_bias,in_proj_weight}``. Every key is in
+    exactly one group and every expansion of a group is a key (:func:`expand_group`)."""
+    by_shape: Dict[tuple, List[List[str]]] = {}
+    for key in keys:
+        parts = key.split('.')
+        shape = tuple('#' if p.isdigit() else p for p in parts)
+        by_shape.setdefault(shape, []).append(parts)
+    groups = []
+    for shape, members in by_shape.items():
+        groups += _index_groups(shape, members)
+    # the same indices, the last name differing: one group
+    merged: Dict[str, List[str]] = {}
+    out = []
+    for g in groups:
+        parts = _parts(g)
+        if len(parts) > 1 and not parts[-1].startswith('{'):
+            merged.setdefault('.'.join(parts[:-1]), []).append(parts[-1])
+        else:
+            out.append(g)
+    out += [f'{head}.{lasts[0]}' if len(lasts) == 1 else f'{head}.{{{",".join(sorted(lasts))}}}'
+            for head, lasts in merged.items()]
+    return sorted(out, key=lambda g: _sort_key(expand_group(g)[0]))
+
+
+def _index_groups(shape: tuple, members: List[List[str]]) -> List[str]:
+    """Keys of one shape (``'#'`` where an index is) as index patterns: one pattern if the
+    keys are every combination of the indices seen at each place, else split on the
+    first place that varies."""
+    places = [i for i, p in enumerate(shape) if p == '#']
+    values = [sorted({int(m[i]) for m in members}) for i in places]
+    combos = 1
+    for v in values:
+        combos *= len(v)
+    if combos == len(members):
+        parts = list(shape)
+        for i, v in zip(places, values):
+            parts[i] = _indices(v)
+        return ['.'.join(parts)]
+    first = next(i for i, v in zip(places, values) if len(v) > 1)
+    rest: Dict[str, List[int]] = {}   # pattern of the other places -> values at ``first``
+    mark = f'\0{first}\0'                # stands for them in the patterns
+    for value in sorted({int(m[first]) for m in members}):
+        sub = [m for m in members if int(m[first]) == value]
+        fixed = tuple(mark if i == first else p for i, p in enumerate(shape))
+        for pattern in _index_groups(fixed, sub):
+            rest.setdefault(pattern, []).append(value)
+    return [pattern.replace(mark, _indices(v)) for pattern, v in rest.items()]
+
+
+def _indices(values: List[int]) -> str:
+    if len(values) == 1:
+        return str(values[0])
+    if values == list(range(values[0], values[-1] + 1)):
+        return f'{{{values[0]}..{values[-1]}}}'
+    return '{' + ','.join(map(str, values)) + '}'
+
+
+def expand_group(group: str) -> List[str]:
+    """The keys a :func:`group_keys` pattern stands for."""
+    keys = ['']
+    for part in _parts(group):
+        if part.startswith('{') and part.endswith('}'):
+            inner = part[1:-1]
+            if '..' in inner:
+                low, high = inner.split('..')
+                options = [str(i) for i in range(int(low), int(high) + 1)]
+            else:
+                options = inner.split(',')
+        else:
+            options = [part]
+        keys = [f'{k}.{o}' if k else o for k in keys for o in options]
+    return keys
+
+
+def _parts(group: str) -> List[str]:
+    """``group`` split at the dots outside braces."""
+    return re.split(r'\.(?![^{]*\})', group)
+
+
+def _sort_key(key: str) -> tuple:
+    return tuple((0, int(p), '') if p.isdigit() else (1, 0, p) for p in key.split('.'))
+
+
+def _wrap(first: str, groups: List[str], width: int = 100) -> List[str]:
+    """``first`` then the groups, comma-separated, on indented lines of at most ``width``
+    characters (a longer group stands alone on its line); past :data:`_MAX_GROUPS`
+    groups, how many more."""
+    shown = groups[:_MAX_GROUPS]
+    items = [g + ',' for g in shown[:-1]] + shown[-1:]
+    if len(groups) > len(shown):
+        items[-1] += ','
+        items.append(f'... and {len(groups) - len(shown)} more groups')
+    lines, line = [], '  ' + first
+    for item in items:
+        if line.strip() and len(line) + 1 + len(item) > width and not line.endswith(': '):
+            lines.append(line)
+            line = '    ' + item
+        else:
+            line += ('' if line.endswith(': ') else ' ') + item
+    return lines + [line]
 
 
 def _model_and_state(model: nn.Module, checkpoint: Any, source: str):

@@ -1,14 +1,17 @@
 """What every tool shares around its ``main``: one way to refuse careless input.
 
+Not part of the public API (:mod:`mita_seg.apis`): the tools' plumbing. It imports no torch
+and no mm stack, so a tool parses its arguments, and refuses a bad one, before it imports
+what it runs (mmseg/mmengine/mmcv take seconds to import).
+
 - Arguments wrong on their own are refused while parsing, with argparse's usage line and
   exit status 2, before anything is imported, built or loaded: the argument types below
   (:func:`input_file`, :func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
   :func:`output_file`, :func:`output_dir`, :func:`int_range`, :func:`float_range`,
-  :func:`device_name`) and
-  :class:`KeyValueAction` (``--cfg-options``; ``--mita-cfg`` builds on it). Each message
-  names the argument, the value, and what to give instead.
+  :func:`device_name`) and :class:`KeyValueAction` (``--cfg-options``; ``--mita-cfg``
+  builds on it). Each message names the argument, the value, and what to give instead.
 - Errors a user fixes by changing the command line, the config or the checkpoint but that
-  show only once a file is read or a model built (:data:`USER_ERRORS`: a config that does
+  show only once a file is read or a model built (:func:`user_errors`: a config that does
   not parse, a file that is no image or no checkpoint, a checkpoint that does not fit, a
   layer that does not exist...) end the tool through :func:`run_tool` with one
   ``error: <message>`` line and exit status 1.
@@ -21,20 +24,13 @@ import os
 import os.path as osp
 import shlex
 import sys
-from typing import Callable, Optional, Sequence
-
-from mmengine.config import DictAction
-
-from mita_seg.models import (GridMismatchError, MiTASettingError, NothingToMergeError,
-                             NothingToSwapError, PlanError)
-from mita_seg.ops.onnx import OnnxExportError
-from mita_seg.utils.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
-                                       UnsafeCheckpointError)
+from typing import Callable, Optional, Sequence, Tuple
 
 __all__ = [
-    'InputError', 'USER_ERRORS', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
+    'InputError', 'user_errors', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
     'image_file', 'output_file', 'output_dir', 'int_range', 'float_range', 'device_name',
-    'KeyValueAction', 'ensure_parent', 'python_command', 'wrap_title'
+    'KeyValueAction', 'DeferredHelp', 'quiet_stack', 'is_stack_noise', 'ensure_parent',
+    'python_command', 'wrap_title'
 ]
 
 
@@ -44,27 +40,82 @@ class InputError(ValueError):
     what to give instead."""
 
 
-# What a user fixes by changing the command line, the config or the checkpoint.
-USER_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-               InputError, UnreadableCheckpointError, UnsafeCheckpointError,
-               CheckpointMismatchError, NothingToSwapError, GridMismatchError,
-               MiTASettingError, NothingToMergeError, OnnxExportError, PlanError)
+# What a user fixes by changing the command line, the config or the checkpoint, by module.
+# Named rather than imported, so that this module loads no stack: an exception of a module
+# that is not imported yet cannot have been raised.
+_USER_ERRORS = {
+    'builtins': ('FileNotFoundError', 'IsADirectoryError', 'NotADirectoryError',
+                 'PermissionError'),
+    __name__: ('InputError', ),
+    'mita_seg.utils.checkpoint': ('UnreadableCheckpointError', 'UnsafeCheckpointError',
+                                  'CheckpointMismatchError'),
+    'mita_seg.models': ('NothingToSwapError', 'GridMismatchError', 'MiTASettingError',
+                        'NothingToMergeError', 'PlanError'),
+    'mita_seg.ops.onnx': ('OnnxExportError', ),
+    'mita_seg.setting': ('MiTASettingError', ),
+}
+
+
+def user_errors() -> Tuple[type, ...]:
+    """The exception classes :func:`run_tool` reports in one line: missing or unreadable
+    files, :class:`InputError`, unreadable, unsafe or non-fitting checkpoints, nothing to
+    swap or merge, a layer that does not exist, a BEiT/MAE run at a grid its bias tables do
+    not fit, a bad MiTA setting or swap plan, an ONNX export that fails its check; of the
+    modules imported so far."""
+    found = []
+    for module, names in _USER_ERRORS.items():
+        module = sys.modules.get(module)
+        found += [getattr(module, n) for n in names if hasattr(module, n)]
+    return tuple(found)
 
 
 def run_tool(main: Callable[[], object]) -> None:
-    """Run a tool's ``main()``; a user error (:data:`USER_ERRORS`: a missing or unreadable
-    file, a config that does not parse, an unreadable, unsafe or non-fitting checkpoint,
-    nothing to swap or merge, a layer that does not exist, a BEiT/MAE run at a grid its
-    bias tables do not fit, a swap plan that does not fit the model, a calibration that
-    cannot run, an ONNX export that fails its check) prints ``error: <message>`` and exits with status 1."""
+    """Run a tool's ``main()``; a user error (:func:`user_errors`) prints
+    ``error: <message>`` and exits with status 1."""
     try:
         main()
-    except USER_ERRORS as e:
+    except Exception as e:      # re-raised unless it is a user error
+        if not isinstance(e, user_errors()):
+            raise
         msg = str(e)
         if isinstance(e, OSError) and e.filename is not None and e.strerror:
             msg = f'{e.filename}: {e.strerror}'     # not "[Errno 21] Is a directory: 'x'"
         print(f'error: {msg}', file=sys.stderr)
         sys.exit(1)
+
+
+# ------------------------------------------------------------------------------ noise
+# What the stack prints around a tool's one result line and a user can do nothing about:
+# warnings raised inside these packages (deprecations of the stack's own calls, mmengine's
+# "Failed to add LocalVisBackend"...) ...
+STACK_PACKAGES = ('mmcv', 'mmengine', 'mmseg')
+# ... warnings raised elsewhere on the stack's behalf (message starts) ...
+STACK_WARNINGS = ('pkg_resources is deprecated as an API', )
+# ... and mmengine log records (message starts).
+STACK_LOG_NOISE = ('Failed to search registry with scope', 'Distributed training is not used',
+                   'The prefix is not set in metric class')
+
+
+def is_stack_noise(record) -> bool:
+    """A ``logging`` filter: False for a record of :data:`STACK_LOG_NOISE`."""
+    return not str(record.msg).lstrip().startswith(STACK_LOG_NOISE)
+
+
+def quiet_stack() -> None:
+    """Silence the stack's known noise in this process (:data:`STACK_PACKAGES`,
+    :data:`STACK_WARNINGS`, :data:`STACK_LOG_NOISE`), not mita_seg's own warnings nor those
+    of a user's code. A tool calls it once its arguments are parsed; the log file of a run
+    keeps mmengine's records (:class:`~mita_seg.apis.QuietRunner` filters its console
+    only). Imports mmengine's logging."""
+    import warnings
+    for package in STACK_PACKAGES:
+        warnings.filterwarnings('ignore', module=rf'{package}(\.|$)')
+    for message in STACK_WARNINGS:
+        warnings.filterwarnings('ignore', message=message)
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_instance('mmengine')
+    if is_stack_noise not in logger.filters:
+        logger.addFilter(is_stack_noise)
 
 
 # --------------------------------------------------------------------------- paths in
@@ -262,10 +313,13 @@ def device_name(text: str) -> str:
 
 
 # -------------------------------------------------------------------------- key=value
-class KeyValueAction(DictAction):
-    """mmengine's ``DictAction`` (``key=value`` pairs, values as Python literals; what
+class KeyValueAction(argparse.Action):
+    """mmengine's ``DictAction`` (``key=value`` pairs; values parsed as it does: ints,
+    floats, ``True``/``False``/``None``, ``a,b`` and ``[a,b]`` lists; what
     ``--cfg-options`` takes) whose malformed item (no ``=``, no key) is a usage error naming
-    it, not a traceback."""
+    it, not a traceback. mmengine is imported only once such an option is given."""
+
+    example = 'train_cfg.max_iters=60'
 
     def __call__(self, parser, namespace, values, option_string=None):
         for kv in values:
@@ -273,9 +327,27 @@ class KeyValueAction(DictAction):
             if not sep or not key:
                 parser.error(f'{option_string}: {kv!r} is not KEY=VALUE (e.g. '
                              f'{self.example})')
-        super().__call__(parser, namespace, values, option_string)
+        from mmengine.config import DictAction
+        DictAction(self.option_strings, self.dest, nargs=self.nargs)(
+            parser, namespace, values, option_string)
 
-    example = 'train_cfg.max_iters=60'
+
+class DeferredHelp(str):
+    """An argparse ``help`` text made only when help is printed (``make()``), so that a
+    parser whose help quotes the stack's values (the MiTA defaults) is built without
+    importing the stack. argparse expands a help text with ``%`` (and
+    ``ArgumentDefaultsHelpFormatter`` appends to it first): both defer to ``make()``."""
+
+    def __new__(cls, make: Callable[[], str]):
+        self = super().__new__(cls, '(made when help is printed)')
+        self.make = make
+        return self
+
+    def __add__(self, more: str) -> 'DeferredHelp':
+        return DeferredHelp(lambda: self.make() + more)
+
+    def __mod__(self, params) -> str:
+        return self.make() % params
 
 
 # ---------------------------------------------------------------------------- printing
