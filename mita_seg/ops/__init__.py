@@ -2,7 +2,8 @@
 from .bias import RelPosBias
 from .blocked import mita_attention_blocked
 from .dispatch import AUTO_ORDER, BACKENDS, Backend, Inputs, select_backend
-from .flops import attention_flops, bias_flops_per_head, mita_flops_per_head
+from .flops import (attention_flops, bias_flops_per_head, global_flops_per_head,
+                    mita_flops_per_head)
 from .fused_cpu import mita_attention_fused_cpu
 from .mita import check_mita_args, mita_attention, mita_flops
 from .reference import mita_attention_reference
@@ -13,5 +14,6 @@ __all__ = [
     'mita_attention', 'mita_attention_reference', 'mita_attention_blocked',
     'mita_attention_fused_cpu', 'mita_attention_varlen', 'mita_routing', 'MiTARouting',
     'mita_flops', 'mita_flops_per_head', 'attention_flops', 'Backend', 'BACKENDS', 'Inputs',
-    'AUTO_ORDER', 'select_backend', 'check_mita_args', 'RelPosBias', 'bias_flops_per_head'
+    'AUTO_ORDER', 'select_backend', 'check_mita_args', 'RelPosBias', 'bias_flops_per_head',
+    'global_flops_per_head'
 ]

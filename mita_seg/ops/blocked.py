@@ -19,6 +19,7 @@ import torch
 
 from .bias import gather_bias, landmark_bias
 from .flops import mita_flops_per_head
+from .global_tokens import attend_with_lse, merge_lse
 from .routing import mita_routing, routing_dtype
 
 
@@ -151,5 +152,8 @@ def mita_attention_blocked(inp):
     a_r = torch.exp(m_r - m.unsqueeze(-1))                            # [BH, N, r]
     num = num + (o_r * a_r.unsqueeze(-1)).sum(2)
     den = den + (s_r * a_r).sum(-1)
-    out = num / den.unsqueeze(-1)
-    return out.view(B, H, N, d).to(q.dtype)
+    out = (num / den.unsqueeze(-1)).view(B, H, N, d)
+    if inp.global_kv is not None:  # the global keys' softmax, merged by log-sum-exp
+        lse = (m + den.log()).view(B, H, N)
+        out = merge_lse(out, lse, *attend_with_lse(q, *inp.global_kv))
+    return out.to(q.dtype)

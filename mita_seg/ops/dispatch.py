@@ -38,6 +38,11 @@ class Inputs(NamedTuple):
     shared_scale: Optional[float] = None
     bias: Optional[RelPosBias] = None
     block_size: Optional[int] = None
+    # (prefix, suffix): the first and last tokens that are global (mita_attention's
+    # global_tokens); a backend sees (0, 0) and the global keys and values as global_kv
+    # ([B, H, T, d] each: keys in every query's softmax, not routed; see .global_tokens)
+    global_tokens: Tuple[int, int] = (0, 0)
+    global_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def device(self) -> torch.device:
@@ -66,7 +71,8 @@ class Backend(NamedTuple):
 
     Attributes:
         fn (Callable): ``fn(inp: Inputs) -> out`` (``[B, H, N, d]``), differentiable with
-            respect to q, k, v (and the bias table) by its own autograd.
+            respect to q, k, v (and the bias table) by its own autograd; the keys and
+            values of ``inp.global_kv`` (if any) in every query's softmax.
         unsupported (Callable): ``unsupported(inp: Inputs) -> list[str]``, why it cannot run
             these inputs (empty when it can).
         flops (Callable): ``flops(num_tokens, head_dim, num_experts, topk, router_topk,

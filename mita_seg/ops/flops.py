@@ -44,3 +44,14 @@ def mita_flops_per_head(num_tokens: int, head_dim: int, num_experts: int, topk: 
     if with_shared_expert:
         per_head += 2 * M * N
     return head_dim * per_head
+
+
+def global_flops_per_head(num_tokens: int, num_global_tokens: int, head_dim: int) -> int:
+    """MACs of ``T`` global tokens among ``N`` (:mod:`mita_seg.ops.global_tokens`), per batch
+    item and head, on top of MiTA over the other ``N - T`` tokens::
+
+        other queries x global keys: logits and output    2 (N - T) T d
+        global queries x every key:  logits and output    2 T N d
+    """
+    N, T = num_tokens, num_global_tokens
+    return 2 * (N - T) * T * head_dim + 2 * T * N * head_dim

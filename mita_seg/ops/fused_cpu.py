@@ -50,6 +50,7 @@ from torch import Tensor
 
 from .bias import table_size
 from .flops import mita_flops_per_head
+from .global_tokens import attend_with_lse, merge_lse
 from .routing import routing_dtype
 
 
@@ -145,17 +146,18 @@ def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, sa
 @torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
 def _fused_bwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int, prefix: int,
                shared: bool, shared_scale: float, state: List[Tensor], grad_out: Tensor,
-               table: Optional[Tensor] = None, window_h: int = 0,
-               window_w: int = 0) -> List[Tensor]:
+               table: Optional[Tensor] = None, window_h: int = 0, window_w: int = 0,
+               grad_lse: Optional[Tensor] = None) -> List[Tensor]:
     """``state``: the forward's :class:`FusedState` (``out`` may be empty where
-    ``out_float`` is not: the backward reads the latter)."""
+    ``out_float`` is not: the backward reads the latter); ``grad_lse``: the gradient of its
+    lse, where that was used."""
     return _C.mita_backward(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, state,
-                            grad_out, table, window_h, window_w)
+                            grad_out, table, window_h, window_w, grad_lse)
 
 
 @_fused_bwd.register_fake
 def _(q, k, v, h, w, ph, pw, prefix, shared, shared_scale, state, grad_out, table=None,
-      window_h=0, window_w=0):
+      window_h=0, window_w=0, grad_lse=None):
     # dq, dk, dv; with a bias, in the compute dtype: dbias_q [H, M, N], dbias_k [H, N, M]
     # (empty without the shared expert) and dtable [H, T]; empty without a bias.
     N, M = q.shape[1], ph * pw
@@ -232,15 +234,17 @@ class MiTAFused(torch.autograd.Function):
     float32 inside the kernel), routing included.
 
     ``apply(q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
-    router_topk, shared, shared_scale)`` returns ``[BH, N, d]``; gradients flow to q, k, v
-    (not through the indices) and, with a relative position bias (``window`` ``(Wh, Ww)``;
-    ``(0, 0)`` and None tensors without), to ``bias_q [H, M, N]``, ``bias_k [H, N, M]`` and
-    ``table [H, T]`` (in the compute dtype: float32, float64 for float64 inputs).
+    router_topk, shared, shared_scale, with_lse)`` returns ``[BH, N, d]`` (``with_lse``:
+    ``(out, lse [BH, N])`` in the compute dtype, both differentiable, for a merge by
+    log-sum-exp); gradients flow to q, k, v (not through the indices) and, with a relative
+    position bias (``window`` ``(Wh, Ww)``; ``(0, 0)`` and None tensors without), to
+    ``bias_q [H, M, N]``, ``bias_k [H, N, M]`` and ``table [H, T]`` (in the compute dtype:
+    float32, float64 for float64 inputs).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
-                router_topk, shared, shared_scale):
+                router_topk, shared, shared_scale, with_lse=False):
         save = any(ctx.needs_input_grad[:6])
         state = FusedState(*_fused_fwd(q, k, v, *hw_shape, *pool_size, prefix, topk,
                                        router_topk, shared, shared_scale, save, bias_q,
@@ -252,22 +256,25 @@ class MiTAFused(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, table, *saved)
             ctx.args = (*hw_shape, *pool_size, prefix, shared, shared_scale)
             ctx.window = window
+        if with_lse:
+            return state.out_float if state.out_float.numel() else state.out, state.lse
         return state.out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse=None):
         q, k, v, table, *state = ctx.saved_tensors
         dq, dk, dv, *dbias = _fused_bwd(q, k, v, *ctx.args, state, grad_out.contiguous(),
-                                        table, *ctx.window)
+                                        table, *ctx.window, grad_lse)
         # dbias_q, dbias_k, dtable: empty where there is no such input or no gradient
         dbias = [g if g.numel() else None for g in dbias]
-        return (dq, dk, dv, *dbias) + (None, ) * 8
+        return (dq, dk, dv, *dbias) + (None, ) * 9
 
 
 def mita_attention_fused_cpu(inp):
     """Fused CPU MiTA of ``inp`` (a :class:`mita_seg.ops.dispatch.Inputs`: the arguments of
-    :func:`mita_seg.ops.mita_attention`, validated; ``block_size`` is unused).
+    :func:`mita_seg.ops.mita_attention`, validated; ``block_size`` is unused); global keys
+    (``inp.global_kv``) by merging the kernel's log-sum-exp with theirs.
 
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v and
@@ -285,7 +292,11 @@ def mita_attention_fused_cpu(inp):
         acc = routing_dtype(q.dtype)
         table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
         bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
-    out = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
+    with_lse = inp.global_kv is not None
+    res = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
                           tuple(pool_size), inp.num_prefix_tokens, inp.topk, inp.router_topk,
-                          inp.with_shared_expert, shared_scale)
-    return out.view(B, H, N, d)
+                          inp.with_shared_expert, shared_scale, with_lse)
+    if not with_lse:
+        return res.view(B, H, N, d)
+    out, lse = res[0].view(B, H, N, d), res[1].view(B, H, N)
+    return merge_lse(out, lse, *attend_with_lse(q, *inp.global_kv)).to(q.dtype)

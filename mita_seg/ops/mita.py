@@ -17,19 +17,20 @@ import torch
 from .bias import RelPosBias, check_bias
 from .blocked import default_block_size
 from .dispatch import BACKENDS, Inputs, select_backend
-from .flops import bias_flops_per_head, mita_flops_per_head
+from .flops import bias_flops_per_head, global_flops_per_head, mita_flops_per_head
+from .global_tokens import with_global_tokens
 from .routing import IntPair, pair
 
 __all__ = ['mita_attention', 'mita_flops', 'check_mita_args']
 
 
 def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                    shared_scale=None):
+                    shared_scale=None, global_tokens=(0, 0)):
     """Validate the arguments of :func:`mita_attention`.
 
     Returns:
         tuple: ``(hw_shape, pool_size, topk)`` normalised (pairs of ints; ``topk`` clamped
-        to N).
+        to the tokens that are not global).
     """
     if not (q.dim() == 4 and q.shape == k.shape == v.shape):
         raise ValueError('q, k, v must all have shape [B, H, N, d]; got '
@@ -52,12 +53,20 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
         raise ValueError(
             f'pool_size {(ph, pw)} must be >= 1 and no larger than the grid {(h, w)}: '
             f'use a pool_size of at most {(h, w)}')
+    gp, gs = pair(global_tokens, 'global_tokens')
+    if not 0 <= gp <= p or not 0 <= gs <= N - p - h * w:
+        raise ValueError(
+            f'global_tokens {(gp, gs)} must be (prefix, suffix) counts of the tokens before '
+            f'and after the grid: here at most ({p}, {N - p - h * w}) (num_prefix_tokens={p}, '
+            f'N - p - h*w = {N - p - h * w} suffix tokens)')
+    routed = N - gp - gs  # the keys of MiTA's experts: every token but the global ones
     if topk < 1:
         raise ValueError(f'topk must be >= 1, got {topk}')
-    if topk > N:
-        warnings.warn(f'MiTA topk={topk} is larger than the number of tokens N={N}; '
-                      f'using topk={N} (every key)', stacklevel=3)
-        topk = N
+    if topk > routed:
+        what = f'N={N}' if routed == N else f'N={N} less {gp + gs} global = {routed}'
+        warnings.warn(f'MiTA topk={topk} is larger than the number of tokens {what}; '
+                      f'using topk={routed} (every key)', stacklevel=3)
+        topk = routed
     if shared_scale is not None and not shared_scale > 0:
         raise ValueError(f'shared_scale must be > 0 (it scales the router logits), got '
                          f'{shared_scale}; None means 1/d')
@@ -72,7 +81,7 @@ def _run(inp: Inputs, backend: str) -> torch.Tensor:
     # The operator picks its own precision (routing and softmax in float32): autocast
     # (e.g. mmengine's --amp) must not push its matmuls into bf16/fp16.
     with torch.autocast(inp.device.type, enabled=False):
-        return BACKENDS[backend].fn(inp)
+        return with_global_tokens(inp, BACKENDS[backend].fn)
 
 
 @torch.library.custom_op('mita_seg::mita_attention', mutates_args=())
@@ -80,12 +89,14 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              pw: int, topk: int, router_topk: int, num_prefix_tokens: int,
              with_shared_expert: bool, shared_scale: float, block_size: int,
              backend: str, bias_table: Optional[torch.Tensor] = None, window_h: int = 0,
-             window_w: int = 0) -> torch.Tensor:
+             window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
+             ) -> torch.Tensor:
     """The operator as one opaque node, for calls that need no gradient (torch.library
     takes primitive arguments: :class:`Inputs` flattened)."""
     bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
     return _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
-                       with_shared_expert, shared_scale, bias, block_size), backend)
+                       with_shared_expert, shared_scale, bias, block_size,
+                       (global_prefix, global_suffix)), backend)
 
 
 @_mita_op.register_fake
@@ -96,16 +107,21 @@ def _(q, k, v, *args):
 def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
                topk: int, router_topk: int = 1, with_shared_expert: bool = True,
                block_size: Optional[int] = None, backend: Optional[str] = None,
-               with_bias: bool = False) -> int:
+               with_bias: bool = False, num_global_tokens: int = 0) -> int:
     """Multiply-adds of one MiTA call (one MAC = one FLOP): the paper's ``(4M + 2k) N C``
     for router top-1 (:func:`mita_seg.ops.flops.mita_flops_per_head`), or with ``backend``
     what that backend executes (``BACKENDS[backend].flops``: the blocked backend's padding
     slots, the varlen backend's recomputed scores, the reference's dense logits).
     ``with_bias`` adds a relative position bias's additions
-    (:func:`mita_seg.ops.flops.bias_flops_per_head`, one add = one FLOP)."""
+    (:func:`mita_seg.ops.flops.bias_flops_per_head`, one add = one FLOP).
+    ``num_global_tokens`` (``T``, of the ``num_tokens``): MiTA runs on the other ``N - T``
+    tokens, plus their ``N - T`` queries over the ``T`` global keys and the ``T`` global
+    queries over all ``N`` keys (:func:`mita_seg.ops.flops.global_flops_per_head`)."""
     per_head = BACKENDS[backend].flops if backend else mita_flops_per_head
-    total = batch * num_heads * per_head(num_tokens, head_dim, num_experts, topk,
-                                         router_topk, with_shared_expert, block_size)
+    T = num_global_tokens
+    total = batch * num_heads * (
+        per_head(num_tokens - T, head_dim, num_experts, topk, router_topk, with_shared_expert,
+                 block_size) + global_flops_per_head(num_tokens, T, head_dim))
     if with_bias:
         total += batch * num_heads * bias_flops_per_head(num_tokens, num_experts, topk,
                                                          router_topk)
@@ -124,7 +140,8 @@ def mita_attention(q: torch.Tensor,
                    shared_scale: Optional[float] = None,
                    block_size: Optional[int] = None,
                    backend: Optional[str] = None,
-                   rel_pos_bias: Optional[RelPosBias] = None) -> torch.Tensor:
+                   rel_pos_bias: Optional[RelPosBias] = None,
+                   global_tokens: IntPair = (0, 0)) -> torch.Tensor:
     """Mixture-of-Top-k Attention.
 
     Tokens ``p:p + h*w`` (``p = num_prefix_tokens``) form an ``h x w`` grid; tokens before it
@@ -167,28 +184,46 @@ def mita_attention(q: torch.Tensor,
             exactly and, averaged over the landmarks' regions, to the scores and the shared
             logits; never formed as ``N x N``. Route-only with ``topk >= N`` is then exactly
             BEiT's attention. Default: None.
+        global_tokens (tuple[int, int]): ``(prefix, suffix)``: the first ``prefix`` of the
+            prefix tokens and the last ``suffix`` tokens are global (BigBird's global
+            tokens; :mod:`mita_seg.ops.global_tokens`): as queries they attend to every key
+            exactly, as keys they are in every query's softmax exactly, and MiTA (pooling,
+            top-k, routing) runs on the other tokens. E.g. ``(0, 150)`` for Segmenter's
+            class tokens, ``(1, 0)`` for a global ViT cls. Not with ``rel_pos_bias``.
+            Default: (0, 0).
 
     Returns:
         Tensor: ``[B, H, N, d]``, the dtype of ``q``.
     """
     hw_shape, pool_size, topk = check_mita_args(q, k, v, hw_shape, pool_size, topk,
-                                                router_topk, num_prefix_tokens, shared_scale)
+                                                router_topk, num_prefix_tokens, shared_scale,
+                                                global_tokens)
+    global_tokens = pair(global_tokens, 'global_tokens')
     d = q.shape[-1]
     shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
     if rel_pos_bias is not None:
         rel_pos_bias = RelPosBias(rel_pos_bias.table, tuple(rel_pos_bias.window))
         check_bias(rel_pos_bias, q.shape[1], q.shape[2], hw_shape, num_prefix_tokens)
+        if global_tokens != (0, 0):
+            raise ValueError(f'global_tokens={global_tokens} with a relative position bias: '
+                             'not supported (BEiT\'s bias covers every token pair); pass '
+                             'global_tokens=(0, 0)')
     if block_size is None:
-        block_size = default_block_size(q.shape[2] * router_topk, pool_size[0] * pool_size[1])
+        block_size = default_block_size((q.shape[2] - sum(global_tokens)) * router_topk,
+                                        pool_size[0] * pool_size[1])
     elif block_size < 1:
         raise ValueError(f'block_size must be >= 1, got {block_size}')
     inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
-                 with_shared_expert, shared_scale, rel_pos_bias, block_size)
+                 with_shared_expert, shared_scale, rel_pos_bias, block_size, global_tokens)
     name = select_backend(inp, backend)
     # One opaque node wherever no gradient is needed, and in jit traces (FLOP counting);
     # the backend's own autograd otherwise.
     if not torch.jit.is_tracing() and inp.requires_grad:
         return _run(inp, name)
     bias_args = () if rel_pos_bias is None else (rel_pos_bias.table, *rel_pos_bias.window)
+    # (no global tokens: the node of the operator without them, as exporters know it)
+    global_args = {} if global_tokens == (0, 0) else dict(global_prefix=global_tokens[0],
+                                                          global_suffix=global_tokens[1])
     return _mita_op(q, k, v, *hw_shape, *pool_size, topk, router_topk, num_prefix_tokens,
-                    with_shared_expert, shared_scale, block_size, name, *bias_args)
+                    with_shared_expert, shared_scale, block_size, name, *bias_args,
+                    **global_args)

@@ -34,7 +34,9 @@ def mita_attention_reference(inp):
     the expert of the query's ``c``-th choice, and ``-inf`` otherwise. ``inp`` (a
     :class:`mita_seg.ops.dispatch.Inputs`) holds the arguments of
     :func:`mita_seg.ops.mita_attention` (taken as already validated; ``block_size`` is
-    unused). With a relative position ``bias``, the dense bias ``B``
+    unused); global keys and values (``inp.global_kv``) are one more block of logits
+    ``q_n . k_g / sqrt(d)`` with values ``v_g``. With a relative position ``bias``, the
+    dense bias ``B``
     ``[H, N, N]`` is added to the dense logits, and its means over the landmarks' regions
     (pooled exactly as the queries are) to the scores and the shared logits.
 
@@ -71,5 +73,9 @@ def mita_attention_reference(inp):
         v_r = torch.softmax(rt.scores, dim=-1) @ vf                   # [B, H, M, d]
         logits.append(rt.router)
         values.append(v_r)
+    if inp.global_kv is not None:
+        k_g, v_g = (t.to(dt) for t in inp.global_kv)                  # [B, H, T, d]
+        logits.append(qf @ k_g.transpose(-1, -2) * scale)
+        values.append(v_g)
     attn = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     return (attn @ torch.cat(values, dim=2)).to(q.dtype)

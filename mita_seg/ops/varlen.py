@@ -7,9 +7,11 @@ them attend to the same ``M + k`` keys and values::
 
 with the usual scale ``1 / sqrt(d)``: ``q . (R_m * shared_scale * sqrt(d)) / sqrt(d) =
 q . R_m * shared_scale`` is the shared logit, so one softmax over the group's keys is exactly
-MiTA's joint softmax (shared + routed); route-only keeps the ``k`` keys alone. Every group has
-the same number of keys and a data-dependent number of queries: that is variable-length
-attention, the kernel class of FlashAttention's ``varlen`` API that the paper's code uses.
+MiTA's joint softmax (shared + routed); route-only keeps the ``k`` keys alone. Global keys
+and values (:mod:`.global_tokens`) are appended to every group's: ``M + k + T`` keys. Every
+group has the same number of keys and a data-dependent number of queries: that is
+variable-length attention, the kernel class of FlashAttention's ``varlen`` API that the
+paper's code uses.
 
 One packing (:func:`pack`) feeds three kernels:
 
@@ -57,7 +59,8 @@ class VarlenPack(NamedTuple):
         cu_seq_q (Tensor): ``[G + 1]`` int32, offsets of the groups in ``q``.
         cu_seq_k (Tensor): ``[G + 1]`` int32, offsets in ``k`` / ``v`` (multiples of ``L``).
         max_q (int): queries in the largest group.
-        kv_len (int): ``L = M + k`` (``k`` route-only), keys of every group.
+        kv_len (int): ``L = M + k`` (``k`` route-only; ``+ T`` global keys), keys of every
+            group.
         order (Tensor): ``[Tq]`` the row of ``q.reshape(B H N, d)`` in each packed slot.
         inverse (Tensor): ``[Tq]`` the packed slot of each row (``order``'s inverse).
         bias (Tensor | None): ``[Tq, L]`` the additive bias of each query's logits (a
@@ -103,7 +106,8 @@ def flops(num_tokens: int, head_dim: int, num_experts: int, topk: int, router_to
 
 
 def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
-         choice: Tensor, shared_key_scale: float, bias=None, bias_k=None) -> VarlenPack:
+         choice: Tensor, shared_key_scale: float, bias=None, bias_k=None,
+         global_kv=None) -> VarlenPack:
     """Lay out the groups of one MiTA call for a varlen kernel (differentiable in q, k, v,
     R and ``v_r``; the indices carry no gradient).
 
@@ -116,6 +120,8 @@ def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
         shared_key_scale (float): factor on ``R`` as keys (``shared_scale * sqrt(d)``).
         bias (RelPosBias, optional): a relative position bias, for the routed logits.
         bias_k (Tensor, optional): ``Bk`` ``[H, N, M]``, its means for the shared logits.
+        global_kv (tuple[Tensor, Tensor], optional): global keys and values
+            ``[B, H, T, d]``, appended to every group's (not with ``bias``).
     """
     B, H, N, d = q.shape
     M, topk = expert_keys.shape[-2:]
@@ -138,6 +144,10 @@ def pack(q: Tensor, k: Tensor, v: Tensor, R: Tensor, v_r, expert_keys: Tensor,
     if v_r is not None:
         keys = torch.cat([(R.reshape(BH, M, d) * shared_key_scale)[bh], keys], 1)
         vals = torch.cat([v_r.reshape(BH, M, d)[bh], vals], 1)
+    if global_kv is not None:
+        T = global_kv[0].shape[2]
+        keys = torch.cat([keys, global_kv[0].reshape(BH, T, d)[bh]], 1)
+        vals = torch.cat([vals, global_kv[1].reshape(BH, T, d)[bh]], 1)
     L = keys.shape[1]
     cu_seq_k = torch.arange(live.numel() + 1, device=dev, dtype=torch.int32) * L
     mask = None
@@ -236,6 +246,6 @@ def mita_attention_varlen(inp, kernel_name=None):
         v_r = F.scaled_dot_product_attention(
             R, k, v, None if bias is None else lm_bias[0].to(q.dtype))       # [B, H, M, d]
     p = pack(q, k, v, R, v_r, rt.expert_keys, rt.choice, shared_scale * d ** 0.5, bias,
-             None if bias is None else lm_bias[1])
+             None if bias is None else lm_bias[1], inp.global_kv)
     out = attend(p, kernel_name)                                              # [Tq, d]
     return out[p.inverse].view(B, H, N, d)

@@ -20,7 +20,8 @@
 //                  logits [G, K] and partial outputs [G, d]: two small GEMMs, a softmax;
 //                  with R = 1 merged into out and lse by log-sum-exp at once.
 //   6. merge       (R > 1) per query: its r routed partials merged into out and lse.
-// Backward (P = exp(logit - lse); Dl = rowsum(dout * out); dlogit = P (dP - Dl)):
+// Backward (P = exp(logit - lse); Dl = rowsum(dout * out) - dlse, the last term where lse
+// has a gradient (an lse merge with global keys); dlogit = P (dP - Dl)):
 //   A. per bh, chunks of queries: Dl, and the shared expert: dLs = P_s (dout V_R^T - Dl),
 //      dV_R = P_s^T dout.
 //   B. per (bh, expert), as phase 5: dQ of its items and dK, dV of its keys into per-expert
@@ -1103,11 +1104,13 @@ void merge_phase(const T* o_items, const T* lse_items, T* out, T* lse, const Geo
 }
 
 // ---- Backward phase A, per bh (it owns dV_R[bh]), in chunks of queries:
-// delta = rowsum(dout * out); with the shared expert, P_s = exp(Ls - lse),
+// delta = rowsum(dout * out) - dlse (dlse: the gradient of lse, or null for none; d lse /
+// d logit = P, so it enters every logit's gradient P (dP - delta) through delta, as in
+// FlashAttention's backward); with the shared expert, P_s = exp(Ls - lse),
 // dLs = P_s (dout V_R^T - delta) and dV_R = P_s^T dout.
 template <typename T>
-void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* ls,
-                           const T* vr, T* delta, T* dls, T* dvr, bool shared,
+void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* dlse,
+                           const T* ls, const T* vr, T* delta, T* dls, T* dvr, bool shared,
                            const Geometry& g) {
   PhaseTimer timer(kBwdShared);
   constexpr int64_t CH = 128;  // queries per chunk
@@ -1118,7 +1121,8 @@ void shared_backward_phase(const T* dout, const T* out, const T* lse, const T* l
     for (int64_t bh : tasks) {
       for (int64_t n0 = 0; n0 < N; n0 += CH) {
         const int64_t G = std::min(N, n0 + CH) - n0, i0 = bh * N + n0;
-        for (int64_t i = i0; i < i0 + G; ++i) delta[i] = dot(dout + i * d, out + i * d, d);
+        for (int64_t i = i0; i < i0 + G; ++i)
+          delta[i] = dot(dout + i * d, out + i * d, d) - (dlse ? dlse[i] : T(0));
         if (!shared) continue;
         gemm(false, true, G, M, d, dout + i0 * d, d, vr + bh * M * d, d, dp.data(), M);
         for (int64_t n = 0; n < G; ++n) {
@@ -1786,14 +1790,16 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
 // compute dtype (float32, float64 for float64 inputs): dbias_q [H, M, N] and dbias_k
 // [H, N, M] (the scores' and the shared logits' gradients summed over the batch; empty
 // without the shared expert) and dtable [H, T] (the routed logits' gradients scatter-added
-// at their entries); empty tensors without a bias.
+// at their entries); empty tensors without a bias. dlse [BH, N] (optional): the gradient of
+// the forward's lse, where it was used (an lse merge).
 std::vector<torch::Tensor> mita_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                          int64_t h, int64_t w, int64_t ph, int64_t pw,
                                          int64_t prefix, bool shared, double shared_scale,
                                          const std::vector<torch::Tensor>& state,
                                          torch::Tensor dout,
                                          const c10::optional<torch::Tensor>& table,
-                                         int64_t window_h, int64_t window_w) {
+                                         int64_t window_h, int64_t window_w,
+                                         const c10::optional<torch::Tensor>& dlse) {
   const char* name = "mita_backward";
   check_qkv(name, q, k, v);
   const FusedState s = FusedState::from(name, state);
@@ -1838,6 +1844,8 @@ std::vector<torch::Tensor> mita_backward(torch::Tensor q, torch::Tensor k, torch
       lp != kLowpOff ? dout.to(in_dtype).contiguous() : torch::Tensor();
   dout = float_tensor(name, "dout", dout, {BH, N, d}, q);
   lse = float_tensor(name, "lse", lse, {BH, N}, q);
+  const torch::Tensor dlse_t =
+      dlse.has_value() ? float_tensor(name, "dlse", *dlse, {BH, N}, q) : torch::Tensor();
   if (shared) {
     R = float_tensor(name, "landmarks", R, {BH, M, d}, q);
     probs = float_tensor(name, "probs", probs, {BH, M, N}, q);
@@ -1864,8 +1872,8 @@ std::vector<torch::Tensor> mita_backward(torch::Tensor q, torch::Tensor k, torch
     auto ptr = [&](torch::Tensor& t) { return shared ? t.data_ptr<T>() : nullptr; };
     auto bptr = [&](torch::Tensor& t) { return has_bias ? t.data_ptr<T>() : nullptr; };
     shared_backward_phase<T>(dout.data_ptr<T>(), out.data_ptr<T>(), lse.data_ptr<T>(),
-                             ptr(ls), ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared,
-                             g);
+                             dlse_t.defined() ? dlse_t.data_ptr<T>() : nullptr, ptr(ls),
+                             ptr(vr), delta.data_ptr<T>(), ptr(dls), ptr(dvr), shared, g);
     auto routed = [&](auto in_type) {  // In: the inputs' dtype with lowp GEMMs, else T
       using In = decltype(in_type);
       auto in = [&](const torch::Tensor& t) {
@@ -2010,11 +2018,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("table") = py::none(), py::arg("window_h") = 0, py::arg("window_w") = 0);
   m.def("mita_backward", &mita_backward,
         "Gradients of mita_forward from the state it returned (CPU): (dq, dk, dv, dbias_q, "
-        "dbias_k, dtable), the last three empty without a bias",
+        "dbias_k, dtable), the last three empty without a bias; dlse: the gradient of lse",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("h"), py::arg("w"), py::arg("ph"),
         py::arg("pw"), py::arg("prefix"), py::arg("shared"), py::arg("shared_scale"),
         py::arg("state"), py::arg("dout"), py::arg("table") = py::none(),
-        py::arg("window_h") = 0, py::arg("window_w") = 0);
+        py::arg("window_h") = 0, py::arg("window_w") = 0, py::arg("dlse") = py::none());
   m.def("landmark_bias", &landmark_bias,
         "The landmarks' mean biases (mita_seg.ops.bias.landmark_bias) from the table [H, T]: "
         "(bias_q [H, M, N], bias_k [H, N, M])",
