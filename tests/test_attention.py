@@ -6,7 +6,7 @@ from mmseg.registry import MODELS
 
 import mita_seg.models  # noqa: F401  (registers MiTAAttention)
 from mita_seg.models import MiTAAttention
-from mita_seg.ops import Inputs, mita_attention_reference
+from mita_seg.ops import Inputs, mita_attention, mita_attention_reference
 
 
 def _mmcv_attn(C=32, H=4, seed=0):
@@ -45,6 +45,39 @@ def test_route_only_full_topk_equals_mmcv(prefix, suffix):
     with torch.no_grad():
         out = mita(x, hw_shape=(5, 7))          # k = N: every key (logged once)
     torch.testing.assert_close(out, ref(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('prefix,suffix,global_tokens', [(1, 0, (1, 0)), (0, 5, (0, 5)),
+                                                        (1, 3, (1, 2))])
+def test_route_only_full_topk_with_global_tokens_equals_mmcv(prefix, suffix, global_tokens):
+    """Global tokens passed to forward: route-only MiTA whose experts hold every other key
+    is still softmax attention."""
+    ref = _mmcv_attn()
+    mita = MiTAAttention(32, 4, pool_size=(2, 3), topk=10_000, with_shared_expert=False,
+                         num_prefix_tokens=prefix).eval()
+    mita.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(2, prefix + 5 * 7 + suffix, 32)
+    with torch.no_grad():
+        out = mita(x, hw_shape=(5, 7), global_tokens=global_tokens)
+    torch.testing.assert_close(out, ref(x), atol=1e-5, rtol=1e-5)
+
+
+def test_global_tokens_reach_the_operator():
+    """forward(global_tokens=...) is mita_attention(global_tokens=...) on the projected
+    heads, with the shared expert and router top-2 (not the output without them)."""
+    ref = _mmcv_attn(seed=2)
+    mita = MiTAAttention(32, 4, pool_size=3, topk=6, router_topk=2, num_prefix_tokens=1).eval()
+    mita.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 1 + 6 * 8 + 4, 32)
+    with torch.no_grad():
+        out = mita(x, hw_shape=(6, 8), global_tokens=(1, 4))
+        qkv = torch.nn.functional.linear(x, ref.attn.in_proj_weight, ref.attn.in_proj_bias)
+        q, k, v = qkv.reshape(2, -1, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        o = mita_attention(q, k, v, (6, 8), 3, 6, 2, 1, global_tokens=(1, 4))
+        expected = x + ref.attn.out_proj(o.transpose(1, 2).reshape(2, -1, 32))
+        routed = mita(x, hw_shape=(6, 8))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, routed, atol=1e-3)
 
 
 def test_matches_reference_on_projected_heads():

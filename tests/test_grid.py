@@ -73,3 +73,27 @@ def test_a_subclassed_head_keeps_its_own_forward():
     assert isinstance(model.decode_head, MyHead)
     _step(model, 96, 128)
     assert head.called and head._mita_grid.hw_shape == (6, 8)
+
+
+def test_swapped_head_class_tokens_are_global():
+    """The mask head's class embeddings (its tokens after the grid) are global tokens: as
+    queries they attend to every key exactly (standard attention's rows); the patch tokens
+    are routed. The backbone's cls is routed (the paper's MiTA) unless chosen."""
+    model = _segmenter('whole')
+    swap_attention(model, pool_size=2, topk=8, include_head=True, verbose=False)
+    head = model.decode_head
+    assert head._mita_grid.global_suffix and not head._mita_grid.global_prefix
+    assert not model.backbone._mita_grid.global_prefix
+    assert model.backbone._mita_grid.global_tokens(1 + 48, (6, 8)) == (0, 0)
+    assert head._mita_grid.global_tokens(48 + 150, (6, 8)) == (0, 150)
+    attn = head.layers[0].attn
+    dense = attn.__dict__['_mita_dense_original'][0]    # the mmcv module it replaced
+    head._mita_grid.hw_shape = (6, 8)
+    x = torch.randn(2, 48 + 150, 192, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, ref = attn(x), dense(x)
+    torch.testing.assert_close(out[:, 48:], ref[:, 48:], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[:, :48], ref[:, :48], atol=1e-3)   # patches: MiTA
+    head._mita_grid.global_suffix = False                             # routed, as before
+    with torch.no_grad():
+        assert not torch.allclose(attn(x)[:, 48:], ref[:, 48:], atol=1e-3)

@@ -189,6 +189,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                 attn_mask: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None,
                 hw_shape: Optional[Tuple[int, int]] = None,
+                global_tokens: Optional[Tuple[int, int]] = None,
                 **kwargs) -> torch.Tensor:
         """Self-attention of ``query`` (``[B, N, C]`` if ``batch_first``).
 
@@ -199,6 +200,9 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             hw_shape (tuple[int, int], optional): the patch grid. If None, taken from the
                 grid context set by the backbone/head hooks, else the non-prefix tokens must
                 form a square.
+            global_tokens (tuple[int, int], optional): ``(prefix, suffix)`` global tokens
+                (:func:`mita_seg.ops.mita_attention`). If None, the grid context's (a
+                Segmenter head's class tokens), else none.
 
         Returns:
             Tensor: ``identity + dropout(out)``, the shape of ``query``.
@@ -217,11 +221,14 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             query = query.transpose(0, 1)
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
-        pool_size, topk, router_topk = self.effective_settings(N, (h, w))
+        if global_tokens is None:
+            global_tokens = (0, 0) if self.grid is None else self.grid.global_tokens(N, (h, w))
+        # the experts' keys: the tokens that are not global
+        pool_size, topk, router_topk = self.effective_settings(N - sum(global_tokens), (h, w))
         x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=pool_size, topk=topk,
                            router_topk=router_topk, num_prefix_tokens=p,
                            with_shared_expert=self.with_shared_expert,
-                           shared_scale=self.shared_scale)
+                           shared_scale=self.shared_scale, global_tokens=global_tokens)
         x = x.transpose(1, 2).reshape(B, N, C)
         if self.dwc is not None:
             v_grid = v[:, :, p:p + h * w].transpose(1, 2).reshape(B, h, w, C).permute(0, 3, 1, 2)

@@ -45,7 +45,7 @@ def grid_mismatch_message(what: str, window: Tuple[int, int],
 
 
 class GridContext:
-    """Grid shape and number of prefix tokens of the current forward of one token owner.
+    """Grid shape, prefix tokens and global tokens of the current forward of one token owner.
 
     Args:
         num_prefix_tokens (int): tokens before the grid (1 for a ViT cls token).
@@ -54,17 +54,34 @@ class GridContext:
             backbone with a bias table or position embedding of that grid); another one
             is a :class:`GridMismatchError` as soon as the patch embedding gives it.
             Default: None (any grid).
+        global_prefix (bool): the prefix tokens (a ViT's cls) are global tokens
+            (:mod:`mita_seg.ops.global_tokens`: they attend to every key and every query
+            attends to them, exactly); False routes them as the paper does. Default: False.
+        global_suffix (bool): the tokens after the grid (a Segmenter head's class
+            embeddings) are global tokens. Default: False (True for heads, see
+            :func:`grid_context`).
     """
 
     def __init__(self, num_prefix_tokens: int = 0, hw_shape: Optional[Tuple[int, int]] = None,
-                 window: Optional[Tuple[int, int]] = None):
+                 window: Optional[Tuple[int, int]] = None, global_prefix: bool = False,
+                 global_suffix: bool = False):
         self.num_prefix_tokens = num_prefix_tokens
         self.hw_shape = hw_shape
         self.window = window
+        self.global_prefix = global_prefix
+        self.global_suffix = global_suffix
+
+    def global_tokens(self, num_tokens: int, hw_shape: Tuple[int, int]) -> Tuple[int, int]:
+        """The ``(prefix, suffix)`` global tokens (``mita_attention``'s ``global_tokens``)
+        of a forward over ``num_tokens`` tokens on a ``hw_shape`` grid."""
+        p = self.num_prefix_tokens
+        return (p if self.global_prefix else 0,  # (int(): a shape is a tensor in jit traces)
+                int(num_tokens) - p - hw_shape[0] * hw_shape[1] if self.global_suffix else 0)
 
     def __repr__(self):
         return (f'GridContext(hw_shape={self.hw_shape}, num_prefix_tokens='
-                f'{self.num_prefix_tokens}, window={self.window})')
+                f'{self.num_prefix_tokens}, window={self.window}, global_prefix='
+                f'{self.global_prefix}, global_suffix={self.global_suffix})')
 
 
 class PatchEmbedGridHook:
@@ -127,7 +144,10 @@ def grid_context(owner: nn.Module) -> GridContext:
     A backbone's grid is the output of its ``patch_embed`` (a forward hook); a head's class
     gets :class:`GridFromInputsMixin` (same state and keys), whose ``forward`` sets the grid.
     A BEiT/MAE backbone accepts only the grid of its bias tables (``window``), unless it has
-    neither tables nor a position embedding.
+    neither tables nor a position embedding. A head's tokens after the grid (Segmenter's
+    class embeddings, which each need evidence from the whole image) are global tokens; a
+    backbone's cls is routed (the paper's MiTA): set ``global_prefix`` / ``global_suffix``
+    of the returned context to choose otherwise.
     """
     ctx = getattr(owner, '_mita_grid', None)
     if ctx is None:
@@ -139,7 +159,7 @@ def grid_context(owner: nn.Module) -> GridContext:
                 ctx.window = tuple(int(s) for s in owner.patch_shape)
             owner.patch_embed.register_forward_hook(PatchEmbedGridHook(ctx))
         else:
-            ctx = GridContext(num_prefix_tokens=0)
+            ctx = GridContext(num_prefix_tokens=0, global_suffix=True)
             owner.__class__ = with_grid_forward(type(owner))
         owner._mita_grid = ctx
     return ctx

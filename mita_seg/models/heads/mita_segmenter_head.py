@@ -13,8 +13,12 @@ class MiTASegmenterMaskTransformerHead(GridFromInputsMixin, SegmenterMaskTransfo
     """Segmenter mask head whose layers use :class:`MiTAAttention`.
 
     Its tokens are the ``h x w`` feature grid followed by ``num_classes`` class
-    embeddings, which MiTA treats as suffix tokens (queries, keys and values, not pooled).
-    Checkpoint keys are those of ``SegmenterMaskTransformerHead``.
+    embeddings, which MiTA treats as global tokens (:mod:`mita_seg.ops.global_tokens`): each
+    class embedding attends to every patch and class token exactly, and every query's
+    softmax holds every class embedding exactly; MiTA routes the patch tokens among
+    themselves. (Routed like patches, a class query read one expert's ``k`` keys, where a
+    class mask needs evidence from the whole image.) ``grid_context(head).global_suffix =
+    False`` routes them. Checkpoint keys are those of ``SegmenterMaskTransformerHead``.
 
     Args:
         mita_cfg (dict, optional): :class:`MiTAAttention` settings. Default: None.
