@@ -179,6 +179,28 @@ def test_mita_count_is_mita_flops(grid, pool, topk, router_topk, shared, batch,
     assert blocked.attention > mita_flops(*args)     # = (4M + 2k) N C without padding
 
 
+def test_mita_count_with_global_tokens():
+    """A traced MiTA op with global tokens: MiTA over the other tokens plus the global
+    tokens' dense parts (mita_flops' num_global_tokens), as the backend a CPU run picks."""
+    attn = MiTAAttention(C, HEADS, pool_size=3, topk=12, num_prefix_tokens=1).eval()
+
+    class Layer(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, hw_shape=(6, 7), global_tokens=(1, 5))
+
+    n = 1 + 6 * 7 + 5
+    flops = count_flops(Layer(), (torch.randn(2, n, C), ))
+    expected = mita_flops(2, HEADS, n, C // HEADS, 9, 12, backend=cpu_backend(),
+                          num_global_tokens=6)
+    assert flops.attention == expected > mita_flops(2, HEADS, n - 6, C // HEADS, 9, 12,
+                                                    backend=cpu_backend())
+
+
 # ----------------------------------------------------------------------------------------
 # Small segmentors from mmseg's Segmenter config.
 # ----------------------------------------------------------------------------------------
@@ -198,7 +220,8 @@ def test_segmentor_breakdown(tiny):
     assert base.backbone_attention == 2 * attention_flops(1, 4, n, d)
     assert base.head_attention == attention_flops(1, 4, 8 * 12 + 10, d)   # + class tokens
     assert mita.backbone_attention == 2 * mita_flops(1, 4, n, d, 9, 12, backend=backend)
-    assert mita.head_attention == mita_flops(1, 4, 8 * 12 + 10, d, 9, 12, backend=backend)
+    assert mita.head_attention == mita_flops(1, 4, 8 * 12 + 10, d, 9, 12, backend=backend,
+                                             num_global_tokens=10)  # global class tokens
     for f in (base, mita):
         assert f.total == f.backbone + f.head           # no neck
         assert f.attention == f.backbone_attention + f.head_attention
@@ -229,8 +252,10 @@ def _native_mha(q, k, v, *args, out_shape=None, **kwargs):
 
 
 def _mita(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens, with_shared_expert,
-          shared_scale, block_size, backend, out_shape=None, **kwargs):
-    return 2 * mita_flops(*q, ph * pw, topk, router_topk, with_shared_expert, block_size)
+          shared_scale, block_size, backend, bias_table=None, window_h=0, window_w=0,
+          global_prefix=0, global_suffix=0, out_shape=None, **kwargs):
+    return 2 * mita_flops(*q, ph * pw, topk, router_topk, with_shared_expert, block_size,
+                          num_global_tokens=global_prefix + global_suffix)
 
 
 # Keyed by packet: FlopCounterMode looks formulas up by ``func._overloadpacket``.

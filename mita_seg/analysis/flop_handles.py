@@ -158,14 +158,17 @@ def _constant(value: torch._C.Value, name: str):
 
 def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     """``mita_seg::mita_attention(q, k, v, h, w, ph, pw, topk, router_topk, ...,
-    bias_table, ...)``: :func:`mita_seg.ops.mita_flops` with the op's scalar arguments, read
-    from the trace, and ``with_bias`` when a bias table is passed."""
+    bias_table, ..., global_prefix, global_suffix)``: :func:`mita_seg.ops.mita_flops` with
+    the op's scalar arguments, read from the trace, ``with_bias`` when a bias table is
+    passed and the global tokens' count."""
     from mita_seg.ops import Inputs, RelPosBias, mita_flops, select_backend
     args = dict(zip(_mita_arg_names(), inputs))
     B, H, N, d = _shape(args['q'], 'the MiTA query')
     c = {n: _constant(args[n], n) for n in ('h', 'w', 'ph', 'pw', 'topk', 'router_topk',
                                              'num_prefix_tokens', 'with_shared_expert',
                                              'shared_scale', 'block_size', 'backend')}
+    global_tokens = tuple(_constant(args[n], n) if n in args else 0
+                          for n in ('global_prefix', 'global_suffix'))
     bias = args.get('bias_table')       # a traced tensor, or a None constant / left out
     with_bias = bias is not None and not isinstance(bias.type(), torch._C.NoneType)
     device = args['q'].type().device()
@@ -180,12 +183,13 @@ def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
         c['backend'] = select_backend(Inputs(
             q, q, q, (c['h'], c['w']), (c['ph'], c['pw']), c['topk'], c['router_topk'],
             c['num_prefix_tokens'], c['with_shared_expert'], c['shared_scale'],
-            rel_pos_bias))
+            rel_pos_bias, global_tokens=global_tokens))
     return Counter({
         'mita_attention':
         mita_flops(B, H, N, d, num_experts=c['ph'] * c['pw'], topk=c['topk'],
                    router_topk=c['router_topk'], with_shared_expert=c['with_shared_expert'],
-                   block_size=c['block_size'], backend=c['backend'], with_bias=with_bias)
+                   block_size=c['block_size'], backend=c['backend'], with_bias=with_bias,
+                   num_global_tokens=sum(global_tokens))
     })
 
 
