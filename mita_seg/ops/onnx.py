@@ -157,7 +157,13 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                     topk: int, router_topk: int, num_prefix_tokens: int,
                     with_shared_expert: bool, shared_scale: float, block_size: int,
                     backend: str, bias_table: Optional[FLOAT] = None, window_h: int = 0,
-                    window_w: int = 0) -> FLOAT:
+                    window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
+                    ) -> FLOAT:
+        if global_prefix or global_suffix:
+            raise OnnxExportError(
+                f'global tokens ({global_prefix}, {global_suffix}) are not translated to ONNX '
+                'yet: export with the head on standard attention (include_head=False) or '
+                'with its class tokens routed (grid_context(head).global_suffix = False)')
         B, H, N, d = _static_shape(q)
         BH, M, p, r = B * H, ph * pw, num_prefix_tokens, router_topk
         scale = d ** -0.5
