@@ -204,7 +204,7 @@ def test_mita_count_with_global_tokens():
 # ----------------------------------------------------------------------------------------
 # Small segmentors from mmseg's Segmenter config.
 # ----------------------------------------------------------------------------------------
-MITA_TINY = dict(pool_size=3, topk=12)
+MITA_TINY = dict(pool_size=3, topk=12, include_head=True)  # the head too: its class tokens
 
 
 @pytest.fixture(scope='module')

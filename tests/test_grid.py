@@ -39,7 +39,8 @@ def test_swapped_segmenter_head_gets_its_grid_in_test_step(mode):
     swapped head must still see its (non-square) grid."""
     model = _segmenter(mode)
     base = _step(model, 160, 224)
-    swap_attention(model, pool_size=2, topk=10_000, with_shared_expert=False, verbose=False)
+    swap_attention(model, pool_size=2, topk=10_000, with_shared_expert=False, include_head=True,
+                   verbose=False)
     out = _step(model, 160, 224)        # k at most N (logged once)
     expected = (128, 128) if mode == 'slide' else (160, 224)
     assert model.decode_head._mita_grid.hw_shape == (expected[0] // 16, expected[1] // 16)
@@ -69,7 +70,7 @@ def test_a_subclassed_head_keeps_its_own_forward():
     head = MyHead(in_channels=192, channels=192, num_classes=150, num_layers=1, num_heads=3,
                   embed_dims=192, dropout_ratio=0.0)
     model.decode_head = head
-    swap_attention(model, pool_size=2, topk=8, verbose=False)
+    swap_attention(model, pool_size=2, topk=8, include_head=True, verbose=False)
     assert isinstance(model.decode_head, MyHead)
     _step(model, 96, 128)
     assert head.called and head._mita_grid.hw_shape == (6, 8)
