@@ -108,25 +108,23 @@ class MiTASettingsMixin:
         a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
         (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
         (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
-        once per setting."""
+        once per setting (:func:`_log_once`, also from a ``torch.compile``'d forward)."""
         (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
         pool = (min(ph, h), min(pw, w))
         topk = min(self.topk, num_tokens)
         router_topk = min(self.router_topk, pool[0] * pool[1])
         if (pool, router_topk, topk) != ((ph, pw), self.router_topk, self.topk):
-            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk)
-            if key not in _ADAPTED:
-                _ADAPTED.add(key)
-                why = []   # each setting reduced, and why
-                if pool != (ph, pw):
-                    why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
-                if topk != self.topk:
-                    why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
-                if router_topk != self.router_topk:
-                    why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
-                               f'M={pool[0] * pool[1]} landmarks')
-                print_log(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) '
-                          f'runs with fewer: {"; ".join(why)} (logged once)', logger='current')
+            why = []   # each setting reduced, and why
+            if pool != (ph, pw):
+                why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
+            if topk != self.topk:
+                why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
+            if router_topk != self.router_topk:
+                why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
+                           f'M={pool[0] * pool[1]} landmarks')
+            _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) runs '
+                      f'with fewer: {"; ".join(why)} (logged once)', ph, pw, self.topk,
+                      self.router_topk, *pool, router_topk, topk)
         return pool, topk, router_topk
 
     def extra_repr(self) -> str:
@@ -301,6 +299,18 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
 
 # (settings, effective settings) already logged by MiTASettingsMixin.effective_settings
 _ADAPTED: set = set()
+
+
+def _log_once(message: str, *key: int) -> None:
+    """Log ``message`` the first time ``key`` is seen. ``torch.compile`` runs it after the
+    graph rather than breaking the graph for it (a reorderable logging function: its
+    arguments are constants)."""
+    if key not in _ADAPTED:
+        _ADAPTED.add(key)
+        print_log(message, logger='current')
+
+
+torch._dynamo.config.reorderable_logging_functions.add(_log_once)
 
 # The defaults of the MiTA settings: those of MiTAAttention's signature.
 MITA_DEFAULTS: Dict[str, Any] = {

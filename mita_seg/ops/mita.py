@@ -86,15 +86,16 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              with_shared_expert: bool, shared_scale: float, block_size: int,
              backend: str, bias_table: Optional[torch.Tensor] = None, window_h: int = 0,
              window_w: int = 0) -> torch.Tensor:
-    """The operator as one opaque node, for calls that need no gradient."""
+    """The operator as one opaque node, for calls that need no gradient. Its output is
+    contiguous, whatever the backend and the layout of ``q`` (what the fake says)."""
     return _run(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens,
                 with_shared_expert, shared_scale, block_size, backend, bias_table, window_h,
-                window_w)
+                window_w).contiguous()
 
 
 @_mita_op.register_fake
 def _(q, k, v, *args):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)   # contiguous (empty_like would copy q's strides)
 
 
 def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
