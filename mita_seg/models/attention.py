@@ -108,7 +108,8 @@ class MiTASettingsMixin:
         a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
         (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
         (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
-        once per setting (:func:`_log_once`, also from a ``torch.compile``'d forward)."""
+        once per setting, by an eager forward (a ``torch.compile``'d one skips the log rather
+        than break its graph for it)."""
         (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
         pool = (min(ph, h), min(pw, w))
         topk = min(self.topk, num_tokens)
@@ -122,9 +123,10 @@ class MiTASettingsMixin:
             if router_topk != self.router_topk:
                 why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
                            f'M={pool[0] * pool[1]} landmarks')
-            _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) runs '
-                      f'with fewer: {"; ".join(why)} (logged once)', ph, pw, self.topk,
-                      self.router_topk, *pool, router_topk, topk)
+            if not torch.compiler.is_compiling():   # no graph break for a log line
+                _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} '
+                          f'tokens) runs with fewer: {"; ".join(why)} (logged once)', ph, pw,
+                          self.topk, self.router_topk, *pool, router_topk, topk)
         return pool, topk, router_topk
 
     def extra_repr(self) -> str:
@@ -302,15 +304,10 @@ _ADAPTED: set = set()
 
 
 def _log_once(message: str, *key: int) -> None:
-    """Log ``message`` the first time ``key`` is seen. ``torch.compile`` runs it after the
-    graph rather than breaking the graph for it (a reorderable logging function: its
-    arguments are constants)."""
+    """Log ``message`` the first time ``key`` is seen."""
     if key not in _ADAPTED:
         _ADAPTED.add(key)
         print_log(message, logger='current')
-
-
-torch._dynamo.config.reorderable_logging_functions.add(_log_once)
 
 # The defaults of the MiTA settings: those of MiTAAttention's signature.
 MITA_DEFAULTS: Dict[str, Any] = {
