@@ -97,6 +97,11 @@ def test_inductor_equals_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=Exception, reason=(
+    'torch 2.13 + mmengine 0.10.7: Dynamo fails inside torch.optim.AdamW.step, which '
+    "mmengine's compiled train_step includes (InternalTorchDynamoError: "
+    "'UserDefinedDictVariable' object has no attribute 'items' at adam.py "
+    '`for group in self.param_groups`); not in mita_seg\'s modules'))
 def test_mmengine_compile_trains(tiny_data, tmp_path, tools):
     """MMEngine's ``compile=True`` (inductor on the Runner's ``train_step``) trains the tiny
     MiTA UperNet config 2 iterations; the losses are finite."""
