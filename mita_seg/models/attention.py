@@ -42,25 +42,25 @@ class MiTASettingsMixin:
         a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
         (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
         (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
-        once per setting."""
+        once per setting, by an eager forward (a ``torch.compile``'d one skips the log rather
+        than break its graph for it)."""
         (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
         pool = (min(ph, h), min(pw, w))
         topk = min(self.topk, num_tokens)
         router_topk = min(self.router_topk, pool[0] * pool[1])
         if (pool, router_topk, topk) != ((ph, pw), self.router_topk, self.topk):
-            key = ((ph, pw), self.topk, self.router_topk, pool, router_topk, topk)
-            if key not in _ADAPTED:
-                _ADAPTED.add(key)
-                why = []   # each setting reduced, and why
-                if pool != (ph, pw):
-                    why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
-                if topk != self.topk:
-                    why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
-                if router_topk != self.router_topk:
-                    why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
-                               f'M={pool[0] * pool[1]} landmarks')
-                print_log(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) '
-                          f'runs with fewer: {"; ".join(why)} (logged once)', logger='current')
+            why = []   # each setting reduced, and why
+            if pool != (ph, pw):
+                why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
+            if topk != self.topk:
+                why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
+            if router_topk != self.router_topk:
+                why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
+                           f'M={pool[0] * pool[1]} landmarks')
+            if not torch.compiler.is_compiling():   # no graph break for a log line
+                _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} '
+                          f'tokens) runs with fewer: {"; ".join(why)} (logged once)', ph, pw,
+                          self.topk, self.router_topk, *pool, router_topk, topk)
         return pool, topk, router_topk
 
     def extra_repr(self) -> str:
@@ -242,6 +242,13 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
 
 # (settings, effective settings) already logged by MiTASettingsMixin.effective_settings
 _ADAPTED: set = set()
+
+
+def _log_once(message: str, *key: int) -> None:
+    """Log ``message`` the first time ``key`` is seen."""
+    if key not in _ADAPTED:
+        _ADAPTED.add(key)
+        print_log(message, logger='current')
 
 def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
                   name: str = 'layers') -> List[int]:

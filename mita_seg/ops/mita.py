@@ -92,16 +92,17 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
              ) -> torch.Tensor:
     """The operator as one opaque node, for calls that need no gradient (torch.library
-    takes primitive arguments: :class:`Inputs` flattened)."""
+    takes primitive arguments: :class:`Inputs` flattened). Its output is contiguous,
+    whatever the backend and the layout of ``q`` (what the fake says)."""
     bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
     return _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
                        with_shared_expert, shared_scale, bias, block_size,
-                       (global_prefix, global_suffix)), backend)
+                       (global_prefix, global_suffix)), backend).contiguous()
 
 
 @_mita_op.register_fake
 def _(q, k, v, *args):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)   # contiguous (empty_like would copy q's strides)
 
 
 def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
