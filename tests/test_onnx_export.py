@@ -199,11 +199,11 @@ def wrong_table(factor):
 
 # ---------------------------------------------------------------------- export_onnx
 
-def random_checkpoint(config, path, **init):
+def random_checkpoint(config, path, seed=0, **init):
     """A checkpoint in the model zoo's format (``meta`` + ``state_dict``) of ``config``'s
-    model with seeded random weights."""
+    model with random weights of ``seed``."""
     from mita_seg.apis import init_model
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = init_model(config, **init)
     torch.save({'meta': {}, 'state_dict': model.state_dict()}, path)
     return str(path)
@@ -244,6 +244,8 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     _, out = tools('tools/export_onnx.py', config, tiny_ckpts[which], '--out', out_file, *args)
     assert f'wrote {out_file}' in out
     assert (f'{mita_layers} MiTA attention layers' if mita_layers else 'no MiTA layer') in out
+    # routing-aware: every MiTA call checked on its own inputs (none without MiTA)
+    assert ('MiTA calls on their own q, k, v' in out) == bool(mita_layers), out
     assert "input  'img'        float32 [1, 3, 128, 128]" in out
     assert "output 'seg_logits' float32 [1, 150, 128, 128]" in out
     assert 'classes agree on 100.00% of pixels' in out
@@ -251,6 +253,32 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     got, ref = ort_vs_pytorch(str(out_file), config, tiny_ckpts[which], (128, 128), mita_cfg)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.slow
+def test_export_onnx_tool_plan(tiny_ckpts, tools, tmp_path):
+    # a swap plan: dense, shared-expert and route-only layers side by side, each MiTA
+    # setting its own per-call graph in the check
+    import json
+    import re
+
+    from mita_seg.apis import init_model
+    names = [n for n, _ in init_model(TINY_SEGMENTER).named_modules()
+             if re.search(r'layers\.\d+\.attn$', n)]
+    settings = ['dense', dict(pool_size=3, topk=12),
+                dict(pool_size=2, topk=8, with_shared_expert=False)]
+    plan = dict(format='mita_seg.swap_plan/1',
+                layers=[dict(name=n, setting=settings[i % 3]) for i, n in enumerate(names)])
+    plan_file = tmp_path / 'plan.json'
+    plan_file.write_text(json.dumps(plan))
+    out_file = tmp_path / 'm.onnx'
+    _, out = tools('tools/export_onnx.py', TINY_SEGMENTER, tiny_ckpts['segmenter'], '--out',
+                   out_file, '--mita-plan', plan_file)
+    mita = sum(i % 3 != 0 for i in range(len(names)))
+    assert f'{mita} MiTA attention layers' in out and f'{mita} MiTA calls' in out, out
+    got, ref = ort_vs_pytorch(str(out_file), TINY_SEGMENTER, tiny_ckpts['segmenter'],
+                              (128, 128), dict(plan=str(plan_file)), seed=0)
+    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
 
 
 @pytest.mark.slow
@@ -339,26 +367,30 @@ def test_export_onnx_check_none(tiny_ckpts, tools, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config,shape,args,ckpt_init', [
-    ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', 512,
-     ['--swap-attn', 'mita'], {}),
-    (TINY_BEIT, 256, ['--swap-attn', 'mita'], {}),
-], ids=['segmenter-vit-t-512', 'beit-tiny-256'])
-def test_export_onnx_tool_at_crop(config, shape, args, ckpt_init, tools, tmp_path):
+@pytest.mark.parametrize('config,shape,seed', [
+    ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', 512, 11),
+    (TINY_BEIT, 256, 0),
+], ids=['segmenter-vit-t-512-seed11', 'beit-tiny-256'])
+def test_export_onnx_tool_at_crop(config, shape, seed, tools, tmp_path):
+    # Segmenter ViT-T at 512 with seed 11 weights is the issue's near-tie case: ORT's
+    # logits differ from PyTorch's end to end beyond float32 rounding (0.0097 on a Zen 4,
+    # 0.084 on a Zen 3), as PyTorch's own backends differ from each other, because
+    # near-tied routing decisions flip and the flips grow through the layers. The
+    # routing-aware check writes it: every MiTA call agrees where its routing is clear.
     from mita_seg.apis import load_config
     cfg = load_config(config)
     cfg.model.pop('pretrained', None)
     cfg.model.backbone.init_cfg = None
-    ckpt = random_checkpoint(cfg, tmp_path / 'model.pth')
+    ckpt = random_checkpoint(cfg, tmp_path / 'model.pth', seed=seed)
     out_file = tmp_path / 'model.onnx'
-    _, out = tools('tools/export_onnx.py', config, ckpt, '--out', out_file, *args)
+    _, out = tools('tools/export_onnx.py', config, ckpt, '--out', out_file, '--swap-attn',
+                   'mita')
     assert f'float32 [1, 3, {shape}, {shape}]' in out and 'MiTA attention layers' in out
-    # the tool's own input against a PyTorch model built anew from the files: exact
-    got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=0)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    # Another input: through 12 layers of random weights a rounding-level difference can
-    # flip a near-tied routing decision in a later layer, and so it does between PyTorch's
-    # own backends (measured on Segmenter ViT-T, seed 5: fused_cpu against the reference
-    # backend, the backbone swapped, max |diff| 0.07; per layer 2e-7). The classes agree.
-    got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=5)
-    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
+    assert 'check (routing)' in out and 'MiTA calls on their own q, k, v' in out
+    assert "PyTorch's own noise floor (fused_cpu vs blocked backend)" in out
+    assert sorted(os.listdir(tmp_path)) == ['model.onnx', 'model.pth']
+    # against a PyTorch model built anew from the files, on the tool's input and another:
+    # the classes agree (a flipped near-tie moves a few pixels, never the map)
+    for s in (0, 5):
+        got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=s)
+        assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99

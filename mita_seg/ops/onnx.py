@@ -22,7 +22,11 @@ maxima, as in FlashAttention. The top-k of the scores is one unsorted ``TopK`` o
 ``[B H M, N]`` rows. Measured and left out (slower in ONNX Runtime 1.32.0): a fixed
 capacity per expert (one ``[B H M, cap, d]`` MatMul with cap the largest expert's count:
 routing is uneven, so 3x the slots at N = 1025), keys and values gathered side by side, and a
-per-expert ``[M, k, d]`` copy gathered again per tile.
+per-expert ``[M, k, d]`` copy gathered again per tile; and (ONNX Runtime 1.32.0, AVX2 Zen 3)
+the router's ArgMax and max as one ``TopK(k=1)`` (slower than ArgMax + ReduceMax), items
+ranked within their experts by a cumulative sum over one-hot rows instead of a sort (the sort
+is cheap; the one-hot ops are not), and each expert's ``K^T`` gathered once and then per tile
+as whole ``[d, k]`` slices, so that the tile logits need no transposed operand (10% slower).
 
 With a relative position bias the graph never forms the ``[H, N, N]`` bias: the landmarks'
 mean biases are box sums of the 2-D table (an integral image in float64, as
