@@ -733,3 +733,21 @@ def test_dense_attn_choices_are_the_models():
     parser = argparse.ArgumentParser()
     add_dense_attn_arg(parser)
     assert tuple(parser._option_string_actions['--dense-attn'].choices) == DENSE_ATTN_MODES
+
+
+def test_onnx_check_choices_are_the_exporters(tmp_path):
+    # spelt out in tools/export_onnx.py's parser (built without the stack): the exporter's
+    import importlib.util
+    from mita_seg.apis.onnx_export import CHECKS
+    spec = importlib.util.spec_from_file_location(
+        'export_onnx_tool', osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools',
+                                     'export_onnx.py'))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg, ckpt = tmp_path / 'cfg.py', tmp_path / 'x.pth'
+    cfg.write_text('x = 1\n')
+    ckpt.write_bytes(b'x')
+    argv = [str(cfg), str(ckpt), '--out', str(tmp_path / 'x.onnx'), '--check']
+    assert [tool.parse_args(argv + [c]).check for c in CHECKS] == list(CHECKS)
+    with pytest.raises(SystemExit):   # a check the exporter does not have
+        tool.parse_args(argv + ['loose'])

@@ -51,8 +51,17 @@ def test_onnx_level(tools):
     rows = _rows(out, 'segmenter-vit-t')
     assert [' '.join(r[0][3:]) for r in rows] == ['softmax', 'MiTA 2:8',
                                                    'no mixing (bound)'], out
-    for _, (speed, ratio), (diff, ) in rows:  # model, image, N, attention | img/s, x | diff
-        assert float(speed) > 0
+    # model, image, N, attention | img/s, x (, % of the bound's) | peak MiB | diff
+    for _, (speed, ratio, *share), (peak, ), (diff, ) in rows:
+        assert float(speed) > 0 and float(peak) >= 0
         _ratio(ratio)
-    assert rows[0][1][1] == '1.00x' and rows[0][2] == ['0'], out
-    assert float(rows[1][2][0]) > 0, out  # MiTA is not softmax attention
+    assert rows[0][1][1] == '1.00x' and rows[0][3] == ['0'], out
+    assert rows[1][1][2].endswith('%') and len(rows[2][1]) == 2, out  # MiTA's share
+    assert float(rows[1][3][0]) > 0, out  # MiTA is not softmax attention
+    # the softmax file skipped where its N x N weights exceed --max-onnx-gib
+    _, out = tools('tools/benchmark.py', '--level', 'onnx', '--models', 'segmenter-vit-t',
+                   '--onnx-sizes', 64, '--onnx-settings', '2:8', '--min-run-time', 0.01,
+                   '--max-onnx-gib', 1e-6)
+    rows = _rows(out, 'segmenter-vit-t')
+    assert 'skipped' in ' '.join(rows[0][1]) and len(rows) == 3, out
+    assert rows[1][1][1] == 'n/a' and rows[1][3] == ['n/a'], out

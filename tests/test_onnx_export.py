@@ -1,6 +1,8 @@
 """MiTA to ONNX: the translation of ``mita_seg::mita_attention`` into default-domain ONNX
-operators, run in ONNX Runtime against the dense reference operator, and
-``tools/export_onnx.py`` end to end (ONNX Runtime's logits against PyTorch's)."""
+operators, run in ONNX Runtime against the dense reference operator, the routing-aware
+check (near-ties told from a wrong graph), and ``tools/export_onnx.py`` end to end (ONNX
+Runtime's logits against PyTorch's)."""
+import functools
 import os
 import os.path as osp
 
@@ -14,7 +16,7 @@ import onnxruntime as ort
 from mita_seg.ops import Inputs, RelPosBias, mita_attention, mita_attention_reference
 from mita_seg.ops.bias import table_size
 from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,
-                               onnx_unsupported, pool_matrix)
+                               onnx_unsupported, pool_matrix, routing_ties)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
@@ -141,13 +143,67 @@ def test_unsupported_inputs_say_why():
         mita_translation_table('dense')
 
 
+# ------------------------------------------------------------------- routing-aware check
+
+def test_routing_ties():
+    # every key the same: every expert's top-k is an exact tie, so every query is at one
+    q, k, _, _ = case_inputs(1, 2, 8, (5, 6), 1, 2, False, seed=4)
+    k_same = k[:, :, :1].expand_as(k).contiguous()
+    assert routing_ties(q, k_same, (5, 6), (2, 3), 6).all()
+    # every query the same: the landmarks are equal, so every router argmax is a tie
+    q_same = q[:, :, :1].expand_as(q).contiguous()
+    assert routing_ties(q_same, k, (5, 6), (2, 3), 6).all()
+    # random inputs: near-ties (margins within 1e-5 of the scores' scale) are rare
+    q, k, _, _ = case_inputs(2, 3, 16, (9, 11), 1, 3, False, seed=5)
+    ties = routing_ties(q, k, (9, 11), (3, 3), 10)
+    assert ties.shape == (2, 3, 103) and ties.float().mean() < 0.05
+    # k >= N and M = r: no decision to tie
+    assert not routing_ties(q, k, (9, 11), (1, 1), 103).any()
+    # with a relative position bias (BEiT's tokens: cls + grid)
+    q, k, _, table = case_inputs(1, 3, 8, (5, 6), 1, 0, True, seed=6)
+    assert routing_ties(q, k, (5, 6), (3, 2), 7, bias=RelPosBias(table, (5, 6))).dim() == 3
+
+
+def test_compare_layer_counts_flipped_ties():
+    from mita_seg.apis.onnx_export import compare_layer
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 2, 10, 4, generator=g)
+    out = ref + 1e-7 * torch.randn(1, 2, 10, 4, generator=g)    # float32 rounding
+    ties = torch.zeros(1, 2, 10, dtype=torch.bool)
+    ties[0, 1, 3] = ties[0, 0, 7] = True
+    out[0, 1, 3] += 0.5                                          # a flipped near-tie
+    c = compare_layer('layer', out, ref, ties)
+    assert c.ok and (c.rows, c.ties, c.flipped, c.mismatched) == (20, 2, 1, 0)
+    assert c.max_diff < 1e-6 < c.tolerance
+    out[0, 0, 5] += 1e-3                                         # a row of clear routing
+    c = compare_layer('layer', out, ref, ties)
+    assert not c.ok and c.mismatched == 1 and c.max_diff > c.tolerance
+
+
+def wrong_table(factor):
+    """MiTA's translation with the shared logits' scale multiplied by ``factor``: a wrong
+    graph (the exporter reads the translation's signature, which ``functools.wraps``
+    keeps)."""
+    (key, right), = mita_translation_table().items()
+
+    @functools.wraps(right)
+    def wrong(*args, **kwargs):
+        if 'shared_scale' in kwargs:
+            kwargs['shared_scale'] *= factor
+        else:
+            args = args[:11] + (args[11] * factor, ) + args[12:]
+        return right(*args, **kwargs)
+
+    return {key: wrong}
+
+
 # ---------------------------------------------------------------------- export_onnx
 
-def random_checkpoint(config, path, **init):
+def random_checkpoint(config, path, seed=0, **init):
     """A checkpoint in the model zoo's format (``meta`` + ``state_dict``) of ``config``'s
-    model with seeded random weights."""
+    model with random weights of ``seed``."""
     from mita_seg.apis import init_model
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = init_model(config, **init)
     torch.save({'meta': {}, 'state_dict': model.state_dict()}, path)
     return str(path)
@@ -188,6 +244,8 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     _, out = tools('tools/export_onnx.py', config, tiny_ckpts[which], '--out', out_file, *args)
     assert f'wrote {out_file}' in out
     assert (f'{mita_layers} MiTA attention layers' if mita_layers else 'no MiTA layer') in out
+    # routing-aware: every MiTA call checked on its own inputs (none without MiTA)
+    assert ('MiTA calls on their own q, k, v' in out) == bool(mita_layers), out
     assert "input  'img'        float32 [1, 3, 128, 128]" in out
     assert "output 'seg_logits' float32 [1, 150, 128, 128]" in out
     assert 'classes agree on 100.00% of pixels' in out
@@ -195,6 +253,32 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     got, ref = ort_vs_pytorch(str(out_file), config, tiny_ckpts[which], (128, 128), mita_cfg)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.slow
+def test_export_onnx_tool_plan(tiny_ckpts, tools, tmp_path):
+    # a swap plan: dense, shared-expert and route-only layers side by side, each MiTA
+    # setting its own per-call graph in the check
+    import json
+    import re
+
+    from mita_seg.apis import init_model
+    names = [n for n, _ in init_model(TINY_SEGMENTER).named_modules()
+             if re.search(r'layers\.\d+\.attn$', n)]
+    settings = ['dense', dict(pool_size=3, topk=12),
+                dict(pool_size=2, topk=8, with_shared_expert=False)]
+    plan = dict(format='mita_seg.swap_plan/1',
+                layers=[dict(name=n, setting=settings[i % 3]) for i, n in enumerate(names)])
+    plan_file = tmp_path / 'plan.json'
+    plan_file.write_text(json.dumps(plan))
+    out_file = tmp_path / 'm.onnx'
+    _, out = tools('tools/export_onnx.py', TINY_SEGMENTER, tiny_ckpts['segmenter'], '--out',
+                   out_file, '--mita-plan', plan_file)
+    mita = sum(i % 3 != 0 for i in range(len(names)))
+    assert f'{mita} MiTA attention layers' in out and f'{mita} MiTA calls' in out, out
+    got, ref = ort_vs_pytorch(str(out_file), TINY_SEGMENTER, tiny_ckpts['segmenter'],
+                              (128, 128), dict(plan=str(plan_file)), seed=0)
+    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
 
 
 @pytest.mark.slow
@@ -248,36 +332,65 @@ def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
 
 @pytest.mark.slow
 def test_export_onnx_disagreement_leaves_nothing(tiny_ckpts, tmp_path, monkeypatch):
-    # a check that fails (tolerance 0 and a perturbed reference) writes nothing at --out
+    # a strict check that fails (a negative tolerance) writes nothing at --out
     from mita_seg.apis import onnx_export
     monkeypatch.setattr(onnx_export, 'ATOL', -1.0)
     out = tmp_path / 'm.onnx'
     with pytest.raises(OnnxExportError, match='disagrees'):
-        onnx_export.export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out))
+        onnx_export.export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out),
+                                check='strict')
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('config,shape,args,ckpt_init', [
-    ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', 512,
-     ['--swap-attn', 'mita'], {}),
-    (TINY_BEIT, 256, ['--swap-attn', 'mita'], {}),
-], ids=['segmenter-vit-t-512', 'beit-tiny-256'])
-def test_export_onnx_tool_at_crop(config, shape, args, ckpt_init, tools, tmp_path):
+@pytest.mark.parametrize('factor', [2.0, 1.01])
+def test_export_onnx_wrong_translation_is_caught(factor, tiny_ckpts, tmp_path):
+    # a translation with a wrong scale fails the routing-aware check in the MiTA calls
+    # themselves (rows of clear routing differ), even by 1%; nothing is written
+    from mita_seg.apis import export_onnx
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError, match='wrong graph, not a flipped near-tie'):
+        export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out),
+                    mita_cfg=dict(pool_size=3, topk=12), table=wrong_table(factor))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_export_onnx_check_none(tiny_ckpts, tools, tmp_path):
+    out_file = tmp_path / 'm.onnx'
+    _, out = tools('tools/export_onnx.py', TINY_SEGMENTER, tiny_ckpts['segmenter'], '--out',
+                   out_file, '--swap-attn', 'mita', '--check', 'none')
+    assert 'not checked (--check none)' in out and os.listdir(tmp_path) == ['m.onnx']
+    got, ref = ort_vs_pytorch(str(out_file), TINY_SEGMENTER, tiny_ckpts['segmenter'],
+                              (128, 128), {}, seed=0)
+    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config,shape,seed', [
+    ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py', 512, 11),
+    (TINY_BEIT, 256, 0),
+], ids=['segmenter-vit-t-512-seed11', 'beit-tiny-256'])
+def test_export_onnx_tool_at_crop(config, shape, seed, tools, tmp_path):
+    # Segmenter ViT-T at 512 with seed 11 weights is the issue's near-tie case: ORT's
+    # logits differ from PyTorch's end to end beyond float32 rounding (0.0097 on a Zen 4,
+    # 0.084 on a Zen 3), as PyTorch's own backends differ from each other, because
+    # near-tied routing decisions flip and the flips grow through the layers. The
+    # routing-aware check writes it: every MiTA call agrees where its routing is clear.
     from mita_seg.apis import load_config
     cfg = load_config(config)
     cfg.model.pop('pretrained', None)
     cfg.model.backbone.init_cfg = None
-    ckpt = random_checkpoint(cfg, tmp_path / 'model.pth')
+    ckpt = random_checkpoint(cfg, tmp_path / 'model.pth', seed=seed)
     out_file = tmp_path / 'model.onnx'
-    _, out = tools('tools/export_onnx.py', config, ckpt, '--out', out_file, *args)
+    _, out = tools('tools/export_onnx.py', config, ckpt, '--out', out_file, '--swap-attn',
+                   'mita')
     assert f'float32 [1, 3, {shape}, {shape}]' in out and 'MiTA attention layers' in out
-    # the tool's own input against a PyTorch model built anew from the files: exact
-    got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=0)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    # Another input: through 12 layers of random weights a rounding-level difference can
-    # flip a near-tied routing decision in a later layer, and so it does between PyTorch's
-    # own backends (measured on Segmenter ViT-T, seed 5: fused_cpu against the reference
-    # backend, the backbone swapped, max |diff| 0.07; per layer 2e-7). The classes agree.
-    got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=5)
-    assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
+    assert 'check (routing)' in out and 'MiTA calls on their own q, k, v' in out
+    assert "PyTorch's own noise floor (fused_cpu vs blocked backend)" in out
+    assert sorted(os.listdir(tmp_path)) == ['model.onnx', 'model.pth']
+    # against a PyTorch model built anew from the files, on the tool's input and another:
+    # the classes agree (a flipped near-tie moves a few pixels, never the map)
+    for s in (0, 5):
+        got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=s)
+        assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99

@@ -31,7 +31,10 @@ ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped,
 MiTA at each ``--onnx-settings`` (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`)
 and with MiTA's node exported as ``out = v`` (attention removed, projections kept: the bound
 no attention in the same graph beats), images per second of each file in ONNX Runtime on
-the CPU, timed in turn, whole image at ``--onnx-sizes``, and the ratio to the unswapped file.
+the CPU, timed in turn, whole image at ``--onnx-sizes``, the ratio to the unswapped file,
+MiTA's ratio as a share of the bound's, and each file's peak memory (the unswapped file is
+skipped where its ``H x N x N`` attention weights exceed ``--max-onnx-gib``, e.g. ViT-B at
+2048: 12 GiB).
 
 Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
 ``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
@@ -66,7 +69,6 @@ import argparse
 import copy
 import gc
 import os
-import statistics
 import sys
 import time
 
@@ -466,9 +468,12 @@ def no_mixing_table():
 def onnx_level(args):
     """``--level onnx``: one random-weight checkpoint exported unswapped, swapped to each
     ``--onnx-settings`` and with its attention mixing removed (the bound), all timed in
-    turn in ONNX Runtime (median of ``--min-run-time`` seconds each, three rounds)."""
+    turn in ONNX Runtime (median over three interleaved rounds of at least
+    ``--min-run-time`` seconds each), with each file's peak memory (one run of a session
+    without ORT's memory arena, so what it allocates is given back and the peak is its
+    own). The softmax file is skipped where its ``[H, N, N]`` attention weights alone
+    exceed ``--max-onnx-gib``."""
     import tempfile
-    import time as _time
 
     import onnxruntime
     from mmengine.hub import get_config
@@ -482,13 +487,15 @@ def onnx_level(args):
     init_default_scope('mmseg')
     threads = args.threads or None
     from mita_seg.setting import MiTASetting
+    cpu = torch.device('cpu')
     settings = args.onnx_settings or [MiTASetting(args.pool_size, args.topk)]
     print(f'# ONNX Runtime {onnxruntime.__version__} CPU, {threads or "default"} intra-op '
           f'threads, on {cpu_description()}; random weights, batch '
           f'1, whole image; speed-up against softmax attention; "no mixing (bound)": MiTA\'s '
-          'node exported as out = v (attention removed, projections kept)')
+          'node exported as out = v (attention removed, projections kept); "of bound": the '
+          'speed-up as a share of the bound\'s; peak: the rise of peak RSS in one run')
     header = (f"{'model':>16} {'image':>10} {'N':>6} {'attention':>18} | {'img/s':>7} "
-              f"{'speed-up':>8} | {'max |diff|':>10}")
+              f"{'speed-up':>8} {'of bound':>8} | {'peak MiB':>8} | {'max |diff|':>10}")
     print(header)
     print('-' * len(header))
     tmp = tempfile.mkdtemp(prefix='mita-onnx-bench-')
@@ -497,47 +504,63 @@ def onnx_level(args):
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.test_cfg = dict(mode='whole')
+        heads = cfg.model.backbone.get('num_heads', 12)
         for size in args.onnx_sizes:
+            h = size // 16
+            N = 1 + h * h
             torch.manual_seed(0)
             model = SEG_MODELS.build(cfg.model).eval()
+            dense_gib = heads * N * N * 4 / 2**30
             variants = [('softmax', model, None)]
+            if dense_gib > args.max_onnx_gib:
+                variants = []
+                print(f"{name:>16} {f'{size}x{size}':>10} {N:>6} {'softmax':>18} | skipped: "
+                      f'its {heads} x {N} x {N} attention weights alone take '
+                      f'{dense_gib:.1f} GiB > --max-onnx-gib {args.max_onnx_gib:g}',
+                      flush=True)
             for setting in settings:
                 swapped = copy.deepcopy(model)
                 swap_attention(swapped, verbose=False, **setting.cfg())
                 variants.append((f'MiTA {setting.text}', swapped, None))
             variants.append(('no mixing (bound)', swapped, no_mixing_table()))
             img = torch.randn(1, 3, size, size)
-            runs, outs = [], []
+            runs, peaks, base_out, diffs = [], [], None, []
             for i, (label, m, table) in enumerate(variants):
                 path = os.path.join(tmp, f'{name}-{size}-{i}.onnx')
                 write_onnx(SegLogits(m, (size, size)).eval(), (size, size), path,
                            table=table)
+                feed = {'img': img.numpy()}
+                # memory first, in a session that gives its buffers back after the run
+                mem_sess = onnx_session(path, threads, arena=False)
+                out, peak = peak_memory_rise(lambda: mem_sess.run(None, feed)[0], cpu)
+                del mem_sess
+                peaks.append(peak)
+                if label == 'softmax':
+                    base_out = out
+                diffs.append(None if base_out is None else float(abs(base_out - out).max()))
+                del out
                 sess = onnx_session(path, threads)
-                feed = {sess.get_inputs()[0].name: img.numpy()}
-                outs.append(sess.run(None, feed)[0])
+                sess.run(None, feed)
                 runs.append(lambda sess=sess, feed=feed: sess.run(None, feed))
                 os.remove(path)
                 print(f'# {name} {size}x{size}: {label} exported and run ({i + 1}/'
                       f'{len(variants)}); timing {len(variants)} files x 3 rounds next',
                       file=sys.stderr, flush=True)
             labels = [v[0] for v in variants]
-            del model, swapped, variants
+            del model, swapped, variants, base_out
             gc.collect()
-            times = [[] for _ in runs]
-            for _ in range(3):  # interleaved rounds: all see the same load of the host
-                for i, run in enumerate(runs):
-                    t0, n = _time.perf_counter(), 0
-                    while n < 2 or _time.perf_counter() - t0 < args.min_run_time:
-                        t1 = _time.perf_counter()
-                        run()
-                        times[i].append(_time.perf_counter() - t1)
-                        n += 1
-            medians = [statistics.median(t) for t in times]
-            h = size // 16
-            for label, t, out in zip(labels, medians, outs):
-                diff = float(abs(outs[0] - out).max())
-                print(f"{name:>16} {f'{size}x{size}':>10} {1 + h * h:>6} {label:>18} | "
-                      f"{1 / t:7.3f} {medians[0] / t:7.2f}x | {diff:10.3g}", flush=True)
+            # interleaved rounds: all see the same load of the host
+            medians = interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False)
+            base = medians[0] if labels[0] == 'softmax' else None
+            bound = base / medians[-1] if base else None
+            for label, t, peak, diff in zip(labels, medians, peaks, diffs):
+                up = f'{base / t:7.2f}x' if base else f"{'n/a':>8}"
+                share = (f'{100 * base / t / bound:7.0f}%' if bound and label.startswith('MiTA')
+                         else f"{'':>8}")
+                mem = f'{peak:8.0f}' if peak is not None else f"{'n/a':>8}"
+                dtxt = f'{diff:10.3g}' if diff is not None else f"{'n/a':>10}"
+                print(f"{name:>16} {f'{size}x{size}':>10} {N:>6} {label:>18} | "
+                      f"{1 / t:7.3f} {up} {share} | {mem} | {dtxt}", flush=True)
             del runs
             gc.collect()
     os.rmdir(tmp)
@@ -601,6 +624,9 @@ def parse_args():
                    'time and the speed-up that leaves at most (model level)')
     p.add_argument('--min-run-time', type=float_range(0, low_open=True), default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
+    p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
+                   help='--level onnx: skip the softmax file where its H x N x N attention '
+                   'weights exceed this (GiB)')
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path where its N x N weights exceed this')
     args = p.parse_args()

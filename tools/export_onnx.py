@@ -3,14 +3,17 @@
 The graph takes the preprocessed image ``img`` ``[1, 3, H, W]`` float32 (normalized with the
 config's data preprocessor's mean/std, printed) and gives ``seg_logits`` ``[1, C, H, W]``,
 the logits at input resolution (the class map is their argmax over axis 1). The file is
-written only when ONNX Runtime's output on a seeded input agrees with PyTorch's within
-float32 rounding (:func:`mita_seg.apis.export_onnx`).
+written only when ONNX Runtime's run of it on a seeded input passes the check
+(:func:`mita_seg.apis.export_onnx`): by default (``--check routing``) each MiTA call against
+PyTorch on its own inputs, with queries at near-tied routing decisions counted and allowed to
+differ, and end to end beside PyTorch's own noise floor (one backend against another);
+``--check strict``: end to end within float32 rounding; ``--check none``: no check.
 
 Usage::
 
     python tools/export_onnx.py CONFIG CHECKPOINT --out FILE.onnx [--shape H W]
-        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ...] [--opset 18]
-        [--cfg-options key=value ...]
+        [--swap-attn mita] [--mita-cfg pool_size=7 topk=49 ... | --mita-plan PLAN.json]
+        [--check {routing,strict,none}] [--opset 18] [--cfg-options key=value ...]
 
 CONFIG is a file or ``mmseg::<dir>/<name>.py``; ``--swap-attn mita`` (implied by
 ``--mita-cfg``) puts a standard-attention model on MiTA before exporting; a MiTA config
@@ -45,6 +48,12 @@ def parse_args(argv=None):
                         help='input height and width (default: the config\'s crop size)')
     parser.add_argument('--opset', type=int_range(1), default=None, help=DeferredHelp(
         lambda: f'ONNX opset, {min_opset()} or later (default: {min_opset()})'))
+    # mita_seg.apis.onnx_export.CHECKS, spelt out: the parser is built without the stack
+    parser.add_argument('--check', choices=('routing', 'strict', 'none'), default='routing',
+                        help='routing (default): each MiTA call in ONNX Runtime on its own '
+                        'inputs against PyTorch, queries at near-tied routing counted and '
+                        'allowed to differ, end to end beside PyTorch\'s own noise floor; '
+                        'strict: end to end within float32 rounding; none: no check')
     add_mita_args(parser)
     parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
                         help='override config settings, key=value')
@@ -64,7 +73,7 @@ def main(argv=None):
     args = parse_args(argv)
     from mita_seg.apis import export_onnx
     r = export_onnx(args.config, args.checkpoint, args.out, args.shape, args.swap,
-                    args.opset, args.cfg_options)
+                    args.opset, args.cfg_options, check=args.check)
     import onnxruntime
     h, w = r.shape
     size = osp.getsize(r.path) / 2**20
@@ -77,9 +86,11 @@ def main(argv=None):
     print(f"input  'img'        float32 [1, 3, {h}, {w}]: {norm}, channels {order}")
     print(f"output 'seg_logits' float32 [1, {r.num_classes}, {h}, {w}]: logits at input "
           'resolution; the class map is ArgMax(seg_logits, axis=1)')
-    print(f'check in ONNX Runtime {onnxruntime.__version__} (seeded input): max |ORT - '
-          f'PyTorch| = {r.max_diff:.2g} (tolerance {r.tolerance:.2g}), classes agree on '
-          f'{100 * r.class_agreement:.2f}% of pixels')
+    if r.check is None:
+        print('not checked (--check none)')
+    else:
+        print(f'check ({r.check.level}) in ONNX Runtime {onnxruntime.__version__}, seeded '
+              f'input: {r.check.summary()}')
     return r
 
 

@@ -11,32 +11,166 @@ pooling and tile counts are constants of the grid.
 MiTA's operator leaves PyTorch as default-domain ONNX operators
 (:mod:`mita_seg.ops.onnx`), so ONNX Runtime, OpenVINO or TensorRT run the file with no
 custom operator library. The file is written to a temporary name beside ``out``, checked in
-ONNX Runtime against the PyTorch model on a seeded input, and renamed to ``out`` only when
-they agree within float32 rounding: nothing is left at ``out`` otherwise.
+ONNX Runtime against the PyTorch model on a seeded input (:func:`check_onnx`), and renamed to
+``out`` only when the check passes: nothing is left at ``out`` otherwise.
+
+MiTA's routing is discontinuous: its top-k and argmax decisions flip at near-ties between two
+correct float32 implementations, and a flip grows through the layers, so PyTorch's own
+backends differ end to end as much as ONNX Runtime does. The default check
+(``check='routing'``) therefore tells a wrong graph from a flipped near-tie layer by layer:
+each MiTA call of the model runs again in ONNX Runtime (the translation of that one node, on
+the call's own ``q, k, v``) and must agree with PyTorch within float32 rounding on every query
+whose routing is decided by more than float32 rounding; the queries at near-ties are counted
+(:func:`mita_seg.ops.onnx.routing_ties`), and those that differ are reported as flipped. End to
+end, ORT's logits are reported beside the model's own noise floor (PyTorch's backend against
+another backend on the same input), and must be within float32 rounding unless a near-tie
+explains the difference. ``check='strict'``: end to end within float32 rounding (the model
+without near-ties); ``'none'``: no check.
 """
+import contextlib
 import logging
 import os
 import os.path as osp
 import tempfile
 import time
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mita_seg.models import GridMismatchError
-from mita_seg.ops.onnx import OnnxExportError, mita_translation_table
+from mita_seg.ops.bias import RelPosBias
+from mita_seg.ops.onnx import OnnxExportError, mita_translation_table, routing_ties
 from .config import load_config
 from .model import init_model
 
-__all__ = ['OnnxExportError', 'OnnxReport', 'SegLogits', 'export_onnx', 'check_onnx',
-           'write_onnx', 'export_shape', 'onnx_session', 'MIN_OPSET']
+__all__ = ['OnnxExportError', 'OnnxReport', 'OnnxCheck', 'LayerCheck', 'SegLogits',
+           'export_onnx', 'check_onnx', 'compare_layer', 'write_onnx', 'export_shape',
+           'onnx_session', 'MIN_OPSET', 'CHECKS']
 
 # The translation of mita_seg::mita_attention uses opset 18 operators (ReduceMax's axes
 # input, ScatterElements' reduction).
 MIN_OPSET = 18
-# Beyond float32 rounding: |ORT - PyTorch| <= ATOL + RTOL * max|PyTorch|.
+# Check levels: routing-aware (the default), strict (end to end within float32 rounding),
+# none.
+CHECKS = ('routing', 'strict', 'none')
+# End to end, float32 rounding: |ORT - PyTorch| <= ATOL + RTOL * max|PyTorch|.
 ATOL, RTOL = 1e-4, 1e-4
+# One MiTA call, per query row: |ORT - PyTorch| <= LAYER_ATOL + LAYER_RTOL * max|PyTorch|.
+LAYER_ATOL, LAYER_RTOL = 1e-5, 1e-4
+
+
+class LayerCheck(NamedTuple):
+    """One MiTA call of the model run again in ONNX Runtime on its own ``q, k, v`` (the
+    translation of that node alone) against PyTorch's output of the call.
+
+    Attributes:
+        name (str): the attention module that made the call.
+        rows (int): query rows ``B H N``.
+        ties (int): rows whose routing is at a near-tie
+            (:func:`mita_seg.ops.onnx.routing_ties`).
+        flipped (int): rows at a near-tie whose outputs differ beyond ``tolerance``.
+        mismatched (int): rows of clear routing whose outputs differ beyond ``tolerance``:
+            a wrong translation, never a near-tie.
+        max_diff (float): largest ``|ORT - PyTorch|`` over the rows of clear routing.
+        tolerance (float): ``LAYER_ATOL + LAYER_RTOL * max|PyTorch|``.
+    """
+    name: str
+    rows: int
+    ties: int
+    flipped: int
+    mismatched: int
+    max_diff: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched == 0
+
+
+class OnnxCheck(NamedTuple):
+    """How ONNX Runtime's run of an exported file compares with the PyTorch model.
+
+    Attributes:
+        level (str): the check level (:data:`CHECKS`).
+        max_diff (float): end to end, largest ``|ORT - PyTorch|`` over the logits.
+        max_ref (float): largest ``|PyTorch|``, the scale of the tolerance.
+        class_agreement (float): share of pixels whose argmax class agrees.
+        num_classes (int): channels of the logits.
+        layers (tuple[LayerCheck]): each MiTA call (``level='routing'``; else empty).
+        noise (tuple | None): ``(backend, other backend, max |diff|, class agreement)``:
+            PyTorch's logits with the model's MiTA backend against another backend on the
+            same input, the model's own noise floor (``level='routing'`` with MiTA layers).
+    """
+    level: str
+    max_diff: float
+    max_ref: float
+    class_agreement: float
+    num_classes: int
+    layers: Tuple[LayerCheck, ...] = ()
+    noise: Optional[Tuple[str, str, float, float]] = None
+
+    @property
+    def tolerance(self) -> float:
+        return ATOL + RTOL * self.max_ref
+
+    @property
+    def ties(self) -> int:
+        return sum(layer.ties for layer in self.layers)
+
+    @property
+    def flipped(self) -> int:
+        return sum(layer.flipped for layer in self.layers)
+
+    @property
+    def ok(self) -> bool:
+        """strict: end to end within float32 rounding; routing: every MiTA call agrees on
+        its rows of clear routing, and end to end within float32 rounding unless a near-tie
+        in some MiTA call explains the difference."""
+        close = self.max_diff <= self.tolerance
+        if self.level == 'strict':
+            return close
+        return all(layer.ok for layer in self.layers) and (close or self.ties > 0)
+
+    def problem(self) -> Optional[str]:
+        """What failed, in one sentence (None if the check passed)."""
+        if self.ok:
+            return None
+        bad = [layer for layer in self.layers if not layer.ok]
+        if bad:
+            b = bad[0]
+            return (f'ONNX Runtime\'s translation of MiTA disagrees with PyTorch in {len(bad)} '
+                    f'of {len(self.layers)} MiTA calls, first {b.name}: {b.mismatched} query '
+                    f'rows whose routing is clear (no near-tie) differ, max |ORT - PyTorch| = '
+                    f'{b.max_diff:.3g} > {b.tolerance:.3g}: a wrong graph, not a flipped '
+                    'near-tie')
+        why = ('' if self.level == 'strict' else
+               ', and no MiTA call has a near-tie to explain it (a graph outside MiTA '
+               'differs)')
+        return (f'ONNX Runtime disagrees with PyTorch beyond float32 rounding: max |ORT - '
+                f'PyTorch| = {self.max_diff:.3g} > {self.tolerance:.3g}, class agreement '
+                f'{100 * self.class_agreement:.2f}%{why}')
+
+    def summary(self) -> str:
+        """The check in one line."""
+        end = (f'end to end max |ORT - PyTorch| = {self.max_diff:.2g} (float32 rounding '
+               f'{self.tolerance:.2g}), classes agree on {100 * self.class_agreement:.2f}% '
+               'of pixels')
+        if self.level == 'strict' or not self.layers:
+            return end
+        rows = sum(layer.rows for layer in self.layers)
+        worst = max(layer.max_diff for layer in self.layers)
+        tol = min(layer.tolerance for layer in self.layers)
+        text = (f'{len(self.layers)} MiTA calls on their own q, k, v: max |ORT - PyTorch| = '
+                f'{worst:.2g} where the routing is clear (tolerance {tol:.2g}), '
+                f'{self.ties} of {rows} query rows at near-ties ({self.flipped} flipped); '
+                + end)
+        if self.noise is not None:
+            a, b, diff, agree = self.noise
+            text += (f'; PyTorch\'s own noise floor ({a} vs {b} backend): {diff:.2g}, '
+                     f'{100 * agree:.2f}%')
+        return text
 
 
 class OnnxReport(NamedTuple):
@@ -46,33 +180,26 @@ class OnnxReport(NamedTuple):
         path (str): the ONNX file.
         shape (tuple[int, int]): ``(H, W)`` of the input.
         num_classes (int): channels of ``seg_logits``.
-        mita_layers (int): MiTA operators in the graph (as standard ONNX operators).
-        max_diff (float): largest ``|ORT - PyTorch|`` over the logits.
-        max_ref (float): largest ``|PyTorch|``, the scale of the tolerance.
-        class_agreement (float): share of pixels whose argmax class agrees.
+        mita_layers (int): MiTA attention modules in the model (their operators are
+            standard ONNX operators in the graph).
+        check (OnnxCheck | None): the check (None with ``check='none'``).
         mean (list[float] | None), std (list[float] | None), bgr_to_rgb (bool): the data
             preprocessor's normalization, which the input must have had.
-        seconds (float): export time.
+        seconds (float): export time (the check not included).
     """
     path: str
     shape: Tuple[int, int]
     num_classes: int
     mita_layers: int
-    max_diff: float
-    max_ref: float
-    class_agreement: float
+    check: Optional[OnnxCheck]
     mean: Optional[List[float]]
     std: Optional[List[float]]
     bgr_to_rgb: bool
     seconds: float
 
     @property
-    def tolerance(self) -> float:
-        return ATOL + RTOL * self.max_ref
-
-    @property
     def ok(self) -> bool:
-        return self.max_diff <= self.tolerance
+        return self.check is None or self.check.ok
 
 
 class SegLogits(nn.Module):
@@ -119,41 +246,47 @@ def export_shape(cfg, shape: Optional[Sequence[int]]) -> Tuple[int, int]:
     return h, w
 
 
-def _mita_layers(model: nn.Module) -> int:
+def _mita_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     from mita_seg.models import MiTASettingsMixin
-    return sum(isinstance(m, MiTASettingsMixin) for m in model.modules())
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
 
 
-def onnx_session(path: str, threads: Optional[int] = None):
+def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True):
     """An ONNX Runtime CPU session of ``path`` (``threads`` intra-op threads; None: ORT's
-    default, the physical cores)."""
+    default, the physical cores; ``arena=False``: buffers are given back after each run,
+    as a peak memory measurement needs)."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
+    so.enable_cpu_mem_arena = arena
     return ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
 
 
-def check_onnx(path: str, module: nn.Module, shape: Tuple[int, int], seed: int = 0
-               ) -> Tuple[float, float, float, int]:
-    """Run ``path`` in ONNX Runtime and ``module`` in PyTorch on one seeded
-    ``[1, 3, H, W]`` standard-normal input (a preprocessed image's range).
-
-    Returns:
-        tuple: ``(max |ORT - PyTorch|, max |PyTorch|, share of pixels whose argmax class
-        agrees, number of classes)``.
-    """
-    g = torch.Generator().manual_seed(seed)
-    img = torch.randn(1, 3, *shape, generator=g)
-    with torch.no_grad():
-        ref = module(img)
-    sess = onnx_session(path)
-    out = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: img.numpy()})[0])
-    if out.shape != ref.shape:
-        raise OnnxExportError(f'the ONNX graph gives {tuple(out.shape)}, PyTorch '
-                              f'{tuple(ref.shape)}')
-    agree = (out.argmax(1) == ref.argmax(1)).float().mean().item()
-    return ((out - ref).abs().max().item(), ref.abs().max().item(), agree, ref.shape[1])
+def _export(module: nn.Module, inputs: tuple, path: str, opset: int, table: dict,
+            input_names: List[str], output_names: List[str], what: str) -> None:
+    """``torch.onnx.export(..., dynamo=True)`` of ``module`` to ``path``; an exporter
+    failure as :class:`OnnxExportError` (its first line of the cause)."""
+    # the exporter's registry lists every torchvision op it skips: not ours to report
+    logging.getLogger('torch.onnx._internal.exporter._registration').setLevel(logging.ERROR)
+    try:
+        with torch.no_grad():
+            program = torch.onnx.export(
+                module, inputs, dynamo=True, opset_version=opset, verbose=False,
+                input_names=input_names, output_names=output_names,
+                custom_translation_table=table)
+    except OnnxExportError:
+        raise
+    except Exception as e:  # the exporter wraps every failure in its own errors
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, OnnxExportError):
+            raise cause from None
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ''
+        raise OnnxExportError(f'torch.onnx.export failed {what}: '
+                              f'{type(cause).__name__}: {first}') from None
+    program.save(path)
 
 
 def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int = MIN_OPSET,
@@ -168,27 +301,188 @@ def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int 
     Raises:
         OnnxExportError: the exporter failed (its first line of the cause).
     """
-    img = torch.zeros(1, 3, *shape)
-    # the exporter's registry lists every torchvision op it skips: not ours to report
-    logging.getLogger('torch.onnx._internal.exporter._registration').setLevel(logging.ERROR)
+    _export(module, (torch.zeros(1, 3, *shape), ), path, opset,
+            table or mita_translation_table(), ['img'], ['seg_logits'],
+            f'at shape {shape[0]}x{shape[1]}')
+
+
+# ------------------------------------------------------------------------------- the check
+_MITA_OP = 'mita_seg::mita_attention'
+
+
+class _MiTACalls(TorchDispatchMode):
+    """Hands every call of ``torch.ops.mita_seg.mita_attention`` made under it to
+    ``on_call(name, arguments, output)``: ``name`` the MiTA module that made it (set by
+    forward pre-hooks on the model's MiTA modules), ``arguments`` the operator's arguments
+    by name."""
+
+    def __init__(self, model: nn.Module, on_call):
+        super().__init__()
+        self.on_call = on_call
+        self.current = ['?']
+        self.hooks = [m.register_forward_pre_hook(
+            lambda mod, inp, name=name: self.current.__setitem__(0, name))
+            for name, m in _mita_modules(model)]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._schema.name == _MITA_OP:
+            schema = func._schema.arguments
+            named = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+                     for i, a in enumerate(schema)}
+            self.on_call(self.current[0], named, out)
+        return out
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+
+class _MiTANode(nn.Module):
+    """One MiTA operator call with the settings of a recorded call (``q, k, v`` and the
+    bias table are the graph's inputs)."""
+
+    def __init__(self, settings: Dict):
+        super().__init__()
+        self.settings = settings
+
+    def forward(self, q, k, v, table=None):
+        return torch.ops.mita_seg.mita_attention.default(q, k, v, bias_table=table,
+                                                         **self.settings)
+
+
+_TENSORS = ('q', 'k', 'v', 'bias_table')
+
+
+def _signature(args: Dict) -> tuple:
+    table = args['bias_table']
+    return (tuple(args['q'].shape), None if table is None else tuple(table.shape)) + tuple(
+        (k, v) for k, v in args.items() if k not in _TENSORS)
+
+
+def compare_layer(name: str, out: torch.Tensor, ref: torch.Tensor, ties: torch.Tensor
+                  ) -> LayerCheck:
+    """ONNX Runtime's output ``out`` of one MiTA call against PyTorch's ``ref`` (both
+    ``[B, H, N, d]``), query row by query row: rows at near-ties (``ties``, ``[B, H, N]``
+    bool) may differ (they are counted as flipped), every other row must agree within
+    ``LAYER_ATOL + LAYER_RTOL * max|ref|``."""
+    diff = (out.float() - ref.float()).abs().amax(-1)                  # [B, H, N]
+    tol = LAYER_ATOL + LAYER_RTOL * ref.abs().max().item()
+    differ = diff > tol
+    clear = ~ties
+    return LayerCheck(name, ties.numel(), int(ties.sum()), int((differ & ties).sum()),
+                      int((differ & clear).sum()),
+                      diff[clear].max().item() if clear.any() else 0.0, tol)
+
+
+def _check_layers(module: nn.Module, img: torch.Tensor, table: dict, opset: int,
+                  workdir: str) -> Tuple[torch.Tensor, List[LayerCheck], set]:
+    """Each MiTA call of ``module(img)`` run again in ONNX Runtime: the translation of that
+    one node, exported once per distinct settings, on the call's own inputs.
+
+    Returns:
+        tuple: PyTorch's output, a :class:`LayerCheck` per call, the backends that ran.
+    """
+    calls: Dict[tuple, Dict] = {}
+
+    def record(name, args, out):
+        calls.setdefault(_signature(args), args)
+
+    with torch.no_grad(), _MiTACalls(module, record):
+        module(img)
+    sessions = {}
+    for i, (key, args) in enumerate(calls.items()):
+        settings = {k: v for k, v in args.items() if k not in _TENSORS}
+        inputs = tuple(torch.zeros_like(args[n]) for n in ('q', 'k', 'v'))
+        names = ['q', 'k', 'v']
+        if args['bias_table'] is not None:
+            inputs += (torch.zeros_like(args['bias_table']), )
+            names.append('table')
+        path = osp.join(workdir, f'mita_call_{i}.onnx')
+        _export(_MiTANode(settings).eval(), inputs, path, opset, table, names, ['out'],
+                f'on a MiTA call of q {tuple(args["q"].shape)}')
+        sessions[key] = (onnx_session(path), names)
+
+    checks, backends = [], set()
+
+    def check(name, args, ref):
+        sess, names = sessions[_signature(args)]
+        feed = {n: args[t].detach().float().numpy() for n, t in zip(names, _TENSORS)}
+        out = torch.from_numpy(sess.run(None, feed)[0])
+        bias = None if args['bias_table'] is None else RelPosBias(
+            args['bias_table'], (args['window_h'], args['window_w']))
+        ties = routing_ties(args['q'], args['k'], (args['h'], args['w']),
+                            (args['ph'], args['pw']), args['topk'], args['router_topk'],
+                            args['num_prefix_tokens'], args['shared_scale'], bias)
+        checks.append(compare_layer(name, out, ref, ties))
+        backends.add(args['backend'])
+
+    with torch.no_grad(), _MiTACalls(module, check):
+        ref = module(img)
+    return ref, checks, backends
+
+
+@contextlib.contextmanager
+def _backend(name: str):
+    """Every MiTA call on backend ``name`` (``$MITA_BACKEND``) inside."""
+    old = os.environ.get('MITA_BACKEND')
+    os.environ['MITA_BACKEND'] = name
     try:
-        with torch.no_grad():
-            program = torch.onnx.export(
-                module, (img, ), dynamo=True, opset_version=opset, verbose=False,
-                input_names=['img'], output_names=['seg_logits'],
-                custom_translation_table=table or mita_translation_table())
-    except OnnxExportError:
-        raise
-    except Exception as e:  # the exporter wraps every failure in its own errors
-        cause = e
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, OnnxExportError):
-            raise cause from None
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ''
-        raise OnnxExportError(f'torch.onnx.export failed at shape {shape[0]}x{shape[1]}: '
-                              f'{type(cause).__name__}: {first}') from None
-    program.save(path)
+        yield
+    finally:
+        if old is None:
+            del os.environ['MITA_BACKEND']
+        else:
+            os.environ['MITA_BACKEND'] = old
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.argmax(1) == b.argmax(1)).float().mean().item()
+
+
+def check_onnx(path: str, module: nn.Module, shape: Tuple[int, int], seed: int = 0,
+               level: str = 'routing', table: Optional[dict] = None,
+               opset: int = MIN_OPSET) -> OnnxCheck:
+    """Run ``path`` in ONNX Runtime and ``module`` in PyTorch on one seeded
+    ``[1, 3, H, W]`` standard-normal input (a preprocessed image's range) and compare them
+    at ``level`` (:data:`CHECKS`; see the module's docstring).
+
+    Args:
+        table (dict, optional): the translation table the file was exported with (the
+            routing-aware check exports each MiTA call with it); None: MiTA's.
+        opset (int): opset of those per-call exports. Default: 18.
+
+    Returns:
+        OnnxCheck: the comparison (its ``ok``, ``problem()`` and ``summary()``).
+    """
+    if level not in CHECKS[:2]:
+        raise OnnxExportError(f'check level {level!r}: choose one of {CHECKS[:2]}')
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(1, 3, *shape, generator=g)
+    layers, noise = [], None
+    with tempfile.TemporaryDirectory(prefix='mita-onnx-check-') as workdir:
+        if level == 'routing' and _mita_modules(module):
+            ref, layers, backends = _check_layers(module, img, table or mita_translation_table(),
+                                                  opset, workdir)
+        else:
+            with torch.no_grad():
+                ref = module(img)
+            backends = set()
+    if backends:
+        used = '/'.join(sorted(backends))
+        other = 'blocked' if backends != {'blocked'} else 'reference'
+        with torch.no_grad(), _backend(other):
+            alt = module(img)
+        noise = (used, other, (alt - ref).abs().max().item(), _agreement(alt, ref))
+    sess = onnx_session(path)
+    out = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: img.numpy()})[0])
+    if out.shape != ref.shape:
+        raise OnnxExportError(f'the ONNX graph gives {tuple(out.shape)}, PyTorch '
+                              f'{tuple(ref.shape)}')
+    return OnnxCheck(level, (out - ref).abs().max().item(), ref.abs().max().item(),
+                     _agreement(out, ref), ref.shape[1], tuple(layers), noise)
 
 
 def export_onnx(config: str, checkpoint: str, out: str,
@@ -197,7 +491,9 @@ def export_onnx(config: str, checkpoint: str, out: str,
                 opset: int = MIN_OPSET,
                 cfg_options: Optional[dict] = None,
                 formulation: str = 'tiles',
-                seed: int = 0) -> OnnxReport:
+                seed: int = 0,
+                check: str = 'routing',
+                table: Optional[dict] = None) -> OnnxReport:
     """Export a segmentor (optionally swapped to MiTA) to ONNX and check it in ONNX Runtime.
 
     Args:
@@ -205,62 +501,68 @@ def export_onnx(config: str, checkpoint: str, out: str,
         checkpoint (str): its checkpoint (loaded strictly, weights only).
         out (str): the ONNX file to write.
         shape (Sequence[int], optional): input ``(H, W)``; None: the config's crop.
-        mita_cfg (dict, optional): swap to MiTA with these ``--mita-cfg`` settings; None:
-            the model as its config builds it (a ``configs/mita_*.py`` model is on MiTA).
+        mita_cfg (dict, optional): swap to MiTA with these ``--mita-cfg`` settings (or
+            ``{'plan': SwapPlan}``); None: the model as its config builds it (a
+            ``configs/mita_*.py`` model is on MiTA).
         opset (int): ONNX opset, at least :data:`MIN_OPSET`. Default: 18.
         cfg_options (dict, optional): ``--cfg-options``.
         formulation (str): MiTA's routed part in ONNX (:data:`mita_seg.ops.onnx.FORMULATIONS`).
         seed (int): seed of the check's input. Default: 0.
+        check (str): ``'routing'`` (each MiTA call against PyTorch with near-ties told apart,
+            end to end against the model's noise floor), ``'strict'`` (end to end within
+            float32 rounding) or ``'none'``. Default: 'routing'.
+        table (dict, optional): the exporter's ``custom_translation_table``; None: MiTA's
+            translation (:func:`mita_seg.ops.onnx.mita_translation_table` of
+            ``formulation``). Default: None.
 
     Returns:
         OnnxReport: what was written and how ORT's output compares.
 
     Raises:
-        OnnxExportError: onnx/onnxruntime/onnxscript missing, a bad shape or opset, a model
-            that does not run or export at this shape, or ORT disagreeing with PyTorch
-            beyond float32 rounding (nothing is left at ``out`` then);
+        OnnxExportError: onnx/onnxruntime/onnxscript missing, a bad shape, opset or check
+            level, a model that does not run or export at this shape, or a check that fails
+            (nothing is left at ``out`` then);
             NothingToSwapError, checkpoint errors: see :func:`init_model`.
     """
     _require_onnx()
     if opset < MIN_OPSET:
         raise OnnxExportError(f'--opset {opset}: the export needs opset {MIN_OPSET} or later')
+    if check not in CHECKS:
+        raise OnnxExportError(f'check level {check!r}: choose one of {", ".join(CHECKS)}')
     if osp.isdir(out):
         raise OnnxExportError(f'--out {out} is a directory: give the .onnx file to write')
     cfg = load_config(config, cfg_options)
     h, w = export_shape(cfg, shape)
     model = init_model(cfg, checkpoint, mita_cfg=mita_cfg)
     module = SegLogits(model, (h, w)).eval()
-    img = torch.zeros(1, 3, h, w)
     try:
         with torch.no_grad():
-            module(img)
+            logits = module(torch.zeros(1, 3, h, w))
     except GridMismatchError:
         raise
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f'the model does not run at --shape {h} {w}: {first}') from None
-    mean = (cfg.model.get('data_preprocessor') or {}).get('mean')
-    std = (cfg.model.get('data_preprocessor') or {}).get('std')
-    bgr_to_rgb = bool((cfg.model.get('data_preprocessor') or {}).get('bgr_to_rgb', False))
+    table = table or mita_translation_table(formulation)
+    pre = cfg.model.get('data_preprocessor') or {}
+    mean, std = pre.get('mean'), pre.get('std')
     out_dir = osp.dirname(osp.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     fd, tmp = tempfile.mkstemp(suffix='.onnx.part', dir=out_dir)
     os.close(fd)
     try:
-        write_onnx(module, (h, w), tmp, opset, mita_translation_table(formulation))
+        write_onnx(module, (h, w), tmp, opset, table)
         seconds = time.perf_counter() - t0
-        max_diff, max_ref, agree, classes = check_onnx(tmp, module, (h, w), seed)
-        report = OnnxReport(out, (h, w), classes, _mita_layers(model), max_diff, max_ref,
-                            agree, list(mean) if mean else None, list(std) if std else None,
-                            bgr_to_rgb, seconds)
-        if not report.ok:
-            raise OnnxExportError(
-                f'ONNX Runtime disagrees with PyTorch beyond float32 rounding: max |ORT - '
-                f'PyTorch| = {max_diff:.3g} > {report.tolerance:.3g}, class agreement '
-                f'{100 * agree:.2f}%; nothing written to {out}')
+        result = None
+        if check != 'none':
+            result = check_onnx(tmp, module, (h, w), seed, check, table, opset)
+            if not result.ok:
+                raise OnnxExportError(f'{result.problem()}; nothing written to {out}')
         os.replace(tmp, out)
-        return report
+        return OnnxReport(out, (h, w), logits.shape[1], len(_mita_modules(model)), result,
+                          list(mean) if mean else None, list(std) if std else None,
+                          bool(pre.get('bgr_to_rgb', False)), seconds)
     finally:
         for leftover in (tmp, tmp + '.data'):
             if osp.exists(leftover):

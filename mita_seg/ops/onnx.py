@@ -22,12 +22,16 @@ maxima, as in FlashAttention. The top-k of the scores is one unsorted ``TopK`` o
 ``[B H M, N]`` rows. Measured and left out (slower in ONNX Runtime 1.32.0): a fixed
 capacity per expert (one ``[B H M, cap, d]`` MatMul with cap the largest expert's count:
 routing is uneven, so 3x the slots at N = 1025), keys and values gathered side by side, and a
-per-expert ``[M, k, d]`` copy gathered again per tile.
+per-expert ``[M, k, d]`` copy gathered again per tile; and (ONNX Runtime 1.32.0, AVX2 Zen 3)
+the router's ArgMax and max as one ``TopK(k=1)`` (slower than ArgMax + ReduceMax), items
+ranked within their experts by a cumulative sum over one-hot rows instead of a sort (the sort
+is cheap; the one-hot ops are not), and each expert's ``K^T`` gathered once and then per tile
+as whole ``[d, k]`` slices, so that the tile logits need no transposed operand (10% slower).
 
-With a relative position bias the graph forms BEiT's dense bias ``[H, N, N]`` once per layer
-(as BEiT's own attention does) and pools it with the ``[M, h*w]`` averaging matrix, instead
-of the integral image of :func:`mita_seg.ops.bias.landmark_bias` (same values up to float32
-rounding).
+With a relative position bias the graph never forms the ``[H, N, N]`` bias: the landmarks'
+mean biases are box sums of the 2-D table (an integral image in float64, as
+:func:`mita_seg.ops.bias.landmark_bias` computes them), and each routed logit's bias is read
+from the table at the index mmseg's ``relative_position_index`` would hold.
 
 ``onnxscript`` is imported only when a table is built (:func:`mita_translation_table`), so
 this module imports with torch alone.
@@ -37,13 +41,18 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .bias import RelPosBias, landmark_bias, table_size
 from .blocked import default_block_size, num_tiles
-from .bias import table_size
+from .routing import mita_routing
 
-__all__ = ['OnnxExportError', 'FORMULATIONS', 'pool_matrix', 'mita_translation_table',
-           'onnx_unsupported', 'onnx_block_size']
+__all__ = ['OnnxExportError', 'FORMULATIONS', 'TIE_RTOL', 'pool_matrix',
+           'mita_translation_table', 'onnx_unsupported', 'onnx_block_size', 'routing_ties']
 
 FORMULATIONS = ('tiles', 'gather')
+# A routing decision is a near-tie when its margin is at most this share of the largest
+# |score| (|router logit|) of its batch item and head: float32 rounding of the scores is
+# about 1e-7 of them, so two correct implementations may decide such a row either way.
+TIE_RTOL = 1e-5
 
 
 class OnnxExportError(ValueError):
@@ -82,6 +91,52 @@ def onnx_unsupported(dtype: torch.dtype, shape: Tuple[int, ...]) -> List[str]:
         why.append(f'the ONNX translation needs static shapes [B, H, N, d], got {shape}: '
                    'export with a fixed input shape (no dynamic_shapes)')
     return why
+
+
+def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],
+                 pool_size: Tuple[int, int], topk: int, router_topk: int = 1,
+                 num_prefix_tokens: int = 1, shared_scale: Optional[float] = None,
+                 bias: Optional[RelPosBias] = None, rtol: float = TIE_RTOL
+                 ) -> torch.Tensor:
+    """The queries whose routing sits at a near-tie: ``[B, H, N]`` bool.
+
+    A query's routing is its router choice (the ``r`` largest of ``G[n]``) and its experts'
+    top-k key sets (the ``k`` largest of ``S[m]``). A decision is a near-tie when the margin
+    between the last value taken and the first left out is at most ``rtol`` times the
+    largest ``|S|`` (``|G|``) of the batch item and head: there two correct float32
+    implementations (ONNX Runtime's graph, PyTorch's backends) may decide either way.
+    Every other query is routed the same way by any of them, so their outputs must agree
+    within float32 rounding.
+
+    Args:
+        q, k (Tensor): ``[B, H, N, d]``, as :func:`mita_seg.ops.mita_attention` takes them.
+        hw_shape, pool_size (tuple[int, int]), topk, router_topk, num_prefix_tokens (int),
+        shared_scale (float, optional), bias (RelPosBias, optional): the call's settings
+            (validated, ``topk <= N``).
+        rtol (float): the margin, relative to the largest score. Default: :data:`TIE_RTOL`.
+
+    Returns:
+        Tensor: ``[B, H, N]`` bool, True where the query's routing is at a near-tie.
+    """
+    N = q.shape[2]
+    lm_bias = None if bias is None else landmark_bias(bias, pool_size)
+    rt = mita_routing(q.float(), k.float(), hw_shape, pool_size, topk, router_topk,
+                      num_prefix_tokens, shared_scale, lm_bias)
+    S, G = rt.scores, rt.router                                       # [B,H,M,N], [B,H,N,M]
+
+    def close(x, taken, scale):
+        """Margin of the ``taken`` largest of each row of ``x`` <= rtol * scale."""
+        if taken >= x.shape[-1]:
+            return torch.zeros(x.shape[:-1], dtype=torch.bool, device=x.device)
+        top = x.topk(taken + 1, dim=-1).values
+        return top[..., taken - 1] - top[..., taken] <= rtol * scale
+
+    scale_s = S.abs().amax(dim=(2, 3), keepdim=True)[..., 0]           # [B, H, 1]
+    scale_g = G.abs().amax(dim=(2, 3), keepdim=True)[..., 0]
+    expert_tie = close(S, min(topk, N), scale_s)                      # [B, H, M]
+    router_tie = close(G, router_topk, scale_g)                       # [B, H, N]
+    chosen_tie = expert_tie.gather(2, rt.choice.flatten(2)).view(rt.choice.shape)
+    return router_tie | chosen_tie.any(-1)
 
 
 def _static_shape(value) -> Tuple[int, ...]:
@@ -153,6 +208,53 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         idx = op.Where(k_cls, const(T - 2), idx)
         return op.Where(op.And(q_cls, k_cls), const(T - 1), idx)
 
+    def landmark_bias_graph(table, H, Wh, Ww, Ph, Pw):
+        """``(Bq [H, M, N], Bk [H, N, M])`` of :func:`mita_seg.ops.bias.landmark_bias`: box
+        sums over the 2-D table (an integral image in float64, four reads each), never the
+        ``[H, N, N]`` bias. The corner indices are sums of two small constants, broadcast
+        in the graph (no ``M N`` constant in the file)."""
+        T = table_size((Wh, Ww))
+        t2 = op.Reshape(op.Cast(op.Slice(table, const([0]), const([T - 3]), const([1])),
+                                to=11), const([H, 2 * Wh - 1, 2 * Ww - 1]))
+        ii = op.CumSum(op.CumSum(t2, const(1)), const(2))
+        ii = op.Reshape(op.Pad(ii, const([0, 1, 1, 0, 0, 0])), const([H, -1]))  # [H, 2Wh 2Ww]
+        r0, r1 = (np.arange(Ph) * Wh) // Ph, -(-((np.arange(Ph) + 1) * Wh) // Ph)
+        c0, c1 = (np.arange(Pw) * Ww) // Pw, -(-((np.arange(Pw) + 1) * Ww) // Pw)
+        y, x = np.arange(Wh), np.arange(Ww)
+        area = ((r1 - r0)[:, None] * (c1 - c0)[None, :]).reshape(-1).astype(np.float64)
+        M = Ph * Pw
+
+        def box(a0, a1, b0, b1, shape):
+            # sums over [a0, a1) x [b0, b1) of the table's offsets; a*: rows, b*: columns
+            def read(a, b):
+                idx = op.Add(const(a * (2 * Ww)), const(b))
+                return op.Gather(ii, op.Reshape(idx, const([-1])), axis=1)
+            s = op.Add(op.Sub(op.Sub(read(a1, b1), read(a0, b1)), read(a1, b0)),
+                       read(a0, b0))
+            return op.Reshape(s, const([H] + shape))
+
+        # Bq: queries in region m (rows yi in [r0, r1)), key at (y, x): dy = yi - y.
+        bq = box((r0[:, None] - y[None] + Wh - 1).reshape(Ph, 1, Wh, 1),
+                 (r1[:, None] - y[None] + Wh - 1).reshape(Ph, 1, Wh, 1),
+                 (c0[:, None] - x[None] + Ww - 1).reshape(1, Pw, 1, Ww),
+                 (c1[:, None] - x[None] + Ww - 1).reshape(1, Pw, 1, Ww), [M, Wh * Ww])
+        bq = op.Cast(op.Div(bq, const(area.reshape(1, M, 1), np.float64)), to=1)
+        # Bk: query at (y, x), keys in region m (yj in [r0, r1)): dy = y - yj.
+        bk = box((y[:, None] - r1[None] + Wh).reshape(Wh, 1, Ph, 1),
+                 (y[:, None] - r0[None] + Wh).reshape(Wh, 1, Ph, 1),
+                 (x[:, None] - c1[None] + Ww).reshape(1, Ww, 1, Pw),
+                 (x[:, None] - c0[None] + Ww).reshape(1, Ww, 1, Pw), [Wh * Ww, M])
+        bk = op.Cast(op.Div(bk, const(area.reshape(1, 1, M), np.float64)), to=1)
+        # cls: grid queries towards the cls key use token-to-cls (T - 2); the cls query
+        # towards grid keys uses cls-to-token (T - 3).
+        to_cls = op.Slice(table, const([T - 2]), const([T - 1]), const([1]))     # [H, 1]
+        from_cls = op.Slice(table, const([T - 3]), const([T - 2]), const([1]))
+        Bq = op.Concat(op.Expand(op.Unsqueeze(to_cls, const([1])), const([H, M, 1])), bq,
+                       axis=2)                                               # [H, M, N]
+        Bk = op.Concat(op.Expand(op.Unsqueeze(from_cls, const([1])), const([H, 1, M])), bk,
+                       axis=1)                                               # [H, N, M]
+        return Bq, Bk
+
     def translation(q: FLOAT, k: FLOAT, v: FLOAT, h: int, w: int, ph: int, pw: int,
                     topk: int, router_topk: int, num_prefix_tokens: int,
                     with_shared_expert: bool, shared_scale: float, block_size: int,
@@ -166,6 +268,7 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                 'with its class tokens routed (grid_context(head).global_suffix = False)')
         B, H, N, d = _static_shape(q)
         BH, M, p, r = B * H, ph * pw, num_prefix_tokens, router_topk
+        T_bias = table_size((window_h, window_w)) if bias_table is not None else 0
         scale = d ** -0.5
         shape3 = const([BH, N, d])
         q3, k3, v3 = (op.Reshape(t, shape3) for t in (q, k, v))
@@ -186,20 +289,12 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                       op.Transpose(k3, perm=[0, 2, 1]))                     # [BH, M, N]
         G = op.MatMul(q3, op.Transpose(op.Mul(R, const(shared_scale, np.float32)),
                                        perm=[0, 2, 1]))                     # [BH, N, M]
-        dense_flat = None
+        table_flat = None
         if bias_table is not None:
-            Wh, Ww = window_h, window_w
-            t = op.Range(const(0), const(N), const(1))
-            idx = bias_index(op.Unsqueeze(t, const([1])), op.Unsqueeze(t, const([0])), Wh, Ww)
-            dense = op.Gather(bias_table, idx, axis=1)                       # [H, N, N]
-            P = const(pool_matrix((h, w), (ph, pw)), np.float32)
-            rows = op.Slice(dense, const([p]), const([p + h * w]), const([1]))
-            Bq = op.MatMul(P, rows)                                          # [H, M, N]
-            cols = op.Slice(dense, const([p]), const([p + h * w]), const([2]))
-            Bk = op.MatMul(cols, op.Transpose(P, perm=[1, 0]))               # [H, N, M]
+            Bq, Bk = landmark_bias_graph(bias_table, H, window_h, window_w, ph, pw)
             S = op.Reshape(op.Add(op.Reshape(S, const([B, H, M, N])), Bq), const([BH, M, N]))
             G = op.Reshape(op.Add(op.Reshape(G, const([B, H, N, M])), Bk), const([BH, N, M]))
-            dense_flat = op.Reshape(dense, const([-1]))                      # [H N N]
+            table_flat = op.Reshape(bias_table, const([-1]))                 # [H T]
         # one TopK over [BH M, N] rows, unsorted (the order of an expert's keys does not
         # matter; ONNX Runtime spreads 2-D TopK rows over its threads, not 3-D ones)
         _, keys = op.TopK(op.Reshape(S, const([BH * M, N])), const([topk]), axis=-1,
@@ -213,10 +308,11 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         items_e = op.Reshape(choice, const([BH, NR]))
 
         def routed_bias(qidx, kidx, rank):
-            # qidx, kidx: int64 of ``rank`` dims, broadcast to [BH, ...]: dense[head, q, k].
-            head = const((np.arange(BH) % H).reshape([BH] + [1] * (rank - 1)))
-            flat = op.Add(op.Mul(op.Add(op.Mul(head, const(N)), qidx), const(N)), kidx)
-            return op.Gather(dense_flat, flat, axis=0)
+            # qidx, kidx: int64 of ``rank`` dims, broadcast to [BH, ...]: B[head, q, k],
+            # read from the table (mmseg's relative_position_index computed, not stored).
+            head = const((np.arange(BH) % H).reshape([BH] + [1] * (rank - 1)) * T_bias)
+            idx = bias_index(qidx, kidx, window_h, window_w)
+            return op.Gather(table_flat, op.Add(head, idx), axis=0)
 
         if formulation == 'gather':
             qkeys = op.Reshape(gather_rows(keys, items_e, BH, M, [topk]),
@@ -226,7 +322,7 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             logits = op.Mul(op.MatMul(op.Unsqueeze(q3, const([2])),
                                       op.Transpose(Kq, perm=[0, 1, 3, 2])),
                             const(scale, np.float32))                        # [BH,N,1,rk]
-            if dense_flat is not None:
+            if table_flat is not None:
                 qi = op.Unsqueeze(op.Range(const(0), const(N), const(1)), const([0, 2, 3]))
                 logits = op.Add(logits, routed_bias(
                     qi, op.Reshape(qkeys, const([BH, N, 1, r * topk])), 4))
@@ -289,7 +385,7 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
         Qs = op.Reshape(gather_rows(q3, slot_query, BH, N, [d]), const([BH, -1, T, d]))
         logits = op.Mul(op.MatMul(Qs, op.Transpose(Kt, perm=[0, 1, 3, 2])),
                         const(scale, np.float32))                            # [BH,NTu,T,k]
-        if dense_flat is not None:
+        if table_flat is not None:
             logits = op.Add(logits, routed_bias(
                 op.Reshape(slot_query, const([BH, -1, T, 1])),
                 op.Reshape(tile_keys, const([BH, -1, 1, topk])), 4))
