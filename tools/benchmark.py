@@ -469,7 +469,8 @@ def model_level(args):
     print(f'# img/s of each, timed in turn (a call of each per round, the median of at least '
           f'{args.rounds} rounds); a speed-up A/B = img/s of A over B in this run; MiTA %bnd = '
           'MiTA/dense over bound/dense; N = tokens per forward; memory = peak rise (MiB, '
-          'RSS); n/a: mmseg\'s N x N weights over --max-mmcv-gib')
+          f"RSS{'' if args.memory else ': not measured, --no-memory'}); n/a: mmseg's N x N "
+          'weights over --max-mmcv-gib')
     header = (f"{'model':>16} {'image':>9} {'mode':>5} {'N':>6} {'dtype':>8} | " +
               ' '.join(f'{n:>8}' for n in names) + ' | ' +
               ' '.join(f'{s[0]:>11}' for s in speedups) + f" {'MiTA %bnd':>9} | " +
@@ -513,7 +514,7 @@ def model_level(args):
         peaks = {}
         for row in rows:
             calls = row_calls(*row)[2]
-            peaks[row] = {v: peak_memory_rise(c, dev)[1] if c else None
+            peaks[row] = {v: peak_memory_rise(c, dev)[1] if c and args.memory else None
                           for v, c in calls.items()}
         for row in rows:
             name, image, dtype = row
@@ -684,6 +685,9 @@ def parse_args():
                    '1024)')
     p.add_argument('--rounds', type=int_range(1), default=3,
                    help='model level: rounds at least (a call of each variant per round)')
+    p.add_argument('--no-memory', dest='memory', action='store_false',
+                   help='model level: skip the peak memory (two calls of each variant '
+                   'before the timing)')
     p.add_argument('--swap-head', action='store_true',
                    help='model level: swap Segmenter\'s mask head to MiTA too (default: the '
                    'encoder only, as the paper)')
