@@ -356,34 +356,15 @@ def op_bias_level(args):
                 del q, k, v, grad, table, bias, index
 
 
-class _SDPAMultiheadAttention(torch.nn.MultiheadAttention):
-    """``nn.MultiheadAttention`` called with ``need_weights=False`` (PyTorch's fused SDPA
-    path): the fast dense model's attention. A prototype until mita_seg's fast dense path
-    lands (branch fastdense)."""
-
-    def forward(self, *args, **kwargs):
-        kwargs['need_weights'] = False
-        return super().forward(*args, **kwargs)
-
-
-def fast_dense(model):
-    """Put every ``nn.MultiheadAttention`` of ``model`` (mmcv's dense attention calls it
-    with ``need_weights=True``) on the fused SDPA path, in place, same parameters."""
-    for m in model.modules():
-        if type(m) is torch.nn.MultiheadAttention:
-            m.__class__ = _SDPAMultiheadAttention
-    return model
-
-
 # The model level's columns: (label, what it is). Every one but mmseg runs the lighter
-# slide inference (SlimEncoderDecoder: the same results) and the fused SDPA path in its
-# dense attention layers.
+# slide inference and the fused SDPA path in its dense attention layers
+# (SlimEncoderDecoder with dense_attn='fast': mmseg's results to float32 rounding).
 MODEL_VARIANTS = (
     ('mmseg', 'mmseg as released (EncoderDecoder; mmcv MultiheadAttention calls '
               'nn.MultiheadAttention with need_weights=True: the N x N weights materialised)'),
-    ('dense', 'the fast dense model: the same attention on PyTorch\'s fused SDPA path '
-              '(need_weights=False) with SlimEncoderDecoder (the same results, lighter slide '
-              'inference)'),
+    ('dense', 'the fast dense model: SlimEncoderDecoder(dense_attn=\'fast\'), the same '
+              'attention on PyTorch\'s fused SDPA path (need_weights=False, '
+              'mita_seg.models.set_dense_attn) and the lighter slide inference'),
     ('MiTA', 'the fast dense model swapped to MiTA {setting}; what runs: {swapped}'),
     ('bound', 'the fast dense model with the attention mixing of those layers removed (out '
               '= v; q, k, v and output projections kept): what no attention there can beat'),
@@ -419,7 +400,7 @@ def model_level(args):
     import mita_seg.models  # noqa: F401
     from mita_seg import merge_tokens, swap_attention
     from mita_seg.analysis.bound import remove_attention_mixing
-    from mita_seg.models import MITA_DEFAULTS, current_plan
+    from mita_seg.models import MITA_DEFAULTS, current_plan, dense_attn_of
 
     init_default_scope('mmseg')
     dev = torch.device(args.device)
@@ -438,7 +419,8 @@ def model_level(args):
         state = base.state_dict()
         models = {'mmseg': base}
         for variant in names[1:]:
-            m = SEG_MODELS.build(dict(cfg.model, type='SlimEncoderDecoder')).eval().to(dev)
+            m = SEG_MODELS.build(dict(cfg.model, type='SlimEncoderDecoder',
+                                      dense_attn='fast')).eval().to(dev)
             m.load_state_dict(state)            # the same weights in each
             if variant in ('MiTA', 'bound'):
                 swap_attention(m, include_head=args.swap_head, pool_size=args.pool_size,
@@ -447,8 +429,12 @@ def model_level(args):
                 remove_attention_mixing(m)
             if variant == 'ToMe':
                 merge_tokens(m, args.merge_ratio, verbose=False)
-            models[variant] = fast_dense(m)
+            models[variant] = m
         plan = current_plan(models['MiTA']).describe(MITA_DEFAULTS)
+        paths = {v: dense_attn_of(m) for v, m in models.items()}  # what each runs
+        if paths['mmseg'] != 'mmseg' or paths['dense'] != 'fast':
+            raise RuntimeError(f'{name}: the dense attention paths are {paths}; expected '
+                               "mmseg's own for mmseg and the fast one for dense")
         return models, plan, cfg.model.test_cfg, cfg.model.backbone.get('patch_size', 16)
 
     built = {name: build(name) for name in args.models}
