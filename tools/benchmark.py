@@ -509,7 +509,7 @@ def model_level(args):
             times = dict(zip(live, interleaved_medians([calls[v] for v in live],
                                                        args.min_run_time, rounds=args.rounds,
                                                        device=dev)))
-            speed = lambda v: f'{1 / times[v]:8.3f}' if v in times else f"{'n/a':>8}"  # noqa
+            speed = lambda v: f'{1 / times[v]:8.3g}' if v in times else f"{'n/a':>8}"  # noqa
             ratio = lambda a, b: (f'{times[a] / times[b]:10.2f}x' if a in times and b in times
                                   else f"{'n/a':>11}")  # noqa
             mem = lambda v: (f'{peaks[row][v]:9.0f}' if peaks[row][v] is not None
