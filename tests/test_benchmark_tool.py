@@ -4,6 +4,7 @@ benchmark's to report, never asserted here)."""
 import re
 
 import pytest
+import torch
 
 
 def _rows(out, first):
@@ -65,3 +66,67 @@ def test_onnx_level(tools):
     rows = _rows(out, 'segmenter-vit-t')
     assert 'skipped' in ' '.join(rows[0][1]) and len(rows) == 3, out
     assert rows[1][1][1] == 'n/a' and rows[1][3] == ['n/a'], out
+
+
+def test_bound_removes_only_the_mixing(tiny_cfg):
+    # the bound of --level model: the swapped layers keep their projections, out = v
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    from mita_seg import swap_attention
+    from mita_seg.analysis.bound import NoMixingAttention, remove_attention_mixing
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(tiny_cfg.model).eval()
+    # nothing swapped: no MiTA layer to turn into the bound
+    with pytest.raises(ValueError, match='no MiTAAttention layer'):
+        remove_attention_mixing(model)
+    swap_attention(model, include_head=False, pool_size=2, topk=8, verbose=False)
+    keys = list(model.state_dict())
+    x = torch.randn(2, 1 + 8 * 8, 64)
+    with torch.no_grad():
+        attn = model.backbone.layers[0].attn
+        mita = attn(x)
+        assert remove_attention_mixing(model) == 2  # the encoder's 2 layers, not the head's
+        assert type(attn) is NoMixingAttention
+        assert type(model.decode_head.layers[0].attn) is not NoMixingAttention
+        out = attn(x)
+        w, b = attn.attn.in_proj_weight[128:], attn.attn.in_proj_bias[128:]
+        expected = x + attn.attn.out_proj(x @ w.T + b)
+        torch.testing.assert_close(out, expected)
+        assert not torch.allclose(out, mita)
+    assert list(model.state_dict()) == keys  # same parameters, same keys
+
+
+@pytest.mark.slow
+def test_model_level(tools):
+    # the four variants (and ToMe) timed in turn on a small whole image, one row per dtype;
+    # the header says what was swapped (the encoder, as the paper)
+    _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
+                   '--images', '64x80', '--dtypes', 'float32', 'bfloat16', '--pool-size', 2,
+                   '--topk', 8, '--rounds', 1, '--min-run-time', 0.01, '--merge-ratio', 0.25)
+    assert 'what runs: segmenter-vit-t: M=2x2 k=8: backbone.layers.0-11.attn; dense: ' \
+           'decode_head.layers.0-1.attn' in out, out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith('model '))
+    for name in ('dense/mmseg', 'MiTA/dense', 'bound/dense', 'MiTA/mmseg', 'ToMe/dense',
+                 'MiTA %bnd'):
+        assert name in header, header
+    rows = _rows(out, 'segmenter-vit-t')
+    assert [r[0][1:] for r in rows] == [['64x80', 'whole', '21', 'float32'],
+                                        ['64x80', 'whole', '21', 'bfloat16']], out
+    for _, speeds, ratios, mems in rows:  # model, image, mode, N, dtype | img/s | x | MiB
+        assert len(speeds) == 5 and all(float(s) > 0 for s in speeds)
+        assert len(ratios) == 6
+        for cell in ratios[:-1]:
+            _ratio(cell)
+        assert ratios[-1].endswith('%') and float(ratios[-1][:-1]) > 0
+        assert len(mems) == 5
+
+
+def test_model_level_refuses_a_bad_image_size(tools):
+    # an image smaller than one 16x16 patch, or not a size: argparse's one line, exit 2
+    for bad in ('8', 'big'):
+        code, out = tools('tools/benchmark.py', '--level', 'model', '--images', bad,
+                          check=False)
+        assert code == 2 and 'Traceback' not in out, out
+        assert f"argument --images: '{bad}': give slide, a size S or HxW of at least 16" in out

@@ -17,15 +17,24 @@ that takes it on the device (``fused_cpu`` and ``varlen`` on CPU) and SDPA with 
 call (MiTA's landmark means, SDPA's gather), and in fwd+bwd the table gets a gradient too.
 
 Model level (``--level model``): images per second and peak memory of mmseg segmenters
-(``mmseg::`` configs, random weights) at the configs' test mode (slide) or whole-image at a
-given size, four ways so MiTA's share stays visible: mmseg as released, swapped to MiTA with
-mmseg's slide inference, swapped with the lighter slide inference of
-:class:`~mita_seg.models.SlimEncoderDecoder` (the same results, bit for bit), and unswapped
-with it. The four are timed in turn, a call of each per round (a call takes seconds; timed
-one after the other, their ratios carried the host's drift). ``--dtypes bfloat16``: each
-under ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it).
-With ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) at ratio R
-with the lighter slide inference is a fifth column, timed in the same rounds.
+(``mmseg::`` configs, random weights), each ``--images`` a row (``slide``: a 512x683 image
+under the config's slide inference over 512 crops; ``S`` or ``HxW``: the whole image at
+once), four ways: ``mmseg`` as released (mmcv's attention calls ``nn.MultiheadAttention``
+with ``need_weights=True``, which materialises the N x N weights), ``dense``, the fast
+dense model a user would run instead (the same attention on PyTorch's fused SDPA path,
+``need_weights=False``, and :class:`~mita_seg.models.SlimEncoderDecoder`'s lighter slide
+inference: the same results), ``MiTA`` (the fast dense model swapped to MiTA, the encoder
+only as the paper unless ``--swap-head``; the header says which layers) and ``bound`` (the
+same layers with their attention mixing removed, ``out = v`` with the q, k, v and output
+projections kept, :mod:`mita_seg.analysis.bound`: what no attention there can beat).
+Every speed-up names its baseline (``MiTA/dense``: MiTA's img/s over the fast dense
+model's, the headline); ``MiTA %bnd`` is MiTA/dense over bound/dense. The variants are
+timed in turn, a call of each per round (a call takes seconds: timed one after the other,
+their ratios carried the host's drift). ``--dtypes bfloat16``: each under
+``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it). With
+``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) on the fast dense
+model is a fifth column. With ``--profile``, MiTA's time is split into the kernel and the
+rest of its attention (MiTA's time less the bound's).
 
 ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped, swapped to
 MiTA at each ``--onnx-settings`` (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`)
@@ -54,6 +63,7 @@ Examples::
     python tools/benchmark.py --level op
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
+    python tools/benchmark.py --level model --models segmenter-vit-b --images 1024 2048
     python tools/benchmark.py --level model --models segmenter-vit-t --merge-ratio 0.3
     python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
@@ -97,17 +107,12 @@ def merge_ratio(text):
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
-# name -> (config, test size or None for the config's own test mode)
+# name -> config (every one with 16x16 patches)
 MODELS = {
-    'segmenter-vit-t': ('mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py',
-                        None),
-    'segmenter-vit-b': ('mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py',
-                        None),
-    'segmenter-vit-b-1024': (
-        'mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py', (1024, 1024)),
-    'segmenter-vit-b-2048': (
-        'mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py', (2048, 2048)),
-    'upernet-vit-b': ('mmseg::vit/vit_vit-b16_mln_upernet_8xb2-160k_ade20k-512x512.py', None),
+    'segmenter-vit-t': 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py',
+    'segmenter-vit-s': 'mmseg::segmenter/segmenter_vit-s_mask_8xb1-160k_ade20k-512x512.py',
+    'segmenter-vit-b': 'mmseg::segmenter/segmenter_vit-b_mask_8xb1-160k_ade20k-512x512.py',
+    'upernet-vit-b': 'mmseg::vit/vit_vit-b16_mln_upernet_8xb2-160k_ade20k-512x512.py',
 }
 
 
@@ -353,16 +358,42 @@ def op_bias_level(args):
                 del q, k, v, grad, table, bias, index
 
 
-# the model level's columns: (label, swapped to MiTA, segmentor type)
+# The model level's columns: (label, what it is). Every one but mmseg runs the lighter
+# slide inference and the fused SDPA path in its dense attention layers
+# (SlimEncoderDecoder with dense_attn='fast': mmseg's results to float32 rounding).
 MODEL_VARIANTS = (
-    ('base', False, 'EncoderDecoder'),            # mmseg as released
-    ('MiTA', True, 'EncoderDecoder'),             # swapped, mmseg's slide inference
-    ('MiTA+slim', True, 'SlimEncoderDecoder'),    # swapped, the lighter slide inference
-    ('base+slim', False, 'SlimEncoderDecoder'),   # unswapped, the lighter slide inference
+    ('mmseg', 'mmseg as released (EncoderDecoder; mmcv MultiheadAttention calls '
+              'nn.MultiheadAttention with need_weights=True: the N x N weights materialised)'),
+    ('dense', 'the fast dense model: SlimEncoderDecoder(dense_attn=\'fast\'), the same '
+              'attention on PyTorch\'s fused SDPA path (need_weights=False, '
+              'mita_seg.models.set_dense_attn) and the lighter slide inference'),
+    ('MiTA', 'the fast dense model swapped to MiTA {setting}; what runs: {swapped}'),
+    ('bound', 'the fast dense model with the attention mixing of those layers removed (out '
+              '= v; q, k, v and output projections kept): what no attention there can beat'),
 )
+# image label -> (h, w, test mode): slide over the config's 512 crops of an ADE20K-like
+# image, or the whole image
+SLIDE_IMAGE = (512, 683)
+
+
+def image_size(text):
+    """An argparse ``type`` for ``--images``: ``slide`` (a 512x683 image, the config's 512
+    crops slid over it), ``S`` or ``HxW`` (the whole image at once)."""
+    if text == 'slide':
+        return text
+    try:
+        h, w = (int(t) for t in (text.split('x') if 'x' in text else (text, text)))
+    except ValueError:
+        h = w = 0
+    if h < 16 or w < 16:
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give slide, a size S or HxW of at least 16 (one 16x16 patch), '
+            'e.g. 1024 or 512x683')
+    return f'{h}x{w}'
 
 
 def model_level(args):
+    from mmengine.config import ConfigDict
     from mmengine.hub import get_config
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS as SEG_MODELS
@@ -370,85 +401,134 @@ def model_level(args):
 
     import mita_seg.models  # noqa: F401
     from mita_seg import merge_tokens, swap_attention
+    from mita_seg.analysis.bound import remove_attention_mixing
+    from mita_seg.models import MITA_DEFAULTS, current_plan, dense_attn_of
 
     init_default_scope('mmseg')
     dev = torch.device(args.device)
-    where = describe(dev)
-    variants = MODEL_VARIANTS + ((('ToMe+slim', False, 'SlimEncoderDecoder'), )
-                                 if args.merge_ratio is not None else ())
-    names = [v[0] for v in variants]
-    print(f'# model level: random weights, batch 1, eval, no_grad; {dev.type} ({where}); '
-          'base = mmseg as released (mmcv MultiheadAttention, EncoderDecoder); MiTA = '
-          'swapped to MiTA; +slim = SlimEncoderDecoder (same results, lighter slide '
-          "inference); bfloat16/float16 = the model's float32 weights under torch.autocast")
-    print('# img/s of each, timed in turn; speed-up = img/s over base in this run; memory = '
-          'peak rise (MiB)')
-    header = (f"{'model':>22} {'image':>10} {'mode':>6} {'dtype':>8} | " +
-              ' '.join(f'{n:>9}' for n in names) + ' | ' +
-              ' '.join(f'{n:>9}' for n in names[1:]) + ' | ' +
-              ' '.join(f'{n:>9}' for n in names))
-    if args.merge_ratio is not None:  # token merging (ToMe) at --merge-ratio, same rounds
-        print(f'# ToMe+slim = tokens merged at ratio {args.merge_ratio:g} before each attention '
-              'and MLP of the ViT layers (mita_seg.merge_tokens), SlimEncoderDecoder')
-    print(header)
-    print('-' * len(header))
+    names = [v[0] for v in MODEL_VARIANTS] + (['ToMe'] if args.merge_ratio is not None else [])
+    speedups = [('dense/mmseg', 'mmseg', 'dense'), ('MiTA/dense', 'dense', 'MiTA'),
+                ('bound/dense', 'dense', 'bound'), ('MiTA/mmseg', 'mmseg', 'MiTA')] + (
+        [('ToMe/dense', 'dense', 'ToMe')] if args.merge_ratio is not None else [])
 
-    def build(name):  # (mode, image size, {variant: one predict call})
-        cfg_path, size = MODELS[name]
-        cfg = get_config(cfg_path)
+    def build(name):  # {variant: model}, the swap plan in words
+        cfg = get_config(MODELS[name])
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.pop('data_preprocessor', None)
-        if size is not None:
-            cfg.model.test_cfg = dict(mode='whole')
-        h, w = size or (512, 683)  # an ADE20K-like image: slide over 512 crops
         torch.manual_seed(0)
-        model = SEG_MODELS.build(cfg.model).eval().to(dev)
-        img = torch.randn(1, 3, h, w, device=dev)
+        base = SEG_MODELS.build(cfg.model).eval().to(dev)
+        state = base.state_dict()
+        models = {'mmseg': base}
+        for variant in names[1:]:
+            m = SEG_MODELS.build(dict(cfg.model, type='SlimEncoderDecoder',
+                                      dense_attn='fast')).eval().to(dev)
+            m.load_state_dict(state)            # the same weights in each
+            if variant in ('MiTA', 'bound'):
+                swap_attention(m, include_head=args.swap_head, pool_size=args.pool_size,
+                               topk=args.topk, verbose=False)
+            if variant == 'bound':
+                remove_attention_mixing(m)
+            if variant == 'ToMe':
+                merge_tokens(m, args.merge_ratio, verbose=False)
+            models[variant] = m
+        plan = current_plan(models['MiTA']).describe(MITA_DEFAULTS)
+        paths = {v: dense_attn_of(m) for v, m in models.items()}  # what each runs
+        if paths['mmseg'] != 'mmseg' or paths['dense'] != 'fast':
+            raise RuntimeError(f'{name}: the dense attention paths are {paths}; expected '
+                               "mmseg's own for mmseg and the fast one for dense")
+        return models, plan, cfg.model.test_cfg, cfg.model.backbone.get('patch_size', 16)
+
+    built = {name: build(name) for name in args.models}
+    threads = describe(dev)
+    print(f'# model level: random weights, batch 1, eval, no_grad; {dev.type} ({threads}); '
+          f'torch {torch.__version__}; bfloat16 = the float32 model under torch.autocast')
+    for label, what in MODEL_VARIANTS:
+        if label == 'MiTA':
+            what = what.format(swapped='; '.join(
+                f'{name}: {plan}' for name, (_, plan, *_) in built.items()),
+                setting=f'(pool {args.pool_size}x{args.pool_size}, k={args.topk}), '
+                + ('the mask head too (--swap-head)' if args.swap_head else
+                   'the encoder only as the paper (--swap-head: the mask head too)'))
+        print(f'# {label} = {what}')
+    if args.merge_ratio is not None:
+        print(f'# ToMe = the fast dense model with tokens merged at ratio {args.merge_ratio:g} '
+              'before each attention and MLP of the ViT layers (mita_seg.merge_tokens)')
+    print(f'# img/s of each, timed in turn (a call of each per round, the median of at least '
+          f'{args.rounds} rounds); a speed-up A/B = img/s of A over B in this run; MiTA %bnd = '
+          'MiTA/dense over bound/dense; N = tokens per forward; memory = peak rise (MiB, '
+          f"RSS{'' if args.memory else ': not measured, --no-memory'}); n/a: mmseg's N x N "
+          'weights over --max-mmcv-gib')
+    header = (f"{'model':>16} {'image':>9} {'mode':>5} {'N':>6} {'dtype':>8} | " +
+              ' '.join(f'{n:>8}' for n in names) + ' | ' +
+              ' '.join(f'{s[0]:>11}' for s in speedups) + f" {'MiTA %bnd':>9} | " +
+              ' '.join(f'{n + " MiB":>9}' for n in names))
+    print(header)
+    print('-' * len(header), flush=True)
+
+    def row_calls(name, image, dtype):  # (mode, N, {variant: one predict call})
+        models, _, test_cfg, patch = built[name]
+        if image == 'slide':
+            (h, w), cfg = SLIDE_IMAGE, test_cfg
+            crop = test_cfg.get('crop_size', (512, 512))
+            n = 1 + -(-crop[0] // patch) * -(-crop[1] // patch)
+        else:
+            h, w = (int(t) for t in image.split('x'))
+            cfg = ConfigDict(mode='whole')
+            n = 1 + -(-h // patch) * -(-w // patch)
+        g = torch.Generator().manual_seed(0)
+        img = torch.randn(1, 3, h, w, generator=g).to(dev)
         meta = [SegDataSample(metainfo=dict(img_shape=(h, w), ori_shape=(h, w),
                                             pad_shape=(h, w)))]
-        runs = {}
-        for variant, swap, kind in variants:
-            m = SEG_MODELS.build(dict(cfg.model, type=kind)).eval().to(dev)
-            m.load_state_dict(model.state_dict())     # the same weights in each
-            if swap:
-                swap_attention(m, pool_size=args.pool_size, topk=args.topk, verbose=False)
-            if variant.startswith('ToMe'):
-                merge_tokens(m, args.merge_ratio, verbose=False)
-            runs[variant] = lambda m=m: m.predict(img, meta)
-        return cfg.model.test_cfg.get('mode', 'whole'), (h, w), runs
-
-    def autocast(dtype, fn):  # the call under autocast, as one serving in that dtype runs it
         dt = getattr(torch, dtype)
+        heads = models['mmseg'].backbone.layers[0].attn.num_heads
+        calls = {}
+        for variant, m in models.items():
+            if variant == 'mmseg' and 2 * heads * n * n * 4 > args.max_mmcv_gib * 2**30:
+                calls[variant] = None
+                continue
 
-        def run():
-            with torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32):
-                return fn()
-        return run
+            def run(m=m):
+                m.test_cfg = cfg
+                with torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32):
+                    return m.predict(img, meta)
+            calls[variant] = run
+        return cfg.get('mode', 'whole'), n, calls
 
-    models = {name: build(name) for name in args.models}
-    rows = [(name, dtype) for name in models for dtype in args.model_dtypes]
+    rows = [(name, image, dtype) for name in args.models for image in args.images
+            for dtype in args.model_dtypes]
     with torch.no_grad():
         # memory first, every row, before any timing (see op_level)
-        peaks = {row: {v: peak_memory_rise(autocast(row[1], run), dev)[1]
-                       for v, run in models[row[0]][2].items()} for row in rows}
-        for name, dtype in rows:
-            mode, (h, w), runs = models[name]
-            runs = {v: autocast(dtype, run) for v, run in runs.items()}
-            mems = peaks[(name, dtype)]
-            times = dict(zip(runs, interleaved_medians(list(runs.values()),
-                                                       args.min_run_time, device=dev)))
-            mem = lambda v: f'{mems[v]:9.0f}' if mems[v] is not None else f"{'n/a':>9}"  # noqa
-            print(f"{name:>22} {f'{h}x{w}':>10} {mode:>6} {dtype:>8} | " +
-                  ' '.join(f'{1 / times[v]:9.3f}' for v in names) + ' | ' +
-                  ' '.join(f"{times['base'] / times[v]:8.2f}x" for v in names[1:]) +
-                  ' | ' + ' '.join(mem(v) for v in names), flush=True)
+        peaks = {}
+        for row in rows:
+            calls = row_calls(*row)[2]
+            peaks[row] = {v: peak_memory_rise(c, dev)[1] if c and args.memory else None
+                          for v, c in calls.items()}
+        for row in rows:
+            name, image, dtype = row
+            mode, n, calls = row_calls(*row)
+            live = [v for v in names if calls[v]]
+            times = dict(zip(live, interleaved_medians([calls[v] for v in live],
+                                                       args.min_run_time, rounds=args.rounds,
+                                                       device=dev)))
+            speed = lambda v: f'{1 / times[v]:8.3g}' if v in times else f"{'n/a':>8}"  # noqa
+            ratio = lambda a, b: (f'{times[a] / times[b]:10.2f}x' if a in times and b in times
+                                  else f"{'n/a':>11}")  # noqa
+            mem = lambda v: (f'{peaks[row][v]:9.0f}' if peaks[row][v] is not None
+                             else f"{'n/a':>9}")  # noqa
+            print(f'{name:>16} {image:>9} {mode:>5} {n:>6} {dtype:>8} | ' +
+                  ' '.join(speed(v) for v in names) + ' | ' +
+                  ' '.join(ratio(a, b) for _, a, b in speedups) +
+                  f" {100 * times['bound'] / times['MiTA']:8.0f}% | " +
+                  ' '.join(mem(v) for v in names), flush=True)
             if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
-                mita = times['MiTA+slim']
-                kernel = sum(profiled(runs['MiTA+slim'], reps=2)[1].values())
-                print(f'#   MiTA+slim {mita:.2f} s per image, {kernel:.2f} s of it in the '
-                      f'kernel ({100 * kernel / mita:.0f}%); with the kernel free the speed-up '
-                      f"would be {times['base'] / (mita - kernel):.2f}x", flush=True)
+                mita, bound = times['MiTA'], times['bound']
+                kernel = sum(profiled(calls['MiTA'], reps=2)[1].values())
+                print(f'#   MiTA {mita:.3f} s per image, bound {bound:.3f} s: MiTA\'s '
+                      f'attention {mita - bound:.3f} s, of it {kernel:.3f} s in the kernel and '
+                      f'{mita - bound - kernel:.3f} s outside it (projections excluded); with '
+                      f"the kernel free MiTA/dense would be {times['dense'] / (mita - kernel):.2f}"
+                      'x', flush=True)
 
 
 def no_mixing_table():
@@ -500,7 +580,7 @@ def onnx_level(args):
     print('-' * len(header))
     tmp = tempfile.mkdtemp(prefix='mita-onnx-bench-')
     for name in args.models:
-        cfg = get_config(MODELS[name][0])
+        cfg = get_config(MODELS[name])
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.test_cfg = dict(mode='whole')
@@ -607,6 +687,19 @@ def parse_args():
                    'at this ratio of the grid tokens, in [0, 0.5]')
     p.add_argument('--models', nargs='+', default=['segmenter-vit-t', 'segmenter-vit-b',
                                                    'upernet-vit-b'], choices=list(MODELS))
+    p.add_argument('--images', type=image_size, nargs='+', default=['slide', '1024'],
+                   metavar='slide|S|HxW',
+                   help='model level: slide (a 512x683 image, the config\'s 512 crops slid '
+                   'over it) or a whole image of S x S / H x W, each a row (default: slide '
+                   '1024)')
+    p.add_argument('--rounds', type=int_range(1), default=3,
+                   help='model level: rounds at least (a call of each variant per round)')
+    p.add_argument('--no-memory', dest='memory', action='store_false',
+                   help='model level: skip the peak memory (two calls of each variant '
+                   'before the timing)')
+    p.add_argument('--swap-head', action='store_true',
+                   help='model level: swap Segmenter\'s mask head to MiTA too (default: the '
+                   'encoder only, as the paper)')
     p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
     p.add_argument('--onnx-settings', type=setting_arg, nargs='+', default=None,
@@ -628,7 +721,8 @@ def parse_args():
                    help='--level onnx: skip the softmax file where its H x N x N attention '
                    'weights exceed this (GiB)')
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
-                   help='skip the mmcv path where its N x N weights exceed this')
+                   help='skip the mmcv path (mmseg as released at the model level) where its '
+                   'N x N weights exceed this many GiB')
     args = p.parse_args()
     if args.level == 'onnx':        # every model of MODELS has 16x16 patches
         side = min(args.onnx_sizes) // 16
