@@ -1,9 +1,10 @@
 """``torch.compile`` of swapped models: one graph, no graph break (the MiTA operator is a
 ``torch.library`` custom op with fake implementations, forward and backward, so it needs
-none either), the same results as eager; and MMEngine's ``compile=True`` trains a MiTA
-config. Inductor's C++ compile takes minutes on a loaded 2-core host: those tests are
-``slow``; the graph-break counts and the training graph (``aot_eager``: aot_autograd, the
-custom ops' fakes and backward, without the C++ compile) run in the fast subset."""
+none either), the same results as eager; and MMEngine's ``compile`` trains a MiTA config
+(:class:`~mita_seg.engine.PlainParamGroupsHook`). Inductor's C++ compile takes minutes on a
+loaded 2-core host: those tests are ``slow``; the graph-break counts and the training graph
+(``aot_eager``: aot_autograd, the custom ops' fakes and backward, without the C++ compile)
+run in the fast subset."""
 import os.path as osp
 
 import pytest
@@ -96,31 +97,71 @@ def test_inductor_equals_eager():
     assert torch.equal(got.argmax(1), want.argmax(1))
 
 
+def test_plain_param_groups():
+    """mmengine's optimizer constructor (``paramwise_cfg``) leaves ``ConfigDict`` param
+    groups, on which a compiled AdamW step fails in Dynamo; after
+    :class:`PlainParamGroupsHook` they are plain dicts of the same items, and it compiles.
+    :func:`use_plain_param_groups` adds the hook (once) to a config that compiles only."""
+    from types import SimpleNamespace
+
+    from mmengine.config import Config, ConfigDict
+    from mmengine.optim import DefaultOptimWrapperConstructor
+
+    from mita_seg.engine import PlainParamGroupsHook, use_plain_param_groups
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    wrapper = DefaultOptimWrapperConstructor(  # as the Runner builds it: from a ConfigDict
+        ConfigDict(optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.01)),
+        dict(custom_keys={'1': dict(decay_mult=0.)}))(model)
+    groups = wrapper.optimizer.param_groups
+    assert {type(g).__name__ for g in groups} == {'ConfigDict'}
+    want = [dict(g) for g in groups]
+
+    @torch.compile(backend='eager')
+    def step():
+        model(torch.ones(1, 3)).square().sum().backward()
+        wrapper.optimizer.step()
+
+    with pytest.raises(Exception, match='UserDefinedDictVariable'):   # torch 2.13
+        step()
+    PlainParamGroupsHook().before_train(SimpleNamespace(optim_wrapper=wrapper))
+    assert wrapper.optimizer.param_groups is groups and {type(g) for g in groups} == {dict}
+    assert groups == want and groups[3]['weight_decay'] == 0.0
+    dynamo.reset()
+    step()
+
+    for compile_cfg, hooks in ((None, 0), (False, 0), (True, 1), (dict(), 1)):
+        cfg = Config(dict(compile=compile_cfg, custom_hooks=[dict(type='EMAHook')]))
+        use_plain_param_groups(cfg)
+        use_plain_param_groups(cfg)
+        assert [h['type'] for h in cfg.custom_hooks] == ['EMAHook'] + [
+            'PlainParamGroupsHook'] * hooks
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    'torch 2.13 + mmengine 0.10.7: Dynamo fails inside torch.optim.AdamW.step, which '
-    "mmengine's compiled train_step includes (InternalTorchDynamoError: "
-    "'UserDefinedDictVariable' object has no attribute 'items' at adam.py "
-    '`for group in self.param_groups`); not in mita_seg\'s modules'))
 def test_mmengine_compile_trains(tiny_data, tmp_path, tools):
-    """MMEngine's ``compile=True`` (inductor on the Runner's ``train_step``) trains the tiny
-    MiTA UperNet config 2 iterations; the losses are finite."""
+    """MMEngine's ``compile`` (the Runner's whole ``train_step``, AdamW's step included,
+    whose ``ConfigDict`` param groups Dynamo failed on before ``PlainParamGroupsHook``)
+    trains the tiny MiTA UperNet config 2 iterations, with eager's losses. ``aot_eager``:
+    Dynamo and aot_autograd without inductor's C++ compile (minutes per iteration on 2
+    cores; ``tools/train.py --cfg-options compile=True`` runs it, see docs/training.md)."""
     opts = {}
     for opt in tools.data_options(tiny_data):
         key, value = opt.split('=', 1)
         opts[key] = False if value == 'False' else (int(value) if value.isdigit() else value)
-    cfg = load_config(TINY_UPERNET, dict(opts, **{'train_cfg.max_iters': 2,
-                                                  'train_cfg.val_interval': 100,
-                                                  'default_hooks.checkpoint.interval': 100,
-                                                  'default_hooks.logger.interval': 1}),
-                      str(tmp_path / 'work'))
-    cfg.compile = True
-    prepare_config(cfg)
-    runner = build_runner(cfg)
-    assert isinstance(runner.model.backbone.layers[0].attn, MiTAAttention)
-    runner.train()
-    assert runner.iter == 2
-    scalars = runner.message_hub.log_scalars
-    loss = scalars['train/loss'].current()
-    assert torch.isfinite(torch.tensor(loss)), loss
-    assert 'train_step' in vars(runner.model)    # the compiled one, set by the Runner
+    opts.update({'train_cfg.max_iters': 2, 'train_cfg.val_interval': 100,
+                 'default_hooks.checkpoint.interval': 100, 'default_hooks.logger.interval': 1,
+                 'train_dataloader.batch_size': 2})
+    losses = []
+    for compile_cfg in (None, dict(backend='aot_eager')):
+        dynamo.reset()
+        cfg = load_config(TINY_UPERNET, opts, str(tmp_path / f'work{len(losses)}'))
+        cfg.compile = compile_cfg
+        prepare_config(cfg)
+        runner = build_runner(cfg)
+        assert isinstance(runner.model.backbone.layers[0].attn, MiTAAttention)
+        runner.train()
+        assert runner.iter == 2
+        assert ('train_step' in vars(runner.model)) == (compile_cfg is not None)  # compiled
+        losses.append(torch.tensor(runner.message_hub.log_scalars['train/loss'].data[0]))
+    assert losses[0].shape == (2, ) and torch.isfinite(losses[0]).all(), losses[0]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ from typing import Optional
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from mita_seg.engine import use_amp, use_safe_checkpoint
+from mita_seg.engine import use_amp, use_plain_param_groups, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
 from mita_seg.utils.cli import InputError, is_stack_noise
@@ -83,6 +83,7 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
     if amp:
         use_amp(cfg)
     use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
+    use_plain_param_groups(cfg)  # compile=True: param groups Dynamo can trace
     use_slim_inference(cfg)   # mmseg's results, lighter slide inference (unless told not to),
     #                           the dense attention path (dense_attn, 'fast' by default)
     setup_cpu_distributed(cfg, launcher)
