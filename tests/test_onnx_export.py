@@ -15,6 +15,7 @@ import onnxruntime as ort
 
 from mita_seg.ops import Inputs, RelPosBias, mita_attention, mita_attention_reference
 from mita_seg.ops.bias import table_size
+from mita_seg.ops.global_tokens import with_global_tokens
 from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table,
                                onnx_unsupported, pool_matrix, routing_ties)
 
@@ -29,15 +30,18 @@ class MiTACall(torch.nn.Module):
     """One MiTA operator call with fixed settings (the relative position bias table is a
     parameter, as in BEiT)."""
 
-    def __init__(self, hw, pool, topk, router_topk=1, prefix=1, shared=True, table=None):
+    def __init__(self, hw, pool, topk, router_topk=1, prefix=1, shared=True, table=None,
+                 global_tokens=(0, 0)):
         super().__init__()
         self.settings = (hw, pool, topk, router_topk, prefix, shared)
         self.table = None if table is None else torch.nn.Parameter(table)
+        self.global_tokens = global_tokens
 
     def forward(self, q, k, v):
         hw, pool, topk, r, p, shared = self.settings
         bias = None if self.table is None else RelPosBias(self.table, hw)
-        return mita_attention(q, k, v, hw, pool, topk, r, p, shared, rel_pos_bias=bias)
+        return mita_attention(q, k, v, hw, pool, topk, r, p, shared, rel_pos_bias=bias,
+                              global_tokens=self.global_tokens)
 
 
 def run_in_ort(module, inputs, path, formulation='tiles', tile_size=None):
@@ -93,6 +97,58 @@ def test_translation_matches_reference(case, formulation, tmp_path):
     out = run_in_ort(MiTACall(hw, pool, topk, r, p, shared, table), (q, k, v),
                      tmp_path / 'mita.onnx', formulation)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+# id: (B, H, d, hw, prefix, suffix, pool, topk, router_topk, shared, global (prefix, suffix))
+GLOBAL_CASES = {
+    # Segmenter's head: class embeddings after the grid, global; no prefix
+    'global-suffix': (2, 3, 8, (5, 7), 0, 6, (2, 3), 6, 1, True, (0, 6)),
+    # ViT's cls global, routed suffix tokens beside it; a pool not dividing the grid
+    'global-cls': (2, 2, 16, (9, 11), 1, 3, (4, 3), 10, 1, True, (1, 0)),
+    'global-both-top2': (2, 2, 8, (6, 5), 2, 4, (2, 3), 7, 2, True, (1, 4)),
+    'global-route-only': (1, 2, 7, (4, 6), 1, 5, (2, 2), 5, 1, False, (1, 2)),
+    'global-top3-route-only': (3, 2, 8, (6, 6), 0, 2, (3, 3), 5, 3, False, (0, 2)),
+    'global-grid-equal-to-pool': (2, 2, 8, (3, 2), 1, 5, (3, 2), 4, 1, True, (1, 5)),
+}
+
+
+@pytest.mark.parametrize('case,formulation',
+                         [(c, 'tiles') for c in GLOBAL_CASES] +
+                         [(c, 'gather') for c in ('global-suffix', 'global-both-top2',
+                                                  'global-route-only')])
+def test_translation_with_global_tokens(case, formulation, tmp_path):
+    # global tokens: the other tokens' MiTA with the global keys lse-merged, the global
+    # queries' dense attention, concatenated in token order, against PyTorch's reference
+    B, H, d, hw, p, s, pool, topk, r, shared, glob = GLOBAL_CASES[case]
+    q, k, v, _ = case_inputs(B, H, d, hw, p, s, False, seed=4)
+    ref = with_global_tokens(Inputs(q, k, v, hw, pool, topk, r, p, shared, None, None,
+                                    None, glob), mita_attention_reference)
+    out = run_in_ort(MiTACall(hw, pool, topk, r, p, shared, global_tokens=glob), (q, k, v),
+                     tmp_path / 'mita.onnx', formulation)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_global_tokens_route_only_all_keys_is_softmax_attention(tmp_path):
+    # a dense oracle outside the operator's code: route-only with k >= N - T, so every
+    # query reads every other key, and the global keys exactly: softmax attention
+    q, k, v, _ = case_inputs(2, 2, 8, (5, 6), 1, 4, False, seed=5)
+    N = q.shape[2]
+    out = run_in_ort(MiTACall((5, 6), (2, 3), N - 5, shared=False, global_tokens=(1, 4)),
+                     (q, k, v), tmp_path / 'm.onnx')
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_routing_ties_global_rows_are_never_ties():
+    # the global rows are not routed; the other rows' routing is that of the other tokens
+    q, k, v, _ = case_inputs(2, 2, 8, (4, 5), 1, 3, False, seed=6)
+    ties = routing_ties(q, k, (4, 5), (2, 2), 5, 1, 1, None, None, rtol=1.0,
+                        global_tokens=(1, 3))
+    assert ties.shape == q.shape[:3] and ties.dtype == torch.bool
+    assert not ties[:, :, :1].any() and not ties[:, :, -3:].any()
+    inner = routing_ties(q[:, :, 1:-3], k[:, :, 1:-3], (4, 5), (2, 2), 5, 1, 0, None, None,
+                         rtol=1.0)
+    assert torch.equal(ties[:, :, 1:-3], inner) and inner.any()
 
 
 @pytest.mark.parametrize('tile_size', [1, 4, 64])
@@ -235,9 +291,12 @@ def ort_vs_pytorch(path, config, ckpt, shape, mita_cfg=None, seed=5):
 @pytest.mark.parametrize('which,args,mita_cfg,mita_layers', [
     ('segmenter', ['--swap-attn', 'mita', '--mita-cfg', 'pool_size=3', 'topk=12'],
      dict(pool_size=3, topk=12), 4),       # the encoder's (the paper's swap)
+    ('segmenter', ['--swap-attn', 'mita', '--mita-cfg', 'pool_size=3', 'topk=12',
+                   'include_head=True'],
+     dict(pool_size=3, topk=12, include_head=True), 6),  # + the head's, class tokens global
     ('segmenter', [], None, 0),
     ('upernet', [], None, 4),
-], ids=['swapped', 'unswapped', 'mita-trained'])
+], ids=['swapped', 'swapped-with-head', 'unswapped', 'mita-trained'])
 def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools, tmp_path):
     config = {'segmenter': TINY_SEGMENTER, 'upernet': TINY_UPERNET}[which]
     out_file = tmp_path / 'model.onnx'
@@ -253,6 +312,22 @@ def test_export_onnx_tool(which, args, mita_cfg, mita_layers, tiny_ckpts, tools,
     got, ref = ort_vs_pytorch(str(out_file), config, tiny_ckpts[which], (128, 128), mita_cfg)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.slow
+def test_export_onnx_head_calls_have_global_tokens(tiny_ckpts):
+    # the with-head export above checks calls with global tokens: the head's two layers
+    # carry its 150 class embeddings as global suffix tokens, the encoder's none
+    from mita_seg.apis import init_model
+    from mita_seg.apis.onnx_export import SegLogits, _MiTACalls
+    model = SegLogits(init_model(TINY_SEGMENTER, tiny_ckpts['segmenter'],
+                                 mita_cfg=dict(pool_size=3, topk=12, include_head=True)),
+                      (128, 128)).eval()
+    calls = []
+    with torch.no_grad(), _MiTACalls(model, lambda name, args, out: calls.append(
+            (name.split('.')[1], args['global_prefix'], args['global_suffix']))):
+        model(torch.randn(1, 3, 128, 128))
+    assert sorted(set(calls)) == [('backbone', 0, 0), ('decode_head', 0, 150)], calls
 
 
 @pytest.mark.slow
@@ -352,6 +427,27 @@ def test_export_onnx_wrong_translation_is_caught(factor, tiny_ckpts, tmp_path):
     with pytest.raises(OnnxExportError, match='wrong graph, not a flipped near-tie'):
         export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out),
                     mita_cfg=dict(pool_size=3, topk=12), table=wrong_table(factor))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_export_onnx_global_tokens_routed_is_caught(tiny_ckpts, tmp_path):
+    # a translation that routes the head's class tokens instead of treating them as global
+    # (the translation before global tokens, silently): the per-call check catches it
+    from mita_seg.apis import export_onnx
+    (key, right), = mita_translation_table().items()
+
+    @functools.wraps(right)
+    def routed(*args, **kwargs):
+        args = args[:17]
+        kwargs.update(global_prefix=0, global_suffix=0)
+        return right(*args, **kwargs)
+
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError, match='wrong graph, not a flipped near-tie'):
+        export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out),
+                    mita_cfg=dict(pool_size=3, topk=12, include_head=True),
+                    table={key: routed})
     assert os.listdir(tmp_path) == []
 
 

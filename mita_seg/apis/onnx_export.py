@@ -21,10 +21,11 @@ backends differ end to end as much as ONNX Runtime does. The default check
 each MiTA call of the model runs again in ONNX Runtime (the translation of that one node, on
 the call's own ``q, k, v``) and must agree with PyTorch within float32 rounding on every query
 whose routing is decided by more than float32 rounding; the queries at near-ties are counted
-(:func:`mita_seg.ops.onnx.routing_ties`), and those that differ are reported as flipped. End to
-end, ORT's logits are reported beside the model's own noise floor (PyTorch's backend against
-another backend on the same input), and must be within float32 rounding unless a near-tie
-explains the difference. ``check='strict'``: end to end within float32 rounding (the model
+(:func:`mita_seg.ops.onnx.routing_ties`), and those that differ are reported as flipped (a
+call's global tokens are not routed: their rows must always agree). End to end, ORT's logits
+are reported beside the model's own noise floor (PyTorch's backend against another backend
+on the same input), and must be within float32 rounding unless a near-tie explains the
+difference. ``check='strict'``: end to end within float32 rounding (the model
 without near-ties); ``'none'``: no check.
 """
 import contextlib
@@ -415,7 +416,8 @@ def _check_layers(module: nn.Module, img: torch.Tensor, table: dict, opset: int,
             args['bias_table'], (args['window_h'], args['window_w']))
         ties = routing_ties(args['q'], args['k'], (args['h'], args['w']),
                             (args['ph'], args['pw']), args['topk'], args['router_topk'],
-                            args['num_prefix_tokens'], args['shared_scale'], bias)
+                            args['num_prefix_tokens'], args['shared_scale'], bias,
+                            global_tokens=(args['global_prefix'], args['global_suffix']))
         checks.append(compare_layer(name, out, ref, ties))
         backends.add(args['backend'])
 

@@ -7,8 +7,10 @@ Runtime, OpenVINO and TensorRT read it as it is. It computes what
 :func:`mita_seg.ops.mita_attention_reference` computes: the same landmarks (adaptive average
 pooling as constant averaging matrices, rows then columns), scores, top-k experts and router
 choices (ONNX ``TopK`` / ``ArgMax`` on the same float32 logits: the same keys and experts,
-barring exact ties), the shared expert, route-only, router top-r, cls / suffix tokens, and
-BEiT's relative position bias.
+barring exact ties), the shared expert, route-only, router top-r, cls / suffix tokens,
+BEiT's relative position bias, and global tokens (:mod:`mita_seg.ops.global_tokens`: sliced
+off, their keys' logits merged into the other queries' softmax on its maximum, their
+queries' dense ``MatMul-Softmax-MatMul`` over all ``N`` keys, concatenated in token order).
 
 The routed part is laid out as the blocked backend lays it out
 (:mod:`mita_seg.ops.blocked`): each (query, choice) item goes to a slot of a tile of ``T``
@@ -43,6 +45,7 @@ import torch
 
 from .bias import RelPosBias, landmark_bias, table_size
 from .blocked import default_block_size, num_tiles
+from .global_tokens import split_tokens
 from .routing import mita_routing
 
 __all__ = ['OnnxExportError', 'FORMULATIONS', 'TIE_RTOL', 'pool_matrix',
@@ -96,8 +99,8 @@ def onnx_unsupported(dtype: torch.dtype, shape: Tuple[int, ...]) -> List[str]:
 def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],
                  pool_size: Tuple[int, int], topk: int, router_topk: int = 1,
                  num_prefix_tokens: int = 1, shared_scale: Optional[float] = None,
-                 bias: Optional[RelPosBias] = None, rtol: float = TIE_RTOL
-                 ) -> torch.Tensor:
+                 bias: Optional[RelPosBias] = None, rtol: float = TIE_RTOL,
+                 global_tokens: Tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The queries whose routing sits at a near-tie: ``[B, H, N]`` bool.
 
     A query's routing is its router choice (the ``r`` largest of ``G[n]``) and its experts'
@@ -114,10 +117,19 @@ def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],
         shared_scale (float, optional), bias (RelPosBias, optional): the call's settings
             (validated, ``topk <= N``).
         rtol (float): the margin, relative to the largest score. Default: :data:`TIE_RTOL`.
+        global_tokens (tuple[int, int]): the call's ``(prefix, suffix)`` global tokens:
+            they are not routed (never a tie), the others are routed among themselves.
+            Default: (0, 0).
 
     Returns:
         Tensor: ``[B, H, N]`` bool, True where the query's routing is at a near-tie.
     """
+    gp, gs = global_tokens
+    if gp or gs:
+        ties = routing_ties(*(split_tokens(t, (gp, gs))[0] for t in (q, k)), hw_shape,
+                            pool_size, topk, router_topk, num_prefix_tokens - gp,
+                            shared_scale, bias, rtol)
+        return torch.nn.functional.pad(ties, (gp, gs), value=False)
     N = q.shape[2]
     lm_bias = None if bias is None else landmark_bias(bias, pool_size)
     rt = mita_routing(q.float(), k.float(), hw_shape, pool_size, topk, router_topk,
@@ -261,17 +273,52 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                     backend: str, bias_table: Optional[FLOAT] = None, window_h: int = 0,
                     window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
                     ) -> FLOAT:
-        if global_prefix or global_suffix:
-            raise OnnxExportError(
-                f'global tokens ({global_prefix}, {global_suffix}) are not translated to ONNX '
-                'yet: export with the head on standard attention (include_head=False) or '
-                'with its class tokens routed (grid_context(head).global_suffix = False)')
         B, H, N, d = _static_shape(q)
-        BH, M, p, r = B * H, ph * pw, num_prefix_tokens, router_topk
+        gp, gs = global_prefix, global_suffix
+        settings = (h, w, ph, pw, topk, router_topk, with_shared_expert, shared_scale,
+                    bias_table, window_h, window_w)
+        if not gp and not gs:
+            return mita_graph(q, k, v, B, H, N, d, num_prefix_tokens, *settings)
+        # Global tokens (mita_seg.ops.global_tokens.with_global_tokens): MiTA on the other
+        # tokens with the global keys in every query's softmax; the global queries' dense
+        # attention over all N keys; the outputs concatenated in token order.
+
+        def tokens(t, start, end):
+            return op.Slice(t, const([start]), const([end]), const([2]))
+
+        def global_part(t):                                                # [B, H, T, d]
+            parts = ([tokens(t, 0, gp)] if gp else []) + ([tokens(t, N - gs, N)] if gs else [])
+            return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=2)
+
+        q_o, k_o, v_o = (tokens(t, gp, N - gs) for t in (q, k, v))
+        out_o = mita_graph(q_o, k_o, v_o, B, H, N - gp - gs, d, num_prefix_tokens - gp,
+                           *settings, global_kv=(global_part(k), global_part(v), gp + gs))
+        logits_g = op.MatMul(op.Mul(global_part(q), const(d ** -0.5, np.float32)),
+                             op.Transpose(k, perm=[0, 1, 3, 2]))             # [B, H, T, N]
+        out_g = op.MatMul(op.Softmax(logits_g, axis=-1), v)                 # [B, H, T, d]
+        parts = ([tokens(out_g, 0, gp)] if gp else []) + [out_o] + (
+            [tokens(out_g, gp, gp + gs)] if gs else [])
+        return op.Concat(*parts, axis=2)
+
+    def mita_graph(q, k, v, B: int, H: int, N: int, d: int, p: int, h: int, w: int,
+                   ph: int, pw: int, topk: int, router_topk: int, with_shared_expert: bool,
+                   shared_scale: float, bias_table, window_h: int, window_w: int,
+                   global_kv: Optional[tuple] = None):
+        """MiTA of ``q, k, v`` (``[B, H, N, d]``, ``p`` prefix tokens): ``[B, H, N, d]``.
+        ``global_kv``: ``(k_g, v_g, T)``, ``T`` global keys and values (``[B, H, T, d]``)
+        in every query's softmax, next to the shared and routed logits."""
+        BH, M, r = B * H, ph * pw, router_topk
         T_bias = table_size((window_h, window_w)) if bias_table is not None else 0
         scale = d ** -0.5
         shape3 = const([BH, N, d])
         q3, k3, v3 = (op.Reshape(t, shape3) for t in (q, k, v))
+        L_g = None
+        if global_kv is not None:
+            kg, vg, TG = global_kv
+            vg = op.Reshape(vg, const([BH, TG, d]))
+            L_g = op.MatMul(op.Mul(q3, const(scale, np.float32)),
+                            op.Transpose(op.Reshape(kg, const([BH, TG, d])),
+                                         perm=[0, 2, 1]))                   # [BH, N, TG]
 
         # Landmarks, scores, router logits: mita_seg.ops.routing.mita_routing.
         # Adaptive average pooling is separable: rows, then columns (two thin MatMuls with
@@ -327,17 +374,26 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
                 logits = op.Add(logits, routed_bias(
                     qi, op.Reshape(qkeys, const([BH, N, 1, r * topk])), 4))
             logits = op.Reshape(logits, const([BH, N, r * topk]))
-            if not with_shared_expert:
-                attn = op.Unsqueeze(op.Softmax(logits, axis=-1), const([2]))
-                out = op.Reshape(op.MatMul(attn, Vq), const([B, H, N, d]))
-                return out
-            V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                      # [BH, M, d]
-            attn = op.Softmax(op.Concat(G, logits, axis=-1), axis=-1)
-            a_s = op.Slice(attn, const([0]), const([M]), const([2]))
-            a_r = op.Unsqueeze(op.Slice(attn, const([M]), const([M + r * topk]), const([2])),
-                               const([2]))
-            out = op.Add(op.MatMul(a_s, V_R),
-                         op.Reshape(op.MatMul(a_r, Vq), const([BH, N, d])))
+            # one softmax over [shared M,] routed r k[, global TG] logits
+            M_s, RK = (M if with_shared_expert else 0), r * topk
+            parts = ([G] if with_shared_expert else []) + [logits] + (
+                [] if L_g is None else [L_g])
+            if with_shared_expert:
+                V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                  # [BH, M, d]
+            attn = op.Softmax(op.Concat(*parts, axis=-1) if len(parts) > 1 else logits,
+                              axis=-1)
+            # the slices in the order of their columns: onnxscript's optimizer fuses them
+            # into one Split placed at the last one, before which no slice may be used
+            a_s = op.Slice(attn, const([0]), const([M]), const([2])) if M_s else None
+            a_r = op.Slice(attn, const([M_s]), const([M_s + RK]), const([2]))
+            a_g = None if L_g is None else op.Slice(attn, const([M_s + RK]),
+                                                    const([M_s + RK + TG]), const([2]))
+            out = op.Reshape(op.MatMul(op.Unsqueeze(a_r, const([2])), Vq),
+                             const([BH, N, d]))
+            if a_s is not None:
+                out = op.Add(op.MatMul(a_s, V_R), out)
+            if a_g is not None:
+                out = op.Add(out, op.MatMul(a_g, vg))
             return op.Reshape(out, const([B, H, N, d]))
 
         # Expert-pure tiles: mita_seg.ops.blocked._tile_layout. The buffers are sized by the
@@ -408,11 +464,13 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             V_R = op.MatMul(op.Softmax(S, axis=-1), v3)                      # [BH, M, d]
             m_s = op.ReduceMax(G, const([-1]), keepdims=1)                   # [BH, N, 1]
             m_all = op.Max(m_all, m_s)
+        if L_g is not None:
+            m_all = op.Max(m_all, op.ReduceMax(L_g, const([-1]), keepdims=1))
         if r > 1:
             w_r = op.Exp(op.Sub(m_r, op.Unsqueeze(m_all, const([2]))))      # [BH,N,r,1]
             num = op.ReduceSum(op.Mul(o_r, w_r), const([2]), keepdims=0)     # [BH, N, d]
             den = op.ReduceSum(op.Mul(l_r, w_r), const([2]), keepdims=0)     # [BH, N, 1]
-        elif with_shared_expert:
+        elif with_shared_expert or L_g is not None:
             w_r = op.Exp(op.Sub(m_r, m_all))                                 # [BH, N, 1]
             num, den = op.Mul(o_r, w_r), op.Mul(l_r, w_r)
         else:
@@ -421,6 +479,11 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             e_s = op.Exp(op.Sub(G, m_all))                                   # [BH, N, M]
             num = op.Add(num, op.MatMul(e_s, V_R))
             den = op.Add(den, op.ReduceSum(e_s, const([-1]), keepdims=1))
+        if L_g is not None:
+            # the global keys' partial softmax, merged on the same maximum (lse merge)
+            e_g = op.Exp(op.Sub(L_g, m_all))                                 # [BH, N, TG]
+            num = op.Add(num, op.MatMul(e_g, vg))
+            den = op.Add(den, op.ReduceSum(e_g, const([-1]), keepdims=1))
         return op.Reshape(op.Div(num, den), const([B, H, N, d]))
 
     return {torch.ops.mita_seg.mita_attention.default: translation}
