@@ -68,7 +68,7 @@ def _equal_flops(rows: Sequence[dict]) -> List[str]:
         out.append(f"| {r['setting']} | {r['model_GFLOPs']:.4f} | {r['delta_mIoU']:+.2f} | " + (
             f"{u['setting']} | {u['model_GFLOPs']:.4f} | {u['delta_mIoU']:+.2f} | "
             f"{r['mIoU'] - u['mIoU']:+.2f} |" if u else 'none as cheap | | | |'))
-    out += ['', '(means over the seeds)']
+    out += ['', '(means over the seeds)'] if any(r.get('seeds', 1) > 1 for r in rows) else []
     plans = [r for r in rows if r['kind'] == 'plan']
     if plans:
         layers = list(plans[0]['plan']['layers'])
@@ -156,8 +156,7 @@ def markdown(study: dict) -> str:
            f"; fine-tune and "
            f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "
            f"config's learning rate. img/s: test-mode `test_step` on one test batch, median "
-           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row). ToMe rows "
-           f"merge in the backbone{' and the mask head' if s.get('merge_head') else ''}.", '',
+           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row).", '',
            f'Cost columns: {FLOP_NOTE}.', '',
            f"Training seeds: {', '.join(str(v) for v in s['seeds'])} (`randomness.seed` of "
            'every training); each model is trained and studied once per seed, and every row '
