@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the main job) and `make test`. `make test`
 # skips the long end-to-end runs (marked `slow`); `make test-slow` runs them; CI runs both.
-# `make swap-study`: the swap at the paper's token count (docs/swap_study.md).
+# `make swap-study`: the swap at the paper's token count, 3 seeds (docs/swap_study.md).
 # `make test-sanitize`: the C++ kernel built with AddressSanitizer + UBSan into build/sanitize
 # and its tests run against it (scripts/test_sanitize.sh); CI runs it after `make test`.
 VENV := .venv

@@ -1,11 +1,14 @@
 """``tools/swap_study.py`` end to end at toy scale, through the same code path as
 ``make swap-study`` (:func:`projects.swap_study.run_swap_study`): the tiny 128x128 Segmenter of
-``configs/baselines`` (a 16x16 grid) on ``conftest.tiny_data`` (8 + 4 images), trained 2
-iterations, two sweep points, ToMe and MiTA + ToMe, the route-only check, calibrated plans
+``configs/baselines`` (a 16x16 grid) on ``conftest.tiny_data`` (8 + 4 images), with two training
+seeds, each trained 2 iterations, two sweep points, the mask head swapped too (its class tokens
+global, and routed), ToMe in the encoder and with the head, MiTA + ToMe, the route-only check,
+calibrated plans
 at two budgets (and with fewer images), one exported and fine-tuned setting, the control, one
 selection map, and the same model trained with MiTA, evaluated at another setting and mapped;
-then the table, JSON and figures are checked against each other, and the MiTA-trained
-checkpoint is evaluated through ``tools/test.py`` at its own setting and at a larger one.
+then the rows over the seeds, the table, JSON and figures are checked against each other, and
+the MiTA-trained checkpoint is evaluated through ``tools/test.py`` at its own setting and at a
+larger one. The aggregation over seeds is checked on known numbers.
 """
 import json
 import os.path as osp
@@ -15,6 +18,7 @@ import pytest
 
 from mita_seg.models import SwapPlan
 from projects.swap_study import StudySettings, run_swap_study
+from projects.swap_study.study import aggregate_rows
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
@@ -30,14 +34,18 @@ def test_settings_errors(tmp_path, tiny_data):
         StudySettings(data_root=tiny_data, train_iters=1).check()
     with pytest.raises(ValueError, match=r"model_train_iters\['b'\] must be >= 2"):
         StudySettings(data_root=tiny_data, model_train_iters=dict(b=0)).check()
-    # a model's own iterations replace train_iters for it only
+    # seeds: at least one, each once
+    with pytest.raises(ValueError, match=r'each once; got \(3, 3\)'):
+        StudySettings(data_root=tiny_data, seeds=(3, 3)).check()
+    # a run is one model with one seed; a model's own iterations replace train_iters for it
     s = StudySettings(data_root=tiny_data, model_train_iters=dict(b=7))
-    assert s.for_model('b').train_iters == 7 and s.for_model('a').train_iters == 120
-    assert s.for_model('a').key() == StudySettings(data_root=tiny_data, native=(),
-                                                   native_models=None).key()
+    assert s.for_run('b', 1).train_iters == 7 and s.for_run('a', 1).train_iters == 120
+    assert s.for_run('a', 2028).key() == StudySettings(data_root=tiny_data, seeds=(2028, ),
+                                                       native=(), native_models=None).key()
+    assert s.key()['seeds'] == [2027, 2028, 2029]
     # the MiTA-trained runs go to the models native_models names (all if None)
-    assert [n.text for n in s.for_model('segmenter').native] == ['4:16', '7:49']
-    assert StudySettings(data_root=tiny_data, native_models=None).for_model('a').native
+    assert [n.text for n in s.for_run('segmenter', 1).native] == ['4:16', '7:49']
+    assert StudySettings(data_root=tiny_data, native_models=None).for_run('a', 1).native
     # ToMe merges at most half the tokens; a plan budget is a candidate's FLOPs or ToMe's
     with pytest.raises(ValueError, match=r'merge ratios must be in \[0, 0.5\]'):
         StudySettings(data_root=tiny_data, merge_ratios=(0.6, )).check()
@@ -63,6 +71,38 @@ def test_settings_errors(tmp_path, tiny_data):
                        StudySettings(data_root=tiny_data))
 
 
+def test_aggregate_rows():
+    # rows matched by (kind, setting) over seeds: mean, sample std (n - 1), values by seed;
+    # the paper's row (encoder-only MiTA at M = k = 49) first, then the order of the kinds
+    def row(kind, setting, miou, M=None, topk=None, gflops=None):
+        return dict(kind=kind, setting=setting, M=M, topk=topk, mIoU=miou,
+                    delta_mIoU=miou - 50.0, model_GFLOPs=gflops)
+
+    runs = [(1, [row('baseline', 'unswapped', 50.0, gflops=2.0),
+                 row('swap', 'MiTA M=4x4 k=16', 46.0, 16, 16, 1.0),
+                 row('swap', 'MiTA M=7x7 k=49', 49.0, 49, 49, 1.5),
+                 row('swap-head', 'MiTA M=7x7 k=49, with the head', 47.0, 49, 49, 1.2)]),
+            (2, [row('baseline', 'unswapped', 50.0, gflops=2.0),
+                 row('swap', 'MiTA M=4x4 k=16', 48.0, 16, 16, 1.0),
+                 row('swap', 'MiTA M=7x7 k=49', 51.0, 49, 49, 1.5)]),
+            (3, [row('baseline', 'unswapped', 50.0, gflops=2.0),
+                 row('swap', 'MiTA M=4x4 k=16', 43.0, 16, 16, 1.0),
+                 row('swap', 'MiTA M=7x7 k=49', 50.0, 49, 49, 1.5)])]
+    rows = aggregate_rows(runs)
+    assert [r['setting'] for r in rows] == [
+        'MiTA M=7x7 k=49', 'unswapped', 'MiTA M=4x4 k=16', 'MiTA M=7x7 k=49, with the head']
+    paper, base, small, head = rows
+    assert paper['mIoU'] == pytest.approx(50.0) and paper['std']['mIoU'] == pytest.approx(1.0)
+    assert small['mIoU'] == pytest.approx(137 / 3)   # (46 + 48 + 43) / 3
+    # (1/9 + 49/9 + 64/9) / 2 = 19/3
+    assert small['std']['delta_mIoU'] == pytest.approx((19 / 3) ** 0.5)
+    assert small['per_seed']['mIoU'] == {'1': 46.0, '2': 48.0, '3': 43.0}
+    assert (base['std']['mIoU'], base['seeds'], base['model_GFLOPs']) == (0.0, 3, 2.0)
+    # a row only one seed has: its value, spread 0, one seed; a missing number: not averaged
+    assert (head['mIoU'], head['std']['mIoU'], head['seeds']) == (47.0, 0.0, 1)
+    assert 'img_per_s' not in head['std'] and head['per_seed']['mIoU'] == {'1': 47.0}
+
+
 def test_cli_bad_arguments(tools):
     # a setting is spelled P:K (the old P,K is refused, showing the new spelling); a config
     # that does not exist is named
@@ -82,9 +122,12 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and '0.9' in out and '0.5' in out
     code, out = tools('tools/swap_study.py', '--native-models', 'segmentr', check=False)
     assert code == 2 and "--native-models ['segmentr']: not a model of this study" in out
+    code, out = tools('tools/swap_study.py', '--seeds', '-1', check=False)
+    assert code == 2 and '-1' in out
 
 
-STUDY_ARGS = ['--train-iters', 2, '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,
+STUDY_ARGS = ['--seeds', 1, 2, '--head-settings', '4:8', '--train-iters', 2,
+              '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,
               '--finetune', '4:8', '--selection', '4:8', '--selection-images', 1,
               '--speed-time', 0.02, '--threads', 1, '--merge-ratios', 0.4,
               '--merged-swaps', '4:8+tome0.4', '--plan-budgets', '4:8', 'tome',
@@ -92,22 +135,43 @@ STUDY_ARGS = ['--train-iters', 2, '--finetune-iters', 2, '--pool-sizes', 2, 4, '
               '2:8', '4:8', '4:8:route', '--native', '2:8', '--native-models', 'tiny']
 
 
+@pytest.mark.slow
 def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     work = tmp_path / 'study'
     _, out = tools('tools/swap_study.py', '--model', f'tiny={TINY_SEGMENTER}', '--data-root',
                    tiny_data, '--work-dir', work, *STUDY_ARGS)
     # progress lines, the table printed, the outputs named
     assert '[swap_study +' in out and 'tiny: sweep [4/5] MiTA M=4x4 k=8: mIoU' in out
+    assert '[1/1] tiny, seed 2: ' in out
     assert 'wrote ' + str(work / 'swap_study.json') in out
 
     with open(work / 'swap_study.json') as f:
         study = json.load(f)
     assert study['errors'] == [] and study['machine']['threads'] == 1
     (res, ) = study['models']
-    rows = {r['setting']: r for r in res['rows']}
+    assert study['settings']['seeds'] == res['seeds'] == [1, 2]
+    # every row over the two seeds: the mean of the runs' rows, their spread, in the order
+    # of the tables
+    runs = res['runs']
+    assert [r['seed'] for r in runs] == [1, 2]
     assert [r['kind'] for r in res['rows']] == [
-        'baseline', 'tome', 'swap', 'swap', 'swap+tome', 'check', 'plan', 'plan', 'plan',
-        'finetune', 'control']
+        'baseline', 'swap', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head',
+        'swap+tome', 'check', 'plan', 'plan', 'plan', 'finetune', 'control']
+    for r in res['rows']:
+        by_seed = [next(x for x in run['rows'] if x['setting'] == r['setting'])
+                   for run in runs]
+        assert r['seeds'] == 2 and r['per_seed']['mIoU'] == {
+            '1': by_seed[0]['mIoU'], '2': by_seed[1]['mIoU']}
+        assert r['mIoU'] == pytest.approx((by_seed[0]['mIoU'] + by_seed[1]['mIoU']) / 2)
+        assert r['std']['mIoU'] == pytest.approx(
+            abs(by_seed[0]['mIoU'] - by_seed[1]['mIoU']) / 2 ** 0.5)
+    # each training ran with its seed
+    for run in runs:
+        (log, ) = (work / 'tiny' / f"seed{run['seed']}" / 'train').glob('*/*.log')
+        assert f"randomness = dict(seed={run['seed']})" in log.read_text()
+        assert run['rows'][0]['mIoU'] == next(
+            r['mIoU'] for r in run['rows'] if r['kind'] == 'check')
+    rows = {r['setting']: r for r in res['rows']}
     base, m4, m16 = (rows['unswapped (softmax attention)'], rows['MiTA M=2x2 k=8'],
                      rows['MiTA M=4x4 k=8'])
     tome, both = rows['ToMe r=0.40'], rows['MiTA M=4x4 k=8 + ToMe r=0.40']
@@ -124,6 +188,14 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert base['model_GFLOPs'] > tome['model_GFLOPs'] and tome['merge_ratio'] == 0.4
     assert both['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
     assert both['model_GFLOPs'] != pytest.approx(m16['model_GFLOPs'])
+
+    # the mask head too: with its class tokens global it costs more than routed, and less
+    # than the encoder-only swap (the head's attention on MiTA too); ToMe with the head merges
+    # there too
+    head = rows['MiTA M=4x4 k=8, with the head (class tokens global)']
+    routed = rows['MiTA M=4x4 k=8, with the head (class tokens routed)']
+    assert m16['model_GFLOPs'] > head['model_GFLOPs'] > routed['model_GFLOPs']
+    assert tome['model_GFLOPs'] > rows['ToMe r=0.40, with the head']['model_GFLOPs']
 
     # the plans: within their budgets as the sweep counts them, written, each evaluated
     plans = [r for r in res['rows'] if r['kind'] == 'plan']
@@ -143,7 +215,7 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert ft['model_GFLOPs'] == pytest.approx(m16['model_GFLOPs'])
     assert ft['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
     assert ctl['model_GFLOPs'] == pytest.approx(base['model_GFLOPs'])
-    for r in (base, m4, m16, ft, ctl, tome, both, *plans):
+    for r in (base, m4, m16, ft, ctl, tome, both, head, routed, *plans):
         assert r['img_per_s'] > 0 and 0 <= r['mIoU'] <= 100
         assert r['delta_mIoU'] == pytest.approx(r['mIoU'] - base['mIoU'])
     assert res['train']['iters'] == 2 and res['input'] == [128, 128]
@@ -152,7 +224,7 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     # exported checkpoint
     exp_cfg, exp_ckpt = ft['exported']
     assert osp.isfile(exp_ckpt) and "type='MiTAVisionTransformer'" in open(exp_cfg).read()
-    logs = list((work / 'tiny' / 'finetune_p4_k8' / 'train').glob('*/*.log'))
+    logs = list((work / 'tiny' / 'seed1' / 'finetune_p4_k8' / 'train').glob('*/*.log'))
     assert logs and f'Load checkpoint from {exp_ckpt}' in logs[0].read_text()
     assert osp.isfile(ft['checkpoint']) and osp.isfile(ctl['checkpoint'])
 
@@ -170,14 +242,15 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert trained['model_GFLOPs'] == pytest.approx(m4['model_GFLOPs'])
     assert larger['model_GFLOPs'] == pytest.approx(m16['model_GFLOPs'])
     assert set(native['selection']['layers']) == set(res['selection']['layers'])
-    logs = list((work / 'tiny' / 'native_p2_k8' / 'train').glob('*/*.log'))
+    logs = list((work / 'tiny' / 'seed1' / 'native_p2_k8' / 'train').glob('*/*.log'))
     assert logs and "type='MiTAVisionTransformer'" in logs[0].read_text()
 
-    # the markdown tables hold the JSON's numbers
+    # the markdown tables hold the JSON's numbers: mean ± std, the deltas by seed
     md = (work / 'swap_study.md').read_text()
     for r in res['rows'] + native['rows']:
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['setting']} |"))
-        assert f"| {r['mIoU']:.2f} |" in line
+        assert f"| {r['mIoU']:.2f} ± {r['std']['mIoU']:.2f} |" in line
+        assert ' / '.join(f'{v:+.2f}' for v in r['per_seed']['delta_mIoU'].values()) in line
         if r.get('model_GFLOPs'):
             assert f"| {r['model_GFLOPs']:.4f} |" in line
     assert re.search(r'\| backbone\.layers\.0\.attn \| 16x16 \| 257 \| [\d.]+% \| [\d.]+% \|', md)
@@ -192,8 +265,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     sel = res['selection']
     assert sel['setting'] == '4:8' and sel['label'] == 'M=4x4 k=8'
     assert len(sel['figures']) == 1
-    assert set(sel['layers']) == {f'backbone.layers.{i}.attn' for i in range(4)} | {
-        'decode_head.layers.0.attn', 'decode_head.layers.1.attn'}
+    # (the encoder's layers: the swap's default, the paper's)
+    assert set(sel['layers']) == {f'backbone.layers.{i}.attn' for i in range(4)}
     assert len(study['figures']) == 4
     for png in study['figures']:
         with open(png, 'rb') as f:
@@ -203,21 +276,23 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
 
     # the MiTA-trained checkpoint through tools/test.py: at its own setting it gives the
     # study's mIoU, at a larger one the modules run the setting asked for
+    # (the first seed's)
+    native = runs[0]['native'][0]
+    trained, larger = native['rows'][:2]
     ckpt, cfg = native['train']['checkpoint'], native['train']['config']
     data = ['--cfg-options', *tools.data_options(tiny_data)]
     _, out = tools('tools/test.py', cfg, ckpt, '--work-dir', tmp_path / 't1', *data)
     assert tools.miou(out) == pytest.approx(trained['mIoU'], abs=0.01)
-    assert ('attention as evaluated: M=2x2 k=8: backbone.layers.0-3.attn, '
-            'decode_head.layers.0-1.attn') in out
+    assert 'attention as evaluated: M=2x2 k=8: backbone.layers.0-3.attn' in out
     _, out = tools('tools/test.py', cfg, ckpt, '--work-dir', tmp_path / 't2', '--mita-cfg',
                    'pool_size=4', 'topk=8', *data)
     assert tools.miou(out) == pytest.approx(larger['mIoU'], abs=0.01)
-    assert ('attention as evaluated: M=4x4 k=8: backbone.layers.0-3.attn, '
-            'decode_head.layers.0-1.attn') in out
+    assert 'attention as evaluated: M=4x4 k=8: backbone.layers.0-3.attn' in out
 
     # --reuse: the finished model is not run again
     _, out = tools('tools/swap_study.py', '--model', f'tiny={TINY_SEGMENTER}', '--data-root',
                    tiny_data, '--work-dir', work, *STUDY_ARGS, '--reuse')
-    assert 'tiny: reusing' in out and 'Iter(train)' not in out
+    assert 'tiny, seed 1: reusing' in out and 'tiny, seed 2: reusing' in out
+    assert 'Iter(train)' not in out
     with open(work / 'swap_study.json') as f:
         assert json.load(f)['models'][0]['rows'] == res['rows']

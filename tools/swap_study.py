@@ -1,21 +1,23 @@
 """The swap at the paper's token count: train, swap without retraining, fine-tune, measure.
 
-For each standard-attention model (a tiny Segmenter, and a tiny BEiT once its config exists) on
-the generated ADE20K-format data at 256x256 (patch 8: a 32x32 grid, N = 1025 tokens with cls,
-the paper's token count): train it with MMEngine's Runner, evaluate it unswapped and swapped
-to MiTA over a (pool size, top-k) sweep with no retraining, export and fine-tune the swap at
-the paper's M = k = 49 (plus a control: the unswapped model trained as long), beside its
-training-free peer ToMe (token merging) and per-layer plans calibrated for FLOP budgets, with
-model GFLOPs and measured images/s on every row, and the token-selection maps; and the
-Segmenter trained from scratch with MiTA (small and paper-size experts), evaluated over the
-same grid (:func:`projects.swap_study.run_swap_study`). Writes
-``WORK_DIR/swap_study.{json,md}``, ``FIG_DIR/swap_study.png``, ``FIG_DIR/<model>_native.png``
-and the selection maps; ``make swap-study`` runs it as in
-docs/swap_study.md.
+For each standard-attention model (a tiny Segmenter, and a tiny BEiT once its config exists) and
+each training seed (``--seeds``, three by default; every row is reported as mean ± sample std over
+them) on the generated ADE20K-format data at 256x256 (patch 8: a 32x32 grid, N = 1025 tokens with
+cls, the paper's token count): train it with MMEngine's Runner, evaluate it unswapped and swapped
+to MiTA over a (pool size, top-k) sweep with no retraining (the encoder, as the paper; and the mask
+head too at ``--head-settings``, its class tokens global, then routed), export and fine-tune the
+swap at the paper's M = k = 49 (plus a control: the unswapped model trained as long), beside its
+training-free peer ToMe (token merging) and per-layer plans calibrated for FLOP budgets, with model
+GFLOPs and measured images/s on every row, and the token-selection maps; and the Segmenter trained
+from scratch with MiTA (small and paper-size experts), evaluated over the same grid
+(:func:`projects.swap_study.run_swap_study`). Writes ``WORK_DIR/swap_study.{json,md}``,
+``FIG_DIR/swap_study.png``, ``FIG_DIR/<model>_native.png`` and the selection maps; ``make
+swap-study`` runs it as in docs/swap_study.md.
 
 Usage::
 
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
+        [--seeds 2027 2028 2029] [--head-settings 7:49]
         [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
         [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40]
         [--pool-sizes 4 5 7 8 10] [--topks 8 16 49 100] [--candidates dense 4:8 ...]
@@ -23,6 +25,10 @@ Usage::
         [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7:49+tome0.5] [--plan-budgets 7:49 tome]
         [--calibration-images 16] [--calibration-counts 4 8] [--native 4:16 7:49]
         [--native-models segmenter]
+
+A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
+is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
+schedule and that ``randomness.seed``).
 
 A MiTA setting is spelled as everywhere (:mod:`mita_seg.setting`): ``7:49`` (pool 7 x 7, top-k
 49), ``4x6:16`` (a 4 x 6 pool), ``7:49:route`` (route-only); MiTA with ToMe as
@@ -107,6 +113,9 @@ def parse_args(argv=None):
                         help='training images if written')
     parser.add_argument('--data-val', type=int_range(1), default=40,
                         help='validation images if written')
+    parser.add_argument('--seeds', type=int_range(0), nargs='+', default=[2027, 2028, 2029],
+                        help='training seeds: every model is trained and studied once per seed '
+                        '(randomness.seed); rows are mean and spread over them')
     parser.add_argument('--train-iters', type=int_range(1), default=120)
     parser.add_argument('--model-train-iters', nargs='*', default=['beit=400'],
                         metavar='NAME=ITERS', help='training iterations of some models '
@@ -124,12 +133,18 @@ def parse_args(argv=None):
                         help='settings to export and fine-tune (none: no fine-tune)')
     parser.add_argument('--selection', type=setting_arg, default=MiTASetting.parse('7:49'),
                         metavar='P:K', help='setting of the token-selection maps')
-    parser.add_argument('--selection-images', type=int_range(1), default=2)
+    parser.add_argument('--selection-images', type=int_range(0), default=2,
+                        help='validation images of the token-selection maps (0: no maps)')
     parser.add_argument('--merge-ratios', type=merge_ratio, nargs='*',
                         default=[0.2, 0.3, 0.4, 0.5], metavar='R',
                         help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
+    parser.add_argument('--head-settings', type=setting_arg, nargs='*',
+                        default=[MiTASetting.parse('7:49')], metavar='P:K',
+                        help="settings at which Segmenter's mask head is swapped too, its class "
+                        'tokens global and, as a second row, routed like patches (none: no such '
+                        'rows)')
     parser.add_argument('--no-merge-head', action='store_true',
-                        help="ToMe merges in the backbone only, not in Segmenter's mask head")
+                        help="no ToMe rows with Segmenter's mask head merged (only the encoder's)")
     parser.add_argument('--merged-swaps', type=merged_swap, nargs='*',
                         default=[(MiTASetting.parse('7:49'), 0.5)], metavar='P:K+tomeR',
                         help='MiTA at a setting with ToMe at ratio R together, e.g. '
@@ -220,7 +235,7 @@ def main(argv=None):
         print('[swap_study] $ ' + ' '.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     settings = StudySettings(
-        data_root=args.data_root, train_iters=args.train_iters,
+        data_root=args.data_root, seeds=tuple(args.seeds), train_iters=args.train_iters,
         model_train_iters=args.model_train_iters,
         finetune_iters=args.finetune_iters, finetune_lr_mult=args.finetune_lr_mult,
         pool_sizes=tuple(args.pool_sizes), topks=tuple(args.topks),
@@ -228,6 +243,7 @@ def main(argv=None):
         exact_check=not args.no_check, selection=args.selection,
         selection_images=args.selection_images, speed_min_run_time=args.speed_time,
         merge_ratios=tuple(args.merge_ratios), merge_head=not args.no_merge_head,
+        head_settings=tuple(args.head_settings),
         merged_swaps=tuple(args.merged_swaps), plan_budgets=tuple(args.plan_budgets),
         calibration_images=args.calibration_images,
         calibration_counts=tuple(args.calibration_counts),

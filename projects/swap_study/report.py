@@ -18,18 +18,28 @@ def _fmt(v, digits=2) -> str:
     return str(v)
 
 
-COLUMNS = ['setting', 'M', 'k', 'mIoU', 'delta', 'model GFLOPs', 'FLOPs saved', 'attn GMACs',
-           'img/s', 'speed-up']
+COLUMNS = ['setting', 'M', 'k', 'mIoU', 'delta', 'delta by seed', 'model GFLOPs',
+           'FLOPs saved', 'attn GMACs', 'img/s', 'speed-up']
+
+
+def _pm(r: dict, key: str, sign: str = '') -> str:
+    """``r[key]`` as ``mean ± std`` where the row is over seeds (``std``), else the value."""
+    text = f'{r[key]:{sign}.2f}'
+    std = r.get('std', {}).get(key)
+    return text if std is None or r.get('seeds', 1) < 2 else f'{text} ± {std:.2f}'
 
 
 def _table(rows: Sequence[dict]) -> List[str]:
-    """Rows (:func:`_row`) as a markdown table of :data:`COLUMNS`."""
+    """Rows (:func:`_row`, or over seeds: :func:`~projects.swap_study.study.aggregate_rows`)
+    as a markdown table of :data:`COLUMNS`."""
     out = ['| ' + ' | '.join(COLUMNS) + ' |',
            '|' + '|'.join(['---'] + ['---:'] * (len(COLUMNS) - 1)) + '|']
     for r in rows:
+        by_seed = r.get('per_seed', {}).get('delta_mIoU', {})
         out.append('| ' + ' | '.join([
-            r['setting'], _fmt(r['M']), _fmt(r['topk']), _fmt(r['mIoU']),
-            f"{r['delta_mIoU']:+.2f}", _fmt(r.get('model_GFLOPs'), 4),
+            r['setting'], _fmt(r['M']), _fmt(r['topk']), _pm(r, 'mIoU'),
+            _pm(r, 'delta_mIoU', '+'), ' / '.join(f'{v:+.2f}' for v in by_seed.values()),
+            _fmt(r.get('model_GFLOPs'), 4),
             _fmt(r.get('model_reduction_%'), 1) + ('%' if r.get('model_GFLOPs') else ''),
             _fmt(r.get('attn_GMACs'), 4), _fmt(r.get('img_per_s'), 2),
             (_fmt(r.get('speedup'), 2) + 'x') if r.get('speedup') else ''
@@ -46,7 +56,7 @@ def best_uniform(rows: Sequence[dict], gflops: float) -> Optional[dict]:
 def _equal_flops(rows: Sequence[dict]) -> List[str]:
     """ToMe, MiTA + ToMe and the calibrated plans, each beside the best uniform MiTA setting
     of the sweep at equal or lower FLOPs."""
-    others = [r for r in rows if r['kind'] in ('tome', 'swap+tome', 'plan')]
+    others = [r for r in rows if r['kind'] in ('tome', 'tome-head', 'swap+tome', 'plan')]
     if not others:
         return []
     out = ['', 'At equal or lower FLOPs: each ToMe, MiTA + ToMe and calibrated-plan row beside '
@@ -58,6 +68,7 @@ def _equal_flops(rows: Sequence[dict]) -> List[str]:
         out.append(f"| {r['setting']} | {r['model_GFLOPs']:.4f} | {r['delta_mIoU']:+.2f} | " + (
             f"{u['setting']} | {u['model_GFLOPs']:.4f} | {u['delta_mIoU']:+.2f} | "
             f"{r['mIoU'] - u['mIoU']:+.2f} |" if u else 'none as cheap | | | |'))
+    out += ['', '(means over the seeds)'] if any(r.get('seeds', 1) > 1 for r in rows) else []
     plans = [r for r in rows if r['kind'] == 'plan']
     if plans:
         layers = list(plans[0]['plan']['layers'])
@@ -145,9 +156,13 @@ def markdown(study: dict) -> str:
            f"; fine-tune and "
            f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "
            f"config's learning rate. img/s: test-mode `test_step` on one test batch, median "
-           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row). ToMe rows "
-           f"merge in the backbone{' and the mask head' if s.get('merge_head') else ''}.", '',
+           f"of torch.utils.benchmark.Timer ({s['speed_min_run_time']} s per row).", '',
            f'Cost columns: {FLOP_NOTE}.', '',
+           f"Training seeds: {', '.join(str(v) for v in s['seeds'])} (`randomness.seed` of "
+           'every training); each model is trained and studied once per seed, and every row '
+           'gives the mean ± the sample standard deviation over the seeds (n - 1), the deltas '
+           'per seed beside them; every value per seed is in the JSON. MiTA and ToMe rows '
+           'without "with the head" swap or merge the encoder only (the paper\'s swap).', '',
            f'The paper reports {PAPER_CLAIMS}. The rows below are what a toy model trained for '
            'minutes on generated data shows, not what ADE20K gives.', '']
     for res in study['models']:
@@ -161,7 +176,8 @@ def markdown(study: dict) -> str:
                     if shape and patch else '')
             took = f" in {t['seconds']:.0f} s" + (' (an earlier run; checkpoint reused)'
                                                   if t['reused'] else '')
-            out.append(f"Trained {t['iters']} iterations with standard attention{took}; "
+            out.append(f"Trained {t['iters']} iterations with standard attention{took}"
+                       f"{' (mean over the seeds)' if len(res.get('seeds', [])) > 1 else ''}; "
                        f"{res.get('test_images', '?')} test images of "
                        f"{shape[0] if shape else '?'}x{shape[1] if shape else '?'}{grid}; "
                        f"this model's study took {res.get('seconds', 0):.0f} s.")
@@ -170,7 +186,8 @@ def markdown(study: dict) -> str:
         out += _equal_flops(res['rows'])
         sel = res.get('selection')
         if sel:
-            out += ['', f"Tokens no routed expert selects (never read by one), swapped to "
+            out += ['', f"Tokens no routed expert selects (never read by one; seed "
+                    f"{res.get('seeds', ['?'])[0]}), swapped to "
                     f"{sel['label']} without retraining, mean over {len(sel['images'])} "
                     'validation image(s):', '',
                     '| layer | grid | tokens | never selected | never used |',
@@ -188,14 +205,27 @@ def markdown(study: dict) -> str:
     return '\n'.join(out) + '\n'
 
 
+def _error_bars(ax, rows: Sequence[dict], key: Optional[str] = None, xs=None) -> None:
+    """Each row's spread over the seeds (± its sample standard deviation) on mIoU, and on
+    ``key`` (the x axis) if given; ``xs``: the x positions instead of ``r[key]``."""
+    for i, r in enumerate(rows):
+        std = r.get('std', {})
+        if r.get('seeds', 1) > 1 and 'mIoU' in std:
+            ax.errorbar([xs[i] if xs is not None else r[key]], [r['mIoU']], yerr=[std['mIoU']],
+                        xerr=[std.get(key, 0.0)] if key else None, fmt='none', ecolor='0.35',
+                        elinewidth=0.8, capsize=2, zorder=3)
+
+
 def plot_study(models: Sequence[dict], out_png: str) -> str:
     """mIoU against model GFLOPs (top; below it the same zoomed on the 6 points under the
     unswapped model) and against measured images/s (bottom), one column per model: the
     unswapped model (star), the sweep (one colour per M, k annotated; joined
     in increasing k on the GFLOPs panel), ToMe (squares, r annotated), MiTA + ToMe (X), the
     calibrated plans (plus signs; those of the main image count joined), the fine-tuned
-    swaps (diamonds; on the GFLOPs panel an arrow from the same setting without retraining)
-    and the control (triangle)."""
+    swaps (diamonds; on the GFLOPs panel an arrow from the same setting without retraining),
+    the control (triangle), MiTA with the mask head (down triangles: class tokens global;
+    tri-downs: routed) and ToMe with the head (squares, olive); over seeds, each point is
+    the mean with ± one sample standard deviation as error bars."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -226,15 +256,22 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 for r in sel:
                     ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
                                 textcoords='offset points', xytext=(3, 3))
-            tome = sorted((r for r in rows if r['kind'] == 'tome'),
-                          key=lambda r: r['merge_ratio'])
-            if tome:
-                ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
-                        's--' if lines else 's', c='tab:purple', ms=5,
-                        label='ToMe, no retraining')
+            for kind, colour, what in (('tome', 'tab:purple', ''),
+                                       ('tome-head', 'olive', ', with the head')):
+                tome = sorted((r for r in rows if r['kind'] == kind),
+                              key=lambda r: r['merge_ratio'])
+                if tome:
+                    ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
+                            's--' if lines else 's', c=colour, ms=5,
+                            label=f'ToMe{what}, no retraining')
                 for r in tome:
                     ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
-                                textcoords='offset points', xytext=(3, -9), c='tab:purple')
+                                textcoords='offset points', xytext=(3, -9), c=colour)
+            for kind, marker, colour in (('swap-head', 'v', 'tab:cyan'),
+                                         ('swap-head-routed', '1', 'tab:pink')):
+                for r in (r for r in rows if r['kind'] == kind):
+                    ax.scatter([r[key]], [r['mIoU']], marker=marker, s=80, c=colour, zorder=5,
+                               label=r['setting'])
             for r in (r for r in rows if r['kind'] == 'swap+tome'):
                 ax.scatter([r[key]], [r['mIoU']], marker='X', s=70, c='tab:brown', zorder=5,
                            label=r['setting'])
@@ -261,6 +298,7 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
                 if src and lines:
                     ax.annotate('', (r[key], r['mIoU']), (src[0][key], src[0]['mIoU']),
                                 arrowprops=dict(arrowstyle='->', color='tab:red', lw=1))
+            _error_bars(ax, rows, key)
             if zoom and rows:
                 top = max(r['mIoU'] for r in rows)
                 base = next((r['mIoU'] for r in rows if r['kind'] == 'baseline'), top)
@@ -304,6 +342,7 @@ def plot_native(res: dict, out_png: str) -> str:
         by = {(r['M'], r['topk']): r for r in rows}
         xs = [i for i, mk in enumerate(keys) if mk in by]
         ax.plot(xs, [by[keys[i]]['mIoU'] for i in xs], 'o-', c=colour, ms=4, label=label)
+        _error_bars(ax, [by[keys[i]] for i in xs], xs=xs)
         if dense is not None:
             ax.plot([len(keys)], [dense['mIoU']], 'o', c=colour, ms=6)
         for i in xs:

@@ -2,17 +2,18 @@
 ``make swap-study``; the tables and figures are :mod:`projects.swap_study.report`'s).
 
 For each ``(name, config)`` of a standard-attention segmentor on the generated ADE20K-format
-data, :func:`run_swap_study`:
+data and each training seed (``randomness.seed`` of every training), :func:`run_swap_study`:
 
 1. trains it with MMEngine's Runner (what ``tools/train.py`` runs: :func:`load_config`,
    :func:`prepare_config`, :func:`build_runner`) for ``train_iters`` iterations;
 2. evaluates it unswapped, with its training-free peer, token merging (ToMe,
-   :func:`~mita_seg.merge_tokens`) at every merge ratio, swapped to MiTA with no retraining
-   for every (pool size, top-k) of the sweep, and MiTA with ToMe together
-   (:func:`~mita_seg.apis.swap_sweep`: the test loop of ``tools/test.py``), each row with the
-   whole-model GFLOPs, the attention GMACs and the measured images/s; then route-only MiTA
-   with every key in every expert, which is exactly softmax attention, so its mIoU must equal
-   the unswapped one (a check of the whole path);
+   :func:`~mita_seg.merge_tokens`) at every merge ratio, swapped to MiTA with no retraining for
+   every (pool size, top-k) of the sweep, and MiTA with ToMe together
+   (:func:`~mita_seg.apis.swap_sweep`: the test loop of ``tools/test.py``), MiTA and ToMe in the
+   encoder only (the paper's swap); then with Segmenter's mask head too, its class tokens global
+   and, to show why, routed like patches; each row with the whole-model GFLOPs, the attention GMACs
+   and the measured images/s; then route-only MiTA with every key in every expert, which is exactly
+   softmax attention, so its mIoU must equal the unswapped one (a check of the whole path);
 3. calibrates per-layer swap plans (:class:`~mita_seg.apis.calibrate.SwapCalibrator`, on
    training images) at several FLOP budgets (the FLOPs of uniform settings, and ToMe's
    largest reduction) and with fewer calibration images, and evaluates each plan on the
@@ -28,12 +29,15 @@ data, :func:`run_swap_study`:
    iterations, evaluates each over the same (pool size, top-k) grid with no retraining, and
    maps its token selection by depth.
 
-It writes ``WORK_DIR/swap_study.json`` (every number, the machine, the settings, the times),
+Every row is then reported over the seeds (:func:`aggregate`: mean, sample standard deviation
+and the per-seed values). It writes ``WORK_DIR/swap_study.json`` (every number, the machine,
+the settings, the times),
 ``WORK_DIR/swap_study.md`` (the tables) and the figures (mIoU against GFLOPs and against
 images/s, mIoU against the test-time setting of the MiTA-trained models, the selection maps).
-Each model's results are also kept in ``WORK_DIR/<name>/result.json``; with ``reuse=True`` a
-model whose results were computed with the same settings is not run again (so a model can be
-added to a finished study), and trained checkpoints already there are taken as they are.
+Each training run's results are also kept in ``WORK_DIR/<name>/seed<seed>/result.json``; with
+``reuse=True`` a run whose results were computed with the same settings is not run again (so a
+model or a seed can be added to a finished study), and trained checkpoints already there
+(``WORK_DIR/<name>/seed<seed>/train/iter_<iters>.pth``) are taken as they are.
 """
 import copy
 import gc
@@ -43,6 +47,7 @@ import os.path as osp
 import platform
 import time
 import traceback
+from statistics import mean, stdev
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -57,8 +62,9 @@ from mita_seg.analysis.timing import cpu_description, median_time
 from mita_seg.apis import (build_runner, export_swapped, init_model, load_config,
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
 from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
-from mita_seg.apis.sweep import SweepRow, model_gflops, sweep_points
+from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
 from mita_seg.models import NothingToMergeError, SwapPlan
+from mita_seg.models.grid import grid_context
 from mita_seg.setting import MiTASetting, label as label_of
 from .report import markdown, plot_native, plot_study
 
@@ -72,6 +78,13 @@ STUDY_CANDIDATES = ('dense', ) + tuple(
     f'{p}:{k}' for p in (4, 5, 6, 7, 8, 9, 10) for k in (8, 16)) + ('7:49', '4:16:route',
                                                                     '7:16:route')
 PAPER = MiTASetting.parse('7:49')   # the paper's M = k = 49
+# the row kinds in the order of the tables (the paper's row, MiTA M = k = 49 in the encoder
+# only, goes first: :func:`aggregate`)
+KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
+         'check', 'plan', 'finetune', 'control')
+# the numbers of a row that are averaged over the seeds
+NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
+           'model_reduction_%', 'speedup')
 
 
 @dataclass
@@ -81,6 +94,8 @@ class StudySettings:
     Args:
         data_root (str): the ADE20K-format data (``tools/dataset/make_tiny_ade20k.py``), set
             as ``data_root`` of the three dataloaders of every config.
+        seeds (tuple[int]): training seeds (``randomness.seed`` of every training of a run):
+            every model is trained, and studied, once per seed. Default: (2027, 2028, 2029).
         train_iters (int): iterations of the standard-attention training. Default: 120.
         model_train_iters (dict, optional): training iterations of some models, by name,
             instead of ``train_iters`` (a model that needs longer to use its attention).
@@ -102,8 +117,11 @@ class StudySettings:
         selection_images (int): validation images mapped. Default: 2.
         merge_ratios (tuple[float]): token-merging (ToMe) ratios evaluated beside the sweep,
             in ``[0, 0.5]``; none for no ToMe rows. Default: (0.2, 0.3, 0.4, 0.5).
-        merge_head (bool): ToMe merges in Segmenter's mask head too (MiTA swaps it too).
-            Default: True.
+        head_settings (tuple[MiTASetting]): settings at which Segmenter's mask head is
+            swapped too (``include_head=True``), once with its class tokens global (the
+            default), once routed like patches (``global_suffix=False``). Default: (``7:49``, ).
+        merge_head (bool): each ToMe ratio also with Segmenter's mask head merged (besides the
+            encoder only). Default: True.
         merged_swaps (tuple[tuple[MiTASetting, float]]): ``(setting, ratio)``: MiTA with
             ToMe (the MLPs of MiTA layers merged). Default: ((``7:49``, 0.5), ).
         plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: a setting (``7:49``)
@@ -132,6 +150,7 @@ class StudySettings:
             Default: False.
     """
     data_root: str
+    seeds: Tuple[int, ...] = (2027, 2028, 2029)
     train_iters: int = 120
     model_train_iters: Optional[Dict[str, int]] = None
     finetune_iters: int = 40
@@ -144,6 +163,7 @@ class StudySettings:
     selection: Optional[MiTASetting] = PAPER
     selection_images: int = 2
     merge_ratios: Tuple[float, ...] = (0.2, 0.3, 0.4, 0.5)
+    head_settings: Tuple[MiTASetting, ...] = (PAPER, )
     merge_head: bool = True
     merged_swaps: Tuple[Tuple[MiTASetting, float], ...] = ((PAPER, 0.5), )
     plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
@@ -170,10 +190,13 @@ class StudySettings:
         for name, value in iters.items():
             if value < 2:
                 raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got {value}')
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f'give at least one seed, each once; got {self.seeds}')
         if not self.pool_sizes or not self.topks or min((*self.pool_sizes, *self.topks)) < 1:
             raise ValueError('pool sizes and top-k values must be >= 1, got '
                              f'pool_sizes={self.pool_sizes}, topks={self.topks}')
         settings = dict(finetune=self.finetune, native=self.native,
+                        head_settings=self.head_settings,
                         selection=() if self.selection is None else (self.selection, ),
                         merged_swaps=tuple(m for m, _ in self.merged_swaps))
         for name, values in settings.items():
@@ -211,12 +234,14 @@ class StudySettings:
         """The calibration's per-layer candidates (the calibration's defaults if None)."""
         return tuple(self.calibration_candidates or DEFAULT_CANDIDATES)
 
-    def for_model(self, name: str) -> 'StudySettings':
-        """The settings of model ``name``: ``train_iters`` from ``model_train_iters`` if it
-        names the model; no ``native`` runs unless ``native_models`` names it (or is None)."""
+    def for_run(self, name: str, seed: int) -> 'StudySettings':
+        """The settings of model ``name`` trained with ``seed``: that seed only;
+        ``train_iters`` from ``model_train_iters`` if it names the model; no ``native`` runs
+        unless ``native_models`` names it (or is None)."""
         native = self.native if self.native_models is None or name in self.native_models \
             else ()
-        return replace(self, model_train_iters=None, native_models=None, native=native,
+        return replace(self, seeds=(seed, ), model_train_iters=None, native_models=None,
+                       native=native,
                        train_iters=(self.model_train_iters or {}).get(name, self.train_iters))
 
     def key(self) -> dict:
@@ -535,18 +560,21 @@ def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
 
 def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                 progress: Callable[[str], None], fig_dir: str) -> dict:
-    """Train, sweep, fine-tune and map one model (see the module docstring).
+    """Train, sweep, fine-tune and map one model with one seed (``settings.seeds``, one:
+    :meth:`StudySettings.for_run`; see the module docstring).
 
     Returns:
-        dict: ``name, config, input, train, rows, selection, seconds, load, errors``; ``rows``
-        as in :func:`_row` with ``kind`` one of ``baseline``, ``swap``, ``check``,
-        ``finetune``, ``control``.
+        dict: ``name, config, seed, input, train, rows, selection, seconds, load, errors``;
+        ``rows`` as in :func:`_row` with ``kind`` one of :data:`KINDS`.
     """
     t_model = time.time()
     s = settings
+    (seed, ) = s.seeds
     opts = dict(data_options(s.data_root, s.workers), **(s.cfg_options or {}))
-    result = dict(name=name, config=config, settings=s.key(), rows=[], errors=[], load=[],
-                  notes=[], native=[], started=time.strftime('%Y-%m-%d %H:%M:%S'))
+    opts['randomness.seed'] = seed
+    result = dict(name=name, config=config, seed=seed, settings=s.key(), rows=[], errors=[],
+                  load=[], notes=[], native=[], started=time.strftime('%Y-%m-%d %H:%M:%S'))
+    files = f'{name}_seed{seed}'   # figure names
 
     def load(stage):
         result['load'].append((stage, round(os.getloadavg()[0], 2)))
@@ -581,7 +609,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     # 2. unswapped, ToMe, the sweep, MiTA + ToMe, route-only check
     measure = lambda model, batch: images_per_second(model, batch,  # noqa: E731
                                                      s.speed_min_run_time)
-    merge_cfg = dict(include_head=s.merge_head)
+    merge_cfg = dict(include_head=False)   # the encoder only, as MiTA
 
     def do_sweep():
         runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'sweep'), s)
@@ -613,7 +641,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
 
     swept = stage(f'unswapped, {len(s.merge_ratios)} ToMe ratios, '
                   f'{len(s.pool_sizes) * len(s.topks)} MiTA settings and '
-                  f'{len(s.merged_swaps)} MiTA + ToMe, no retraining', do_sweep)
+                  f'{len(s.merged_swaps)} MiTA + ToMe in the encoder, no retraining', do_sweep)
     if swept is None:
         return result
     rows, exact = swept
@@ -624,6 +652,43 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     if exact is not None:
         result['rows'].append(_row('route-only MiTA, every key (check: = unswapped)', 'check',
                                    None, 'N', dict(mIoU=exact), base))
+
+    # 2b. the mask head too: MiTA with its class tokens global, and routed like patches
+    # (each on a model of its own: a later encoder-only swap keeps a swapped head); ToMe
+    head_ratios = s.merge_ratios if s.merge_head and any(
+        r['kind'] == 'tome' for r in result['rows']) else ()
+
+    def do_head():
+        out = []
+        for kind, routed in (('swap-head', False), ('swap-head-routed', True)):
+            runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'head'), s)
+            if swap_model(copy.deepcopy(model), dict(include_head=True), verbose=False) == \
+                    swap_model(copy.deepcopy(model), {}, verbose=False):
+                result['notes'].append('no head rows: the decode head has no attention')
+                return out
+            grid_context(model.decode_head).global_suffix = not routed
+            points = sweep_points(merge_ratios=() if routed else head_ratios)
+            points += [SweepPoint('swap', h) for h in s.head_settings]
+            rows = swap_sweep(runner, points, swap_cfg=dict(include_head=True),
+                              merge_cfg=dict(include_head=True), measure=measure,
+                              progress=lambda line: progress(f'{name}: {kind} {line}'))
+            if rows[0].mIoU != base['mIoU']:   # the same model, the same test
+                result['errors'].append(f'{kind}: the unswapped model gave mIoU '
+                                        f"{rows[0].mIoU}, {base['mIoU']} in the sweep")
+            how = 'class tokens routed' if routed else 'class tokens global'
+            for r in rows[1:]:
+                if r.kind == 'tome':
+                    out.append(_sweep_row(r, base, f'{r.label}, with the head', 'tome-head'))
+                else:
+                    out.append(_sweep_row(r, base, f'{r.label}, with the head ({how})', kind))
+            del runner, model
+            gc.collect()
+        return out
+
+    if s.head_settings or head_ratios:
+        head = stage(f'the mask head too: MiTA at {len(s.head_settings)} setting(s) (class '
+                     f'tokens global, then routed), {len(head_ratios)} ToMe ratio(s)', do_head)
+        result['rows'] += head or []
 
     # 3. calibrated per-layer plans at several budgets, then evaluated
     if s.plan_budgets:
@@ -702,7 +767,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
         def do_selection():
             cfg = load_config(config, opts)
             return selection_maps(cfg, ckpt, s.selection,
-                                  validation_images(cfg, s.selection_images), fig_dir, name)
+                                  validation_images(cfg, s.selection_images), fig_dir, files)
 
         sel = stage(f'token selection at {s.selection.label} on '
                     f'{s.selection_images} validation image(s)', do_selection)
@@ -769,7 +834,7 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
                 cfg = mita_config(load_config(config, opts), mita)
                 return selection_maps(cfg, n_ckpt, setting,
                                       validation_images(cfg, s.selection_images), fig_dir,
-                                      f'{name}_native_{tag_of(setting)}', how='trained with it')
+                                      f'{files}_native_{tag_of(setting)}', how='trained with it')
 
             sel = stage(f'token selection of the MiTA-trained {setting.label}',
                         do_native_selection)
@@ -781,6 +846,65 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     result['seconds'] = round(time.time() - t_model, 1)
     result['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
     return result
+
+
+def _mean_std(values: Sequence[float]) -> Tuple[float, float]:
+    """The mean and the sample standard deviation (n - 1; 0 for one value)."""
+    return mean(values), stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate_rows(runs: Sequence[Tuple[int, Sequence[dict]]]) -> List[dict]:
+    """Rows of several seeds, ``(seed, rows)``, matched by ``(kind, setting)``: each the first
+    seed's row with every number of :data:`NUMBERS` the mean over the seeds that have it,
+    ``std`` (sample standard deviation, n - 1), ``per_seed`` (``{number: {seed: value}}``)
+    and ``seeds`` (how many); in the order of :data:`KINDS`, the paper's row (MiTA
+    M = k = 49, encoder only) first."""
+    groups: Dict[tuple, List[Tuple[int, dict]]] = {}
+    for seed, rows in runs:
+        for r in rows:
+            groups.setdefault((r['kind'], r['setting']), []).append((seed, r))
+    out = []
+    for group in groups.values():
+        row = dict(group[0][1], seeds=len(group), std={}, per_seed={})
+        for k in NUMBERS:
+            values = {str(seed): r[k] for seed, r in group if r.get(k) is not None}
+            if values:
+                row[k], row['std'][k] = _mean_std(list(values.values()))
+                row['per_seed'][k] = values
+        out.append(row)
+    paper = ('swap', PAPER.num_experts, PAPER.topk)
+    return sorted(out, key=lambda r: -1 if (r['kind'], r['M'], r['topk']) == paper
+                  else KINDS.index(r['kind']) if r['kind'] in KINDS else len(KINDS))
+
+
+def aggregate(runs: Sequence[dict]) -> dict:
+    """One model's runs (:func:`study_model`, one per seed) as one result: its rows, and
+    those of each MiTA-trained setting, over the seeds (:func:`aggregate_rows`); the
+    training seconds averaged; the first seed's token selection; every run kept in
+    ``runs``; the runs' errors and notes, each with its seed."""
+    first = runs[0]
+    res = dict(name=first['name'], config=first['config'], seeds=[r['seed'] for r in runs],
+               runs=list(runs), rows=aggregate_rows([(r['seed'], r['rows']) for r in runs]),
+               load=[v for r in runs for v in r['load']],
+               seconds=sum(r.get('seconds', 0) for r in runs),
+               errors=[f"seed {r['seed']}: {e}" for r in runs for e in r['errors']],
+               notes=sorted({n for r in runs for n in r['notes']}), native=[])
+    for key in ('input', 'test_images', 'patch_size', 'selection'):
+        if key in first:
+            res[key] = first[key]
+    trained = [r['train'] for r in runs if 'train' in r]
+    if trained:
+        res['train'] = dict(trained[0], seconds=mean(t['seconds'] for t in trained),
+                            reused=any(t['reused'] for t in trained))
+    for native in first['native']:
+        same = [(r['seed'], n) for r in runs for n in r['native']
+                if n['setting'] == native['setting']]
+        train = [n['train'] for _, n in same if 'train' in n]
+        res['native'].append(dict(
+            native, rows=aggregate_rows([(seed, n['rows']) for seed, n in same]),
+            **(dict(train=dict(train[0], seconds=mean(t['seconds'] for t in train),
+                               reused=any(t['reused'] for t in train))) if train else {})))
+    return res
 
 
 def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: StudySettings,
@@ -823,25 +947,29 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
     progress(f"{len(models)} model(s): {', '.join(names)}; {study['machine']['cpu']}, "
              f"{study['machine']['threads']} thread(s); work dir {work_dir}")
     for i, (name, config) in enumerate(models):
-        mdir = osp.join(work_dir, name)
-        cached = osp.join(mdir, 'result.json')
-        model_settings = settings.for_model(name)
-        if settings.reuse and osp.isfile(cached):
-            with open(cached) as f:
-                res = json.load(f)
-            if res.get('settings') == model_settings.key() and res.get('config') == config \
-                    and not res.get('errors'):
-                progress(f'[{i + 1}/{len(models)}] {name}: reusing {cached} '
-                         f"(computed {res['started']} to {res['finished']})")
-                study['models'].append(res)
-                continue
-        progress(f'[{i + 1}/{len(models)}] {name}: {config}')
-        os.makedirs(mdir, exist_ok=True)
-        res = study_model(name, config, mdir, model_settings, progress, fig_dir)
-        with open(cached, 'w') as f:
-            json.dump(res, f, indent=1)
-        study['models'].append(res)
-        progress(f"[{i + 1}/{len(models)}] {name}: done in {res.get('seconds', 0):.0f}s")
+        runs = []
+        for seed in settings.seeds:
+            what = f'[{i + 1}/{len(models)}] {name}, seed {seed}'
+            mdir = osp.join(work_dir, name, f'seed{seed}')
+            cached = osp.join(mdir, 'result.json')
+            run_settings = settings.for_run(name, seed)
+            if settings.reuse and osp.isfile(cached):
+                with open(cached) as f:
+                    res = json.load(f)
+                if res.get('settings') == run_settings.key() and \
+                        res.get('config') == config and not res.get('errors'):
+                    progress(f'{what}: reusing {cached} '
+                             f"(computed {res['started']} to {res['finished']})")
+                    runs.append(res)
+                    continue
+            progress(f'{what}: {config}')
+            os.makedirs(mdir, exist_ok=True)
+            res = study_model(name, config, mdir, run_settings, progress, fig_dir)
+            with open(cached, 'w') as f:
+                json.dump(res, f, indent=1)
+            runs.append(res)
+            progress(f"{what}: done in {res.get('seconds', 0):.0f}s")
+        study['models'].append(aggregate(runs))
     loads = [v for res in study['models'] for _, v in res['load']]
     study['load_range'] = [min(loads), max(loads)] if loads else [0.0, 0.0]
     study['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
