@@ -155,3 +155,23 @@ def test_low_precision_with_global_tokens(dtype, backend):
     for a, b in zip(torch.autograd.grad(out, low, g.to(dtype)),
                     torch.autograd.grad(ref, wide, g)):
         torch.testing.assert_close(a.float(), b, atol=4 * tol, rtol=4 * tol)
+
+
+def test_attention_mac_counter_counts_global_tokens(tiny_cfg):
+    # the sweep's attn GMACs: a swapped head's class tokens are global, their exact
+    # attention both ways counted (mita_flops' num_global_tokens), as in the FLOP count
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+
+    from mita_seg import swap_attention
+    from mita_seg.analysis.attention_macs import AttentionMacCounter
+    from mita_seg.ops import mita_flops
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(tiny_cfg.model).eval()
+    swap_attention(model, include_head=True, pool_size=2, topk=8, verbose=False)
+    with AttentionMacCounter(model) as counter, torch.no_grad():
+        model._forward(torch.randn(1, 3, 64, 64))
+    # 2 encoder layers over cls + 8x8 patches; 1 head layer over 64 patches + 10 classes
+    assert counter.macs == (2 * mita_flops(1, 4, 65, 16, 4, 8)
+                            + mita_flops(1, 4, 74, 16, 4, 8, num_global_tokens=10))

@@ -50,14 +50,19 @@ class AttentionMacCounter:
         d = module.embed_dims // H
         with_bias = getattr(module, 'relative_position_bias_table', None) is not None
         if isinstance(module, MiTASettingsMixin):
+            T = 0   # global tokens (a swapped Segmenter head's class tokens): exact both ways
             if isinstance(module, MiTABEiTAttention):
                 grid = module.grid_shape(N)
             else:
                 grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
-            (ph, pw), topk, router_topk = module.effective_settings(N, grid)
+                glob = kwargs.get('global_tokens') or (
+                    module.grid.global_tokens(N, grid) if module.grid is not None else (0, 0))
+                T = sum(glob)
+            (ph, pw), topk, router_topk = module.effective_settings(N - T, grid)
             self.ran.add(((ph, pw), topk, router_topk, N))
             self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
-                                    module.with_shared_expert, with_bias=with_bias)
+                                    module.with_shared_expert, with_bias=with_bias,
+                                    num_global_tokens=T)
         else:
             self.macs += attention_flops(B, H, N, d, with_bias=with_bias)
 
