@@ -226,8 +226,7 @@ def test_analyze_token_selection_cli(segmenter_ckpt, tiny_data, tools, tmp_path)
     _, out = tools('tools/analyze_token_selection.py', config, ckpt, *imgs, '--out-dir',
                    tmp_path, '--mita-cfg', 'pool_size=4', 'topk=16')
     summary = json.loads((tmp_path / 'token_selection.json').read_text())
-    layers = [f'backbone.layers.{i}.attn' for i in range(4)] + [
-        f'decode_head.layers.{i}.attn' for i in range(2)]
+    layers = [f'backbone.layers.{i}.attn' for i in range(4)]   # the encoder, as the paper
     for img in imgs:
         assert list(summary[img]) == layers
         for s in summary[img].values():
