@@ -2,8 +2,8 @@
 under ``mmseg/.mim/tools``) train and evaluate our configs: the crash-safe, strict,
 weights-only checkpoint hook and bf16 AMP on CPU come from the configs (registered hooks and
 optim wrappers), not from our copies of the tools. A swap config (``_base_`` = a
-standard-attention Segmenter config, backbone and head switched to MiTA) evaluates the
-standard-attention checkpoint with mmseg's ``tools/test.py``."""
+standard-attention Segmenter config, its backbone switched to MiTA as the paper does)
+evaluates the standard-attention checkpoint with mmseg's ``tools/test.py`` as our swap does."""
 import os.path as osp
 import re
 
@@ -19,9 +19,7 @@ MMSEG_TOOLS = osp.join(osp.dirname(mmseg.__file__), '.mim', 'tools')
 SWAP_CONFIG = """
 _base_ = [{base!r}]
 mita_cfg = dict(pool_size=4, topk=32)
-model = dict(
-    backbone=dict(type='MiTAVisionTransformer', mita_cfg=mita_cfg),
-    decode_head=dict(type='MiTASegmenterMaskTransformerHead', mita_cfg=mita_cfg))
+model = dict(backbone=dict(type='MiTAVisionTransformer', mita_cfg=mita_cfg))  # the paper's
 """
 
 
