@@ -123,6 +123,28 @@ def test_model_level(tools):
         assert len(mems) == 5
 
 
+@pytest.mark.slow
+def test_model_level_compiled_columns(tools):
+    # --compile: the fast dense model and MiTA under torch.compile (inductor), two more
+    # columns and their ratios; the compiled models run (a graph break or a failed compile
+    # would end the run), their speed is the benchmark's to report
+    _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
+                   '--images', '64x80', '--pool-size', 2, '--topk', 8, '--rounds', 1,
+                   '--min-run-time', 0.01, '--no-memory', '--compile')
+    header = next(line for line in out.splitlines() if line.lstrip().startswith('model '))
+    assert header.split('|')[1].split() == ['mmseg', 'dense', 'MiTA', 'bound', 'dense+c',
+                                            'MiTA+c'], header
+    assert header.split('|')[2].split()[-4:] == ['dense+c/dense', 'MiTA+c/dense+c', 'MiTA',
+                                                 '%bnd'], header
+    (_, speeds, ratios, mems), = _rows(out, 'segmenter-vit-t')
+    assert len(speeds) == 6 and all(float(s) > 0 for s in speeds)
+    assert len(ratios) == 7 and all(_ratio(cell) for cell in ratios[:-1])
+    assert mems == ['n/a'] * 6                        # --no-memory
+    # the columns line up with the header's
+    line = next(line for line in out.splitlines() if line.lstrip().startswith('segmenter-vit-t'))
+    assert len(line) == len(header), (line, header)
+
+
 def test_model_level_refuses_a_bad_image_size(tools):
     # an image smaller than one 16x16 patch, or not a size: argparse's one line, exit 2
     for bad in ('8', 'big'):

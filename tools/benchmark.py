@@ -33,8 +33,11 @@ timed in turn, a call of each per round (a call takes seconds: timed one after t
 their ratios carried the host's drift). ``--dtypes bfloat16``: each under
 ``torch.autocast`` (the float32 model, as CPU serving in bf16 runs it). With
 ``--merge-ratio R``, token merging (ToMe, ``mita_seg.merge_tokens``) on the fast dense
-model is a fifth column. With ``--profile``, MiTA's time is split into the kernel and the
-rest of its attention (MiTA's time less the bound's).
+model is a fifth column. With ``--compile``, the fast dense model and MiTA compiled with
+``torch.compile`` (inductor; the backbone's and the decode head's forward, a graph per input
+shape, compiled in the warm-up calls) are two more columns, ``MiTA+c/dense+c`` their ratio.
+With ``--profile``, MiTA's time is split into the kernel and the rest of its attention (MiTA's
+time less the bound's).
 
 ONNX Runtime (``--level onnx``): the same checkpoint exported to ONNX unswapped, swapped to
 MiTA at each ``--onnx-settings`` (MiTA as standard ONNX operators, :mod:`mita_seg.ops.onnx`)
@@ -69,6 +72,7 @@ Examples::
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
     python tools/benchmark.py --level model --profile         # + the kernel's share
     python tools/benchmark.py --level model --models segmenter-vit-b --dtype bfloat16
+    python tools/benchmark.py --level model --models segmenter-vit-t --compile
     python tools/benchmark.py --level threads --tokens 1025 4097 --dtypes float32
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
@@ -406,10 +410,13 @@ def model_level(args):
 
     init_default_scope('mmseg')
     dev = torch.device(args.device)
-    names = [v[0] for v in MODEL_VARIANTS] + (['ToMe'] if args.merge_ratio is not None else [])
+    names = ([v[0] for v in MODEL_VARIANTS] + (['ToMe'] if args.merge_ratio is not None else [])
+             + (['dense+c', 'MiTA+c'] if args.compile else []))
     speedups = [('dense/mmseg', 'mmseg', 'dense'), ('MiTA/dense', 'dense', 'MiTA'),
                 ('bound/dense', 'dense', 'bound'), ('MiTA/mmseg', 'mmseg', 'MiTA')] + (
-        [('ToMe/dense', 'dense', 'ToMe')] if args.merge_ratio is not None else [])
+        [('ToMe/dense', 'dense', 'ToMe')] if args.merge_ratio is not None else []) + (
+        [('dense+c/dense', 'dense', 'dense+c'), ('MiTA+c/dense+c', 'dense+c', 'MiTA+c')]
+        if args.compile else [])
 
     def build(name):  # {variant: model}, the swap plan in words
         cfg = get_config(MODELS[name])
@@ -424,13 +431,16 @@ def model_level(args):
             m = SEG_MODELS.build(dict(cfg.model, type='SlimEncoderDecoder',
                                       dense_attn='fast')).eval().to(dev)
             m.load_state_dict(state)            # the same weights in each
-            if variant in ('MiTA', 'bound'):
+            if variant in ('MiTA', 'bound', 'MiTA+c'):
                 swap_attention(m, include_head=args.swap_head, pool_size=args.pool_size,
                                topk=args.topk, verbose=False)
             if variant == 'bound':
                 remove_attention_mixing(m)
             if variant == 'ToMe':
                 merge_tokens(m, args.merge_ratio, verbose=False)
+            if variant.endswith('+c'):        # a graph per input shape, no dynamic shapes
+                for part in (m.backbone, m.decode_head):
+                    part.forward = torch.compile(part.forward, dynamic=False)
             models[variant] = m
         plan = current_plan(models['MiTA']).describe(MITA_DEFAULTS)
         paths = {v: dense_attn_of(m) for v, m in models.items()}  # what each runs
@@ -454,15 +464,20 @@ def model_level(args):
     if args.merge_ratio is not None:
         print(f'# ToMe = the fast dense model with tokens merged at ratio {args.merge_ratio:g} '
               'before each attention and MLP of the ViT layers (mita_seg.merge_tokens)')
+    if args.compile:
+        print('# dense+c, MiTA+c = dense and MiTA with the forward of the backbone and the '
+              'decode head under torch.compile (inductor, dynamic=False; compiled in the '
+              'warm-up calls, not timed)')
     print(f'# img/s of each, timed in turn (a call of each per round, the median of at least '
           f'{args.rounds} rounds); a speed-up A/B = img/s of A over B in this run; MiTA %bnd = '
           'MiTA/dense over bound/dense; N = tokens per forward; memory = peak rise (MiB, '
           f"RSS{'' if args.memory else ': not measured, --no-memory'}); n/a: mmseg's N x N "
           'weights over --max-mmcv-gib')
+    wide = lambda text, w: max(w, len(text))  # noqa: a column as wide as its name
     header = (f"{'model':>16} {'image':>9} {'mode':>5} {'N':>6} {'dtype':>8} | " +
               ' '.join(f'{n:>8}' for n in names) + ' | ' +
-              ' '.join(f'{s[0]:>11}' for s in speedups) + f" {'MiTA %bnd':>9} | " +
-              ' '.join(f'{n + " MiB":>9}' for n in names))
+              ' '.join(f'{s[0]:>{wide(s[0], 11)}}' for s in speedups) + f" {'MiTA %bnd':>9} | "
+              + ' '.join(f'{n + " MiB":>{wide(n + " MiB", 9)}}' for n in names))
     print(header)
     print('-' * len(header), flush=True)
 
@@ -512,15 +527,15 @@ def model_level(args):
                                                        args.min_run_time, rounds=args.rounds,
                                                        device=dev)))
             speed = lambda v: f'{1 / times[v]:8.3g}' if v in times else f"{'n/a':>8}"  # noqa
-            ratio = lambda a, b: (f'{times[a] / times[b]:10.2f}x' if a in times and b in times
-                                  else f"{'n/a':>11}")  # noqa
-            mem = lambda v: (f'{peaks[row][v]:9.0f}' if peaks[row][v] is not None
-                             else f"{'n/a':>9}")  # noqa
+            ratio = lambda a, b, w: (f'{times[a] / times[b]:{w - 1}.2f}x' if a in times and
+                                     b in times else f"{'n/a':>{w}}")  # noqa
+            mem = lambda v, w: (f'{peaks[row][v]:{w}.0f}' if peaks[row][v] is not None
+                                else f"{'n/a':>{w}}")  # noqa
             print(f'{name:>16} {image:>9} {mode:>5} {n:>6} {dtype:>8} | ' +
                   ' '.join(speed(v) for v in names) + ' | ' +
-                  ' '.join(ratio(a, b) for _, a, b in speedups) +
+                  ' '.join(ratio(a, b, wide(s, 11)) for s, a, b in speedups) +
                   f" {100 * times['bound'] / times['MiTA']:8.0f}% | " +
-                  ' '.join(mem(v) for v in names), flush=True)
+                  ' '.join(mem(v, wide(v + ' MiB', 9)) for v in names), flush=True)
             if args.profile and dev.type == 'cpu':  # the kernel's seconds per image
                 mita, bound = times['MiTA'], times['bound']
                 kernel = sum(profiled(calls['MiTA'], reps=2)[1].values())
@@ -697,6 +712,9 @@ def parse_args():
     p.add_argument('--no-memory', dest='memory', action='store_false',
                    help='model level: skip the peak memory (two calls of each variant '
                    'before the timing)')
+    p.add_argument('--compile', action='store_true',
+                   help='model level: also the fast dense model and MiTA under torch.compile '
+                        '(inductor), two more columns')
     p.add_argument('--swap-head', action='store_true',
                    help='model level: swap Segmenter\'s mask head to MiTA too (default: the '
                    'encoder only, as the paper)')
@@ -738,6 +756,9 @@ def parse_args():
             p.error(f'--pool-size {args.pool_size} is larger than the grid of --tokens '
                     f'{small} ({grid_side(small[0])}x{grid_side(small[0])}): give --pool-size '
                     f'<= {min(grid_side(n) for n in args.tokens or [1025])} or more tokens')
+    if args.compile and args.level not in ('model', 'all'):
+        p.error('--compile adds compiled columns to the model level: use it with --level model '
+                'or all')
     if args.profile and (args.bias or args.level == 'threads' or args.device != 'cpu'):
         p.error('--profile measures the fused CPU kernel without a bias: use it with '
                 '--device cpu, --level op/model/all, and without --bias')
