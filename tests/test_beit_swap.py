@@ -459,3 +459,69 @@ def test_get_flops_tool_on_the_beit_config(tools, tmp_path):
     assert 'MiTA: 12 attention modules swapped, pool_size=7, topk=49' in text
     assert 'Relative position bias (BEiT/MAE), in attention: one add = one FLOP' in text
     assert result['reduction_percent']['backbone'] > 0
+
+
+# ----------------------------------------------------------------------------------------
+# init_model(img_size=...): BEiT/MAE built for another whole-image size, tables interpolated
+# ----------------------------------------------------------------------------------------
+def test_resize_rel_pos_table_keeps_what_it_should():
+    from mita_seg.apis.model import resize_rel_pos_table
+    src, dst, heads = 8, 12, 3                      # grids 8x8 -> 12x12
+    rows = lambda s: (2 * s - 1) ** 2 + 3           # noqa: E731
+    table = torch.randn(rows(src), heads, generator=torch.Generator().manual_seed(0))
+    out = resize_rel_pos_table(table, rows(dst))
+    assert out.shape == (rows(dst), heads) and out.dtype == table.dtype
+    assert torch.equal(out[-3:], table[-3:])        # the class token's three distances
+    # the geometric sequence keeps distances 0 and +-1 on source points: exact there
+    grid_in = table[:-3].view(2 * src - 1, 2 * src - 1, heads)
+    grid_out = out[:-3].view(2 * dst - 1, 2 * dst - 1, heads)
+    for dy in (-1, 0, 1):
+        for dx in (-1, 0, 1):
+            torch.testing.assert_close(grid_out[dst - 1 + dy, dst - 1 + dx],
+                                       grid_in[src - 1 + dy, src - 1 + dx])
+    flat = torch.full_like(table, 0.25)             # a constant stays constant
+    torch.testing.assert_close(resize_rel_pos_table(flat, rows(dst)),
+                               torch.full((rows(dst), heads), 0.25))
+    assert resize_rel_pos_table(table, rows(src)) is table
+
+
+@pytest.mark.parametrize('name', list(ZOO))
+def test_init_model_builds_beit_for_another_size(name, tmp_path):
+    from mita_seg.apis import init_model
+    cfg = get_config(ZOO[name])
+    cfg.model = model_cfg(ZOO[name], crop=(128, 128))          # an 8x8 grid
+    cfg.model.test_cfg = dict(mode='whole')
+    torch.manual_seed(0)
+    zoo_model = MODELS.build(cfg.model)
+    zoo_model.init_weights()
+    for layer in zoo_model.backbone.layers:
+        torch.nn.init.normal_(layer.attn.relative_position_bias_table, std=0.5)
+    path = str(tmp_path / 'model.pth')
+    save_zoo(zoo_model, path)
+    saved = zoo_model.state_dict()
+    model = init_model(cfg, path, img_size=(192, 192))          # a 12x12 grid
+    assert tuple(model.backbone.img_size) == (192, 192)
+    state = model.state_dict()
+    for i in range(len(model.backbone.layers)):
+        key = f'backbone.layers.{i}.attn.relative_position_bias_table'
+        assert state[key].shape[0] == 23 * 23 + 3 and saved[key].shape[0] == 15 * 15 + 3
+        assert torch.equal(state[key][-3:], saved[key][-3:])
+        centre = lambda t, s: t[:-3].view(2 * s - 1, 2 * s - 1, -1)[s - 1, s - 1]  # noqa
+        torch.testing.assert_close(centre(state[key], 12), centre(saved[key], 8))
+    if name == 'mae-b':                             # the absolute embedding too, cls row kept
+        assert state['backbone.pos_embed'].shape[1] == 1 + 144
+        torch.testing.assert_close(state['backbone.pos_embed'][:, 0],
+                                   saved['backbone.pos_embed'][:, 0])
+    # every other weight is the checkpoint's; the model runs whole at the new size
+    for key, value in saved.items():
+        if 'relative_position' not in key and key != 'backbone.pos_embed':
+            assert torch.equal(state[key], value), key
+    out = logits(model, (192, 192))
+    assert out.shape == (1, 150, 192, 192) and torch.isfinite(out).all()
+    # the config's own size: nothing rebuilt or interpolated
+    same = init_model(cfg, path, img_size=(128, 128))
+    assert all(torch.equal(v, saved[k]) for k, v in same.state_dict().items())
+    with pytest.raises(ValueError, match='square grids only'):
+        init_model(cfg, path, img_size=(192, 256))
+    with pytest.raises(ValueError, match=r'int64 position index per layer, \d+\.\d GiB'):
+        init_model(cfg, path, img_size=(8192, 8192))

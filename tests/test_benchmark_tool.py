@@ -59,13 +59,18 @@ def test_onnx_level(tools):
     assert rows[0][1][1] == '1.00x' and rows[0][3] == ['0'], out
     assert rows[1][1][2].endswith('%') and len(rows[2][1]) == 2, out  # MiTA's share
     assert float(rows[1][3][0]) > 0, out  # MiTA is not softmax attention
-    # the softmax file skipped where its N x N weights exceed --max-onnx-gib
-    _, out = tools('tools/benchmark.py', '--level', 'onnx', '--models', 'segmenter-vit-t',
-                   '--onnx-sizes', 64, '--onnx-settings', '2:8', '--min-run-time', 0.01,
-                   '--max-onnx-gib', 1e-6)
+    # a file skipped where the N x N weights of a dense attention exceed --max-onnx-gib: the
+    # softmax file's encoder, and the mask head, dense in every file unless --swap-head
+    tiny = ['--level', 'onnx', '--models', 'segmenter-vit-t', '--onnx-sizes', 64,
+            '--onnx-settings', '2:8', '--min-run-time', 0.01, '--max-onnx-gib', 1e-6]
+    _, out = tools('tools/benchmark.py', *tiny)
     rows = _rows(out, 'segmenter-vit-t')
-    assert 'skipped' in ' '.join(rows[0][1]) and len(rows) == 3, out
-    assert rows[1][1][1] == 'n/a' and rows[1][3] == ['n/a'], out
+    assert len(rows) == 3 and all('skipped' in ' '.join(r[1]) for r in rows), out
+    assert "the mask head's (--swap-head: MiTA) 3 x 166 x 166 attention weights" in out, out
+    _, out = tools('tools/benchmark.py', *tiny, '--swap-head')
+    rows = _rows(out, 'segmenter-vit-t')
+    assert 'its 3 x 166 x 166 attention weights' in ' '.join(rows[0][1]) and len(rows) == 3, out
+    assert rows[1][1][1] == 'n/a' and float(rows[1][2][0]) >= 0, out  # no base: no ratio
 
 
 def test_bound_removes_only_the_mixing(tiny_cfg):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import onnx  # requirements.txt: onnx, onnxruntime, onnxscript
 import onnxruntime as ort
 
+from mita_seg import swap_attention
 from mita_seg.ops import Inputs, RelPosBias, mita_attention, mita_attention_reference
 from mita_seg.ops.bias import table_size
 from mita_seg.ops.global_tokens import with_global_tokens
@@ -490,3 +491,40 @@ def test_export_onnx_tool_at_crop(config, shape, seed, tools, tmp_path):
     for s in (0, 5):
         got, ref = ort_vs_pytorch(str(out_file), cfg, ckpt, (shape, shape), {}, seed=s)
         assert (got.argmax(1) == ref.argmax(1)).float().mean() > 0.99
+
+
+def test_dense_attention_weights_counts_what_runs(tiny_ckpts):
+    # the dense layers a forward calls and the bytes of their float32 weights in ORT (the
+    # scores and their softmax); MiTA layers hold their dense module but never call it
+    from mita_seg.apis import init_model
+    from mita_seg.apis.onnx_export import SegLogits, dense_attention_weights
+    model = init_model(TINY_SEGMENTER, tiny_ckpts['segmenter'])
+    run = SegLogits(model, (128, 160)).eval()
+    heads = model.backbone.layers[0].attn.num_heads
+    layers = len(model.backbone.layers) + len(model.decode_head.layers)
+    patch = model.cfg.model.backbone.patch_size
+    n, classes = 1 + (128 // patch) * (160 // patch), model.decode_head.num_classes
+    with torch.no_grad():
+        dense = dense_attention_weights(model, lambda: run(torch.zeros(1, 3, 128, 160)))
+    assert len(dense) == layers
+    sizes = dict(dense)
+    assert sizes['backbone.layers.0.attn'] == 2 * 4 * heads * n * n
+    head = 2 * 4 * model.decode_head.layers[0].attn.num_heads * (n - 1 + classes) ** 2
+    assert sizes['decode_head.layers.0.attn'] == head
+    swap_attention(model, include_head=True, verbose=False)
+    with torch.no_grad():
+        assert dense_attention_weights(model, lambda: run(torch.zeros(1, 3, 128, 160))) == []
+
+
+def test_export_onnx_refuses_dense_weights_over_memory(tiny_ckpts, tmp_path, monkeypatch):
+    # dense attention whose N x N weights would not fit: refused before any export, with
+    # what to change, nothing written; --check none writes it for a larger machine
+    from mita_seg.apis import onnx_export
+    monkeypatch.setattr(onnx_export, 'physical_memory', lambda: 2**20)
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError) as err:
+        onnx_export.export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out))
+    message = str(err.value)
+    assert 'the dense attention of decode_head.layers.' in message, message
+    assert "over half of this machine's 0 GiB" in message and 'include_head=True' in message
+    assert os.listdir(tmp_path) == []

@@ -44,9 +44,10 @@ MiTA at each ``--onnx-settings`` (MiTA as standard ONNX operators, :mod:`mita_se
 and with MiTA's node exported as ``out = v`` (attention removed, projections kept: the bound
 no attention in the same graph beats), images per second of each file in ONNX Runtime on
 the CPU, timed in turn, whole image at ``--onnx-sizes``, the ratio to the unswapped file,
-MiTA's ratio as a share of the bound's, and each file's peak memory (the unswapped file is
-skipped where its ``H x N x N`` attention weights exceed ``--max-onnx-gib``, e.g. ViT-B at
-2048: 12 GiB).
+MiTA's ratio as a share of the bound's, and each file's peak memory (a file is skipped
+where the ``H x N x N`` weights of one of its dense attention layers exceed
+``--max-onnx-gib``: ViT-B at 2048, the unswapped encoder's 12 GiB, and Segmenter's dense
+mask head's 12.2 GiB in the swapped files too unless ``--swap-head``).
 
 Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
 ``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
@@ -566,8 +567,9 @@ def onnx_level(args):
     turn in ONNX Runtime (median over three interleaved rounds of at least
     ``--min-run-time`` seconds each), with each file's peak memory (one run of a session
     without ORT's memory arena, so what it allocates is given back and the peak is its
-    own). The softmax file is skipped where its ``[H, N, N]`` attention weights alone
-    exceed ``--max-onnx-gib``."""
+    own). A file is skipped where the ``[H, N, N]`` weights of one of its dense attention
+    layers alone exceed ``--max-onnx-gib`` (ORT materialises them): the softmax file's
+    encoder, and Segmenter's mask head (N - 1 + 150 tokens) unless ``--swap-head``."""
     import tempfile
 
     import onnxruntime
@@ -599,25 +601,40 @@ def onnx_level(args):
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.test_cfg = dict(mode='whole')
-        heads = cfg.model.backbone.get('num_heads', 12)
+        head = cfg.model.decode_head
         for size in args.onnx_sizes:
             h = size // 16
             N = 1 + h * h
+            # the largest dense attention of each file: (heads, tokens), or None
+            encoder = (cfg.model.backbone.get('num_heads', 12), N)
+            mask_head = ((head.num_heads, N - 1 + head.num_classes) if 'num_heads' in head
+                         else None)
             torch.manual_seed(0)
             model = SEG_MODELS.build(cfg.model).eval()
-            dense_gib = heads * N * N * 4 / 2**30
             variants = [('softmax', model, None)]
-            if dense_gib > args.max_onnx_gib:
-                variants = []
-                print(f"{name:>16} {f'{size}x{size}':>10} {N:>6} {'softmax':>18} | skipped: "
-                      f'its {heads} x {N} x {N} attention weights alone take '
-                      f'{dense_gib:.1f} GiB > --max-onnx-gib {args.max_onnx_gib:g}',
-                      flush=True)
             for setting in settings:
                 swapped = copy.deepcopy(model)
-                swap_attention(swapped, verbose=False, **setting.cfg())
+                swap_attention(swapped, verbose=False, include_head=args.swap_head,
+                               **setting.cfg())
                 variants.append((f'MiTA {setting.text}', swapped, None))
             variants.append(('no mixing (bound)', swapped, no_mixing_table()))
+            kept = []
+            for label, m, table in variants:
+                softmax = label == 'softmax'
+                dense = max([encoder] * softmax + [mask_head] * bool(
+                    mask_head and (softmax or not args.swap_head)),
+                    key=lambda hn: hn[0] * hn[1] ** 2, default=None)
+                gib = dense[0] * dense[1] ** 2 * 4 / 2**30 if dense else 0.0
+                if gib <= args.max_onnx_gib:
+                    kept.append((label, m, table))
+                    continue
+                where = 'its' if label == 'softmax' else "the mask head's (--swap-head: MiTA)"
+                print(f"{name:>16} {f'{size}x{size}':>10} {N:>6} {label:>18} | skipped: "
+                      f'{where} {dense[0]} x {dense[1]} x {dense[1]} attention weights alone '
+                      f'take {gib:.1f} GiB > --max-onnx-gib {args.max_onnx_gib:g}', flush=True)
+            variants = kept
+            if not variants:
+                continue
             img = torch.randn(1, 3, size, size)
             runs, peaks, base_out, diffs = [], [], None, []
             for i, (label, m, table) in enumerate(variants):
@@ -716,8 +733,8 @@ def parse_args():
                    help='model level: also the fast dense model and MiTA under torch.compile '
                         '(inductor), two more columns')
     p.add_argument('--swap-head', action='store_true',
-                   help='model level: swap Segmenter\'s mask head to MiTA too (default: the '
-                   'encoder only, as the paper)')
+                   help='model and onnx levels: swap Segmenter\'s mask head to MiTA too '
+                   '(default: the encoder only, as the paper)')
     p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
     p.add_argument('--onnx-settings', type=setting_arg, nargs='+', default=None,
@@ -736,8 +753,8 @@ def parse_args():
     p.add_argument('--min-run-time', type=float_range(0, low_open=True), default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
-                   help='--level onnx: skip the softmax file where its H x N x N attention '
-                   'weights exceed this (GiB)')
+                   help='--level onnx: skip a file where the H x N x N weights of one of its '
+                   'dense attention layers exceed this (GiB)')
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path (mmseg as released at the model level) where its '
                    'N x N weights exceed this many GiB')

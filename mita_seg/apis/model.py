@@ -1,7 +1,9 @@
 """Segmentors for the tools: built from a config, checkpoint loaded strictly and
 weights-only, optionally swapped to MiTA."""
-from typing import Optional, Union
+import os
+from typing import Optional, Sequence, Tuple, Union
 
+import torch
 import torch.nn as nn
 from mmengine.config import Config
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
@@ -45,7 +47,8 @@ def init_model(config: Union[str, Config],
                device: str = 'cpu',
                cfg_options: Optional[dict] = None,
                mita_cfg: Optional[dict] = None,
-               dense_attn: Optional[str] = None) -> nn.Module:
+               dense_attn: Optional[str] = None,
+               img_size: Optional[Sequence[int]] = None) -> nn.Module:
     """mmseg's ``init_model``, with the checkpoint loaded strictly and weights-only, an
     ``EncoderDecoder`` on :class:`~mita_seg.models.SlimEncoderDecoder` (mmseg's results,
     lighter slide inference; ``slim_inference=False`` in ``cfg_options`` keeps mmseg's),
@@ -65,6 +68,12 @@ def init_model(config: Union[str, Config],
             formed) or ``'mmseg'`` (mmseg's own, as released;
             :func:`~mita_seg.models.set_dense_attn`). None: the config's ``dense_attn``,
             else ``'fast'``. Default: None.
+        img_size (Sequence[int], optional): ``(H, W)`` of the whole images the model will
+            see. A backbone whose position tables fit one grid only (BEiT, MAE) is built
+            for it and its tables are interpolated from the checkpoint, as mmseg does for
+            pretrained weights (``BEiT.resize_rel_pos_embed``, ``MAE.resize_abs_pos_embed``);
+            other backbones (the ViT family resizes its own) are left as they are. None:
+            the config's size. Default: None.
 
     Returns:
         nn.Module: the segmentor in eval mode, with ``cfg`` and ``dataset_meta``.
@@ -74,7 +83,9 @@ def init_model(config: Union[str, Config],
             ``'mmseg'``; NothingToSwapError: ``mita_cfg`` given and
             nothing to swap; FileNotFoundError, UnreadableCheckpointError,
             UnsafeCheckpointError, CheckpointMismatchError: the checkpoint cannot be
-            loaded, or does not fit the model exactly (nothing runs with random weights).
+            loaded, or does not fit the model exactly (nothing runs with random weights);
+            ValueError: a BEiT/MAE asked for a non-square size or one whose position index
+            buffers would not fit in memory.
     """
     from mmseg.apis import init_model as mmseg_init_model
     cfg = config if isinstance(config, Config) else load_config(config)
@@ -83,11 +94,122 @@ def init_model(config: Union[str, Config],
     if dense_attn is not None:
         cfg.dense_attn = check_dense_attn(dense_attn)
     use_slim_inference(cfg)
-    model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
-    use_dense_attn(model, cfg)
-    guard_grids(model)           # a BEiT/MAE at another grid: an error that says what to do
+
+    def build():
+        model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
+        use_dense_attn(model, cfg)
+        guard_grids(model)       # a BEiT/MAE at another grid: an error that says what to do
+        return model
+
+    model, adapt = build(), None
+    fixed = fixed_grid_size(model)
+    if img_size is not None and fixed is not None and tuple(img_size) != fixed:
+        check_fixed_grid_size(model, tuple(img_size))
+        cfg.model.backbone.img_size = tuple(int(s) for s in img_size)
+        model = build()
+        adapt = lambda state: resize_position_tables(model, state)  # noqa: E731
+        from mmengine.logging import print_log
+        print_log(f'{type(model.backbone).__name__} built for {img_size[0]}x{img_size[1]} '
+                  f'images (config: {fixed[0]}x{fixed[1]}): its position tables '
+                  'interpolated from the checkpoint as mmseg does for pretrained weights',
+                  logger='current')
     if mita_cfg is not None:
         swap_model(model, mita_cfg)
-    ckpt = load_checkpoint(model, checkpoint) if checkpoint is not None else None
+    ckpt = load_checkpoint(model, checkpoint, adapt=adapt) if checkpoint is not None else None
     model.dataset_meta = dataset_meta(model.cfg, ckpt)
     return model.to(device).eval()
+
+
+def fixed_grid_size(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """The image size ``(H, W)`` a BEiT/MAE backbone (position tables of one grid) is
+    built for; None for other backbones (the ViT family interpolates its own)."""
+    from mmseg.models.backbones import BEiT
+    backbone = getattr(model, 'backbone', None)
+    if not isinstance(backbone, BEiT):
+        return None
+    size = backbone.img_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def check_fixed_grid_size(model: nn.Module, img_size: Tuple[int, int]) -> None:
+    """Refuse a size a BEiT/MAE cannot be built for: not square (mmseg interpolates square
+    tables only), or an ``[N+1, N+1]`` position index per layer (int64, a buffer of
+    mmseg's ``BEiTAttention``) over half the machine's memory."""
+    backbone = model.backbone
+    name = type(backbone).__name__
+    h, w = img_size
+    if h != w:
+        raise ValueError(f'{name} at {h}x{w}: its position tables are interpolated to '
+                         'square grids only (mmseg\'s resize_rel_pos_embed); give a square '
+                         'size')
+    n = (h // backbone.patch_size) * (w // backbone.patch_size) + 1
+    need = len(backbone.layers) * n * n * 8
+    total = physical_memory()
+    if total and need > total / 2:
+        raise ValueError(
+            f'{name} at {h}x{w} ({n} tokens): mmseg\'s BEiTAttention keeps an [N, N] int64 '
+            f'position index per layer, {need / 2**30:.1f} GiB for its {len(backbone.layers)} '
+            f'layers, over half of this machine\'s {total / 2**30:.0f} GiB; give a smaller '
+            'size')
+
+
+def resize_position_tables(model: nn.Module, state: dict) -> dict:
+    """``state`` with the BEiT/MAE backbone's relative position bias tables
+    (:func:`resize_rel_pos_table`) and MAE's absolute position embedding (mmseg's
+    ``MAE.resize_abs_pos_embed``) interpolated to ``model``'s grid, and the position index
+    buffers (a function of the grid) taken from ``model``."""
+    backbone, prefix = model.backbone, 'backbone.'
+    own = model.state_dict()
+    tables = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and (
+        k.endswith('relative_position_bias_table') or k == prefix + 'pos_embed')}
+    for k, table in tables.items():
+        if k.endswith('relative_position_bias_table'):
+            tables[k] = resize_rel_pos_table(table, own[prefix + k].shape[0])
+    if hasattr(backbone, 'resize_abs_pos_embed'):
+        tables = backbone.resize_abs_pos_embed(tables)
+    state = dict(state, **{prefix + k: v for k, v in tables.items()})
+    for k in state:
+        if k.endswith('relative_position_index') and k in own:
+            state[k] = own[k]
+    return state
+
+
+def resize_rel_pos_table(table: torch.Tensor, num_pos: int) -> torch.Tensor:
+    """A BEiT relative position bias table ``[(2S-1)^2 + 3, H]`` resized to ``num_pos``
+    rows: mmseg's ``BEiT.resize_rel_pos_embed`` (the geometric-sequence interpolation of
+    BEiT's own code), with SciPy's cubic ``interp2d``, removed in SciPy 1.14, replaced by
+    its regular-grid equivalent ``RectBivariateSpline``. The 3 rows of the class token's
+    distances are kept."""
+    import numpy as np
+    from scipy.interpolate import RectBivariateSpline
+    extra = 3
+    src = int(round((table.shape[0] - extra) ** 0.5))
+    dst = int(round((num_pos - extra) ** 0.5))
+    if src == dst:
+        return table
+    left, right = 1.01, 1.5          # the ratio q whose geometric sequence spans dst // 2
+    while right - left > 1e-6:
+        q = (left + right) / 2.0
+        if (1.0 - q ** (src // 2)) / (1.0 - q) > dst // 2:
+            right = q
+        else:
+            left = q
+    dis, cur = [], 1.0
+    for i in range(src // 2):
+        dis.append(cur)
+        cur += q ** (i + 1)
+    x = np.array([-d for d in reversed(dis)] + [0] + dis)
+    t = dst // 2.0
+    dx = np.arange(-t, t + 0.1, 1.0)
+    grid = table[:-extra].float().numpy()
+    heads = [torch.from_numpy(RectBivariateSpline(x, x, grid[:, h].reshape(src, src))(dx, dx))
+             .reshape(-1, 1) for h in range(table.shape[1])]
+    return torch.cat([torch.cat(heads, dim=1).to(table), table[-extra:]], dim=0)
+
+
+def physical_memory() -> Optional[int]:
+    """Bytes of physical memory, None where unknown."""
+    try:
+        return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -44,7 +44,7 @@ from mita_seg.models import GridMismatchError
 from mita_seg.ops.bias import RelPosBias
 from mita_seg.ops.onnx import OnnxExportError, mita_translation_table, routing_ties
 from .config import load_config
-from .model import init_model
+from .model import init_model, physical_memory
 
 __all__ = ['OnnxExportError', 'OnnxReport', 'OnnxCheck', 'LayerCheck', 'SegLogits',
            'export_onnx', 'check_onnx', 'compare_layer', 'write_onnx', 'export_shape',
@@ -250,6 +250,38 @@ def export_shape(cfg, shape: Optional[Sequence[int]]) -> Tuple[int, int]:
 def _mita_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     from mita_seg.models import MiTASettingsMixin
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
+
+
+def dense_attention_weights(model: nn.Module, run) -> List[Tuple[str, int]]:
+    """The dense attention layers that ``run()`` calls in ``model`` (``nn.MultiheadAttention``
+    and its subclasses: mmseg's ViT family, Segmenter's mask head, layers a plan keeps dense)
+    and the bytes of the float32 ``[B, H, L, S]`` weights each would hold in ONNX Runtime,
+    where attention is MatMul-Softmax-MatMul and the weights are materialised (the scores
+    and their softmax: twice that), largest first. A layer is named as its mmcv
+    ``MultiheadAttention`` (``decode_head.layers.0.attn``)."""
+    sizes: Dict[str, int] = {}
+
+    def hook(name):
+        def record(module, args, kwargs):
+            q = kwargs.get('query', args[0] if args else None)
+            k = kwargs.get('key', args[1] if len(args) > 1 else q)
+            if q is None or k is None or q.dim() != 3:
+                return
+            seq = 1 if module.batch_first else 0
+            b = q.shape[1 - seq]
+            sizes[name] = max(sizes.get(name, 0),
+                              2 * 4 * b * module.num_heads * q.shape[seq] * k.shape[seq])
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n[:-5] if n.endswith('.attn.attn') else n),
+                                           with_kwargs=True)
+               for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return sorted(sizes.items(), key=lambda item: -item[1])
 
 
 def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True):
@@ -535,16 +567,33 @@ def export_onnx(config: str, checkpoint: str, out: str,
         raise OnnxExportError(f'--out {out} is a directory: give the .onnx file to write')
     cfg = load_config(config, cfg_options)
     h, w = export_shape(cfg, shape)
-    model = init_model(cfg, checkpoint, mita_cfg=mita_cfg)
+    try:
+        model = init_model(cfg, checkpoint, mita_cfg=mita_cfg, img_size=(h, w))
+    except ValueError as e:
+        raise OnnxExportError(f'--shape {h} {w}: {e}') from None
     module = SegLogits(model, (h, w)).eval()
+    run = {}
     try:
         with torch.no_grad():
-            logits = module(torch.zeros(1, 3, h, w))
+            dense = dense_attention_weights(
+                model, lambda: run.setdefault('logits', module(torch.zeros(1, 3, h, w))))
     except GridMismatchError:
         raise
     except (RuntimeError, ValueError, AssertionError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f'the model does not run at --shape {h} {w}: {first}') from None
+    logits, memory = run['logits'], physical_memory()
+    if dense and memory and check != 'none' and dense[0][1] > memory / 2:
+        names = [n for n, _ in dense]
+        raise OnnxExportError(
+            f'--shape {h} {w}: the dense attention of {names[0]}'
+            f'{f" (and {len(names) - 1} more)" if len(names) > 1 else ""} would hold '
+            f'{dense[0][1] / 2**30:.1f} GiB of attention weights in ONNX Runtime '
+            '(MatMul-Softmax-MatMul: the scores and their softmax, float32), over half of '
+            f'this machine\'s {memory / 2**30:.0f} GiB, so the check could not run it. Put '
+            'those layers on MiTA too (--mita-cfg include_head=True for a Segmenter\'s '
+            'mask head, or a plan without them dense), export a smaller --shape, or '
+            '--check none to write the file unchecked for a larger machine')
     table = table or mita_translation_table(formulation)
     pre = cfg.model.get('data_preprocessor') or {}
     mean, std = pre.get('mean'), pre.get('std')

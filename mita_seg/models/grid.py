@@ -38,10 +38,12 @@ def grid_mismatch_message(what: str, window: Tuple[int, int],
             f'{hw_shape[0]}x{hw_shape[1]} grid. BEiT/MAE attention only fits the grid of its '
             'relative position bias table (mmseg\'s fails on another one too). Evaluate at '
             "the training crop size: test_cfg=dict(mode='slide', crop_size=<img_size>, "
-            'stride=...) on images at least that large. To run at another size, build the '
-            'backbone with img_size = that size and load the backbone weights through '
-            "init_cfg=dict(type='Pretrained', checkpoint=...), where mmseg's "
-            'BEiT.resize_rel_pos_embed interpolates the table.')
+            'stride=...) on images at least that large. To run whole images of another '
+            'square size S, build the model for it with its tables interpolated from the '
+            'checkpoint: mita_seg.apis.init_model(config, checkpoint, img_size=(S, S)) '
+            '(tools/export_onnx.py --shape S S does; mmseg\'s own way, img_size = S and the '
+            "weights through init_cfg=dict(type='Pretrained', ...) where "
+            'BEiT.resize_rel_pos_embed interpolates, needs SciPy < 1.14).')
 
 
 class GridContext:

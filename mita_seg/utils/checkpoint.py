@@ -364,13 +364,17 @@ def check_checkpoint_keys(model: nn.Module, checkpoint: Any, source: str = '',
     check_state_dict(model.state_dict(), state, source, type(model).__name__, hint=hint)
 
 
-def load_checkpoint(model: nn.Module, filename: str, map_location: str = 'cpu') -> dict:
+def load_checkpoint(model: nn.Module, filename: str, map_location: str = 'cpu',
+                    adapt: Optional[Callable[[dict], dict]] = None) -> dict:
     """Load a checkpoint into ``model`` strictly and weights-only.
 
     Args:
         model (nn.Module): the model; its weights are replaced by the checkpoint's.
         filename (str): a local checkpoint (mmengine's format or a bare state dict).
         map_location (str): where tensors are loaded. Default: 'cpu'.
+        adapt (Callable, optional): applied to the state dict before the strict check, to
+            fit weights to a model built for another input size (e.g. BEiT's position
+            tables interpolated); the result must fit the model exactly. Default: None.
 
     Returns:
         dict: the checkpoint (``meta`` and the like); ``{'state_dict': ...}`` for a bare
@@ -383,6 +387,8 @@ def load_checkpoint(model: nn.Module, filename: str, map_location: str = 'cpu') 
     """
     checkpoint = load_local_checkpoint(filename, map_location=map_location)
     model, state = _model_and_state(model, checkpoint, filename)
+    if adapt is not None:
+        state = adapt(state)
     check_state_dict(model.state_dict(), state, filename, type(model).__name__)
     model.load_state_dict(state, strict=True)
     return checkpoint if 'state_dict' in checkpoint else dict(state_dict=checkpoint)
