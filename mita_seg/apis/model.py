@@ -10,6 +10,7 @@ from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 
 from mita_seg.models import check_dense_attn, guard_grids, swap_attention
 from mita_seg.utils.checkpoint import load_checkpoint
+from mita_seg.utils.cli import InputError
 from .config import load_config, use_dense_attn, use_slim_inference
 
 
@@ -84,8 +85,8 @@ def init_model(config: Union[str, Config],
             nothing to swap; FileNotFoundError, UnreadableCheckpointError,
             UnsafeCheckpointError, CheckpointMismatchError: the checkpoint cannot be
             loaded, or does not fit the model exactly (nothing runs with random weights);
-            ValueError: a BEiT/MAE asked for a non-square size or one whose position index
-            buffers would not fit in memory.
+            InputError (a ValueError): a BEiT/MAE asked for a non-square size or one whose
+            position index buffers would not fit in memory.
     """
     from mmseg.apis import init_model as mmseg_init_model
     cfg = config if isinstance(config, Config) else load_config(config)
@@ -139,14 +140,14 @@ def check_fixed_grid_size(model: nn.Module, img_size: Tuple[int, int]) -> None:
     name = type(backbone).__name__
     h, w = img_size
     if h != w:
-        raise ValueError(f'{name} at {h}x{w}: its position tables are interpolated to '
+        raise InputError(f'{name} at {h}x{w}: its position tables are interpolated to '
                          'square grids only (mmseg\'s resize_rel_pos_embed); give a square '
                          'size')
     n = (h // backbone.patch_size) * (w // backbone.patch_size) + 1
     need = len(backbone.layers) * n * n * 8
     total = physical_memory()
     if total and need > total / 2:
-        raise ValueError(
+        raise InputError(
             f'{name} at {h}x{w} ({n} tokens): mmseg\'s BEiTAttention keeps an [N, N] int64 '
             f'position index per layer, {need / 2**30:.1f} GiB for its {len(backbone.layers)} '
             f'layers, over half of this machine\'s {total / 2**30:.0f} GiB; give a smaller '

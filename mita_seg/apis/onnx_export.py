@@ -567,10 +567,7 @@ def export_onnx(config: str, checkpoint: str, out: str,
         raise OnnxExportError(f'--out {out} is a directory: give the .onnx file to write')
     cfg = load_config(config, cfg_options)
     h, w = export_shape(cfg, shape)
-    try:
-        model = init_model(cfg, checkpoint, mita_cfg=mita_cfg, img_size=(h, w))
-    except ValueError as e:
-        raise OnnxExportError(f'--shape {h} {w}: {e}') from None
+    model = init_model(cfg, checkpoint, mita_cfg=mita_cfg, img_size=(h, w))
     module = SegLogits(model, (h, w)).eval()
     run = {}
     try:
