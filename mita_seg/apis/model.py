@@ -96,19 +96,15 @@ def init_model(config: Union[str, Config],
         cfg.dense_attn = check_dense_attn(dense_attn)
     use_slim_inference(cfg)
 
-    def build():
-        model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
-        use_dense_attn(model, cfg)
-        guard_grids(model)       # a BEiT/MAE at another grid: an error that says what to do
-        return model
-
-    model, adapt = build(), None
-    fixed = fixed_grid_size(model)
+    adapt, fixed = None, fixed_grid_size(cfg)
     if img_size is not None and fixed is not None and tuple(img_size) != fixed:
-        check_fixed_grid_size(model, tuple(img_size))
+        check_fixed_grid_size(cfg, tuple(img_size))
         cfg.model.backbone.img_size = tuple(int(s) for s in img_size)
-        model = build()
         adapt = lambda state: resize_position_tables(model, state)  # noqa: E731
+    model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
+    use_dense_attn(model, cfg)
+    guard_grids(model)           # a BEiT/MAE at another grid: an error that says what to do
+    if adapt is not None:
         from mmengine.logging import print_log
         print_log(f'{type(model.backbone).__name__} built for {img_size[0]}x{img_size[1]} '
                   f'images (config: {fixed[0]}x{fixed[1]}): its position tables '
@@ -121,35 +117,52 @@ def init_model(config: Union[str, Config],
     return model.to(device).eval()
 
 
-def fixed_grid_size(model: nn.Module) -> Optional[Tuple[int, int]]:
-    """The image size ``(H, W)`` a BEiT/MAE backbone (position tables of one grid) is
-    built for; None for other backbones (the ViT family interpolates its own)."""
+def _backbone_args(cfg: Config) -> Optional[dict]:
+    """The arguments a BEiT/MAE backbone of ``cfg`` is built with (the config's over the
+    class's defaults); None for other backbones (the ViT family interpolates its own
+    position embedding)."""
+    import inspect
+
     from mmseg.models.backbones import BEiT
-    backbone = getattr(model, 'backbone', None)
-    if not isinstance(backbone, BEiT):
+    from mmseg.registry import MODELS
+    backbone = cfg.get('model', {}).get('backbone')
+    kind = backbone.get('type') if isinstance(backbone, dict) else None
+    cls = kind if isinstance(kind, type) else MODELS.get(kind) if kind else None
+    if not (isinstance(cls, type) and issubclass(cls, BEiT)):
         return None
-    size = backbone.img_size
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return dict(defaults, **backbone, name=cls.__name__)
+
+
+def fixed_grid_size(cfg: Config) -> Optional[Tuple[int, int]]:
+    """The image size ``(H, W)`` the config's BEiT/MAE backbone (position tables of one
+    grid) is built for; None for other backbones (the ViT family interpolates its own)."""
+    args = _backbone_args(cfg)
+    if args is None:
+        return None
+    size = args['img_size']
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def check_fixed_grid_size(model: nn.Module, img_size: Tuple[int, int]) -> None:
-    """Refuse a size a BEiT/MAE cannot be built for: not square (mmseg interpolates square
-    tables only), or an ``[N+1, N+1]`` position index per layer (int64, a buffer of
-    mmseg's ``BEiTAttention``) over half the machine's memory."""
-    backbone = model.backbone
-    name = type(backbone).__name__
+def check_fixed_grid_size(cfg: Config, img_size: Tuple[int, int]) -> None:
+    """Refuse a size the config's BEiT/MAE cannot be built for: not square (mmseg
+    interpolates square tables only), or an ``[N+1, N+1]`` position index per layer (int64,
+    a buffer of mmseg's ``BEiTAttention``) over half the machine's memory."""
+    args = _backbone_args(cfg)
+    name, patch, layers = args['name'], args['patch_size'], args['num_layers']
     h, w = img_size
     if h != w:
         raise InputError(f'{name} at {h}x{w}: its position tables are interpolated to '
                          'square grids only (mmseg\'s resize_rel_pos_embed); give a square '
                          'size')
-    n = (h // backbone.patch_size) * (w // backbone.patch_size) + 1
-    need = len(backbone.layers) * n * n * 8
+    n = (h // patch) * (w // patch) + 1
+    need = layers * n * n * 8
     total = physical_memory()
     if total and need > total / 2:
         raise InputError(
             f'{name} at {h}x{w} ({n} tokens): mmseg\'s BEiTAttention keeps an [N, N] int64 '
-            f'position index per layer, {need / 2**30:.1f} GiB for its {len(backbone.layers)} '
+            f'position index per layer, {need / 2**30:.1f} GiB for its {layers} '
             f'layers, over half of this machine\'s {total / 2**30:.0f} GiB; give a smaller '
             'size')
 
