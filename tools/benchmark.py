@@ -565,11 +565,13 @@ def onnx_level(args):
     """``--level onnx``: one random-weight checkpoint exported unswapped, swapped to each
     ``--onnx-settings`` and with its attention mixing removed (the bound), all timed in
     turn in ONNX Runtime (median over three interleaved rounds of at least
-    ``--min-run-time`` seconds each), with each file's peak memory (one run of a session
-    without ORT's memory arena, so what it allocates is given back and the peak is its
-    own). A file is skipped where the ``[H, N, N]`` weights of one of its dense attention
-    layers alone exceed ``--max-onnx-gib`` (ORT materialises them): the softmax file's
-    encoder, and Segmenter's mask head (N - 1 + 150 tokens) unless ``--swap-head``."""
+    ``--min-run-time`` seconds each; the sessions' idle threads do not spin, and they keep
+    ORT's memory arena where the files' peaks fit in a quarter of the memory together),
+    with each file's peak memory (one run of a session without ORT's memory arena, so what
+    it allocates is given back and the peak is its own). A file is skipped where the
+    ``[H, N, N]`` weights of one of its dense attention layers alone exceed
+    ``--max-onnx-gib`` (ORT materialises them): the softmax file's encoder, and Segmenter's
+    mask head (N - 1 + 150 tokens) unless ``--swap-head``."""
     import tempfile
 
     import onnxruntime
@@ -579,7 +581,9 @@ def onnx_level(args):
 
     import mita_seg.models  # noqa: F401
     from mita_seg import swap_attention
-    from mita_seg.apis.onnx_export import SegLogits, onnx_session, write_onnx
+    from mita_seg.apis.model import physical_memory
+    from mita_seg.apis.onnx_export import (SegLogits, dense_attention_weights, onnx_session,
+                                           write_onnx)
 
     init_default_scope('mmseg')
     threads = args.threads or None
@@ -601,14 +605,8 @@ def onnx_level(args):
         cfg.model.pop('pretrained', None)
         cfg.model.backbone.pop('init_cfg', None)
         cfg.model.test_cfg = dict(mode='whole')
-        head = cfg.model.decode_head
         for size in args.onnx_sizes:
-            h = size // 16
-            N = 1 + h * h
-            # the largest dense attention of each file: (heads, tokens), or None
-            encoder = (cfg.model.backbone.get('num_heads', 12), N)
-            mask_head = ((head.num_heads, N - 1 + head.num_classes) if 'num_heads' in head
-                         else None)
+            N = 1 + (size // 16) ** 2
             torch.manual_seed(0)
             model = SEG_MODELS.build(cfg.model).eval()
             variants = [('softmax', model, None)]
@@ -620,28 +618,34 @@ def onnx_level(args):
             variants.append(('no mixing (bound)', swapped, no_mixing_table()))
             kept = []
             for label, m, table in variants:
-                softmax = label == 'softmax'
-                dense = max([encoder] * softmax + [mask_head] * bool(
-                    mask_head and (softmax or not args.swap_head)),
-                    key=lambda hn: hn[0] * hn[1] ** 2, default=None)
-                gib = dense[0] * dense[1] ** 2 * 4 / 2**30 if dense else 0.0
+                # the dense attention layers a forward calls, sized on a copy on the meta
+                # device (shapes only, nothing computed)
+                meta = copy.deepcopy(m).to('meta')
+                run = SegLogits(meta, (size, size))
+                with torch.no_grad():
+                    dense = dense_attention_weights(
+                        meta, lambda: run(torch.zeros(1, 3, size, size, device='meta')))
+                del meta, run
+                # ORT holds a layer's scores and their softmax: the weights are half
+                gib = dense[0][1] / 2 / 2**30 if dense else 0.0
                 if gib <= args.max_onnx_gib:
                     kept.append((label, m, table))
                     continue
-                where = 'its' if label == 'softmax' else "the mask head's (--swap-head: MiTA)"
+                hint = '' if label == 'softmax' or args.swap_head else ' (--swap-head: MiTA)'
                 print(f"{name:>16} {f'{size}x{size}':>10} {N:>6} {label:>18} | skipped: "
-                      f'{where} {dense[0]} x {dense[1]} x {dense[1]} attention weights alone '
-                      f'take {gib:.1f} GiB > --max-onnx-gib {args.max_onnx_gib:g}', flush=True)
+                      f'the attention weights of {dense[0][0]}{hint} alone take {gib:.3g} GiB '
+                      f'> --max-onnx-gib {args.max_onnx_gib:g}', flush=True)
             variants = kept
             if not variants:
                 continue
             img = torch.randn(1, 3, size, size)
-            runs, peaks, base_out, diffs = [], [], None, []
+            feed = {'img': img.numpy()}
+            paths, peaks, base_out, diffs = [], [], None, []
             for i, (label, m, table) in enumerate(variants):
                 path = os.path.join(tmp, f'{name}-{size}-{i}.onnx')
                 write_onnx(SegLogits(m, (size, size)).eval(), (size, size), path,
                            table=table)
-                feed = {'img': img.numpy()}
+                paths.append(path)
                 # memory first, in a session that gives its buffers back after the run
                 mem_sess = onnx_session(path, threads, arena=False)
                 out, peak = peak_memory_rise(lambda: mem_sess.run(None, feed)[0], cpu)
@@ -651,16 +655,30 @@ def onnx_level(args):
                     base_out = out
                 diffs.append(None if base_out is None else float(abs(base_out - out).max()))
                 del out
-                sess = onnx_session(path, threads)
-                sess.run(None, feed)
-                runs.append(lambda sess=sess, feed=feed: sess.run(None, feed))
-                os.remove(path)
                 print(f'# {name} {size}x{size}: {label} exported and run ({i + 1}/'
-                      f'{len(variants)}); timing {len(variants)} files x 3 rounds next',
-                      file=sys.stderr, flush=True)
+                      f'{len(variants)})', file=sys.stderr, flush=True)
             labels = [v[0] for v in variants]
             del model, swapped, variants, base_out
             gc.collect()
+            # The timed sessions are alive together (interleaved rounds). ORT's memory arena
+            # keeps up to about twice a run's peak between runs: kept where the files' peaks
+            # fit in a quarter of the memory together, else every session gives its buffers
+            # back after each run. Idle threads block at once (no spinning): a session's
+            # spinning threads would take the cores from the next session's run.
+            total, memory = sum(p or 0.0 for p in peaks), physical_memory()
+            arena = not memory or total * 2**20 <= memory / 4
+            if not arena:
+                print(f'# {name} {size}x{size}: timed without ORT\'s memory arena (the files\' '
+                      f'peaks, {total / 1024:.1f} GiB together, exceed a quarter of the '
+                      f'{memory / 2**30:.0f} GiB of memory)', flush=True)
+            runs = []
+            for path in paths:
+                sess = onnx_session(path, threads, arena=arena, spinning=False)
+                sess.run(None, feed)
+                runs.append(lambda sess=sess: sess.run(None, feed))
+                os.remove(path)
+            print(f'# {name} {size}x{size}: timing {len(paths)} files x 3 rounds',
+                  file=sys.stderr, flush=True)
             # interleaved rounds: all see the same load of the host
             medians = interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False)
             base = medians[0] if labels[0] == 'softmax' else None
