@@ -39,6 +39,15 @@ def test_interleaved_medians_runs_until_min_run_time():
     assert len(calls) >= 2  # one call of 50 ms does not fill 200 ms
 
 
+def test_interleaved_medians_pauses_outside_the_timing():
+    # a pause before each call (the variant before's threads go idle) is not timed
+    stamps = []
+    times = interleaved_medians([lambda: stamps.append(time.perf_counter())] * 2, rounds=3,
+                                warmup=False, pause=0.05)
+    assert len(stamps) == 6 and all(b - a >= 0.05 for a, b in zip(stamps, stamps[1:]))
+    assert max(times) < 0.05
+
+
 def test_median_time_warms_up_and_is_positive():
     calls = []
     t = median_time(lambda: calls.append(0), min_run_time=0.01)

@@ -565,8 +565,9 @@ def onnx_level(args):
     """``--level onnx``: one random-weight checkpoint exported unswapped, swapped to each
     ``--onnx-settings`` and with its attention mixing removed (the bound), all timed in
     turn in ONNX Runtime (median over three interleaved rounds of at least
-    ``--min-run-time`` seconds each; the sessions' idle threads do not spin, and they keep
-    ORT's memory arena where the files' peaks fit in a quarter of the memory together),
+    ``--min-run-time`` seconds each, a pause before each call so that the sessions' spinning
+    threads do not overlap; ORT's memory arena kept where the files' peaks fit in a quarter
+    of the memory together),
     with each file's peak memory (one run of a session without ORT's memory arena, so what
     it allocates is given back and the peak is its own). A file is skipped where the
     ``[H, N, N]`` weights of one of its dense attention layers alone exceed
@@ -663,8 +664,7 @@ def onnx_level(args):
             # The timed sessions are alive together (interleaved rounds). ORT's memory arena
             # keeps up to about twice a run's peak between runs: kept where the files' peaks
             # fit in a quarter of the memory together, else every session gives its buffers
-            # back after each run. Idle threads block at once (no spinning): a session's
-            # spinning threads would take the cores from the next session's run.
+            # back after each run.
             total, memory = sum(p or 0.0 for p in peaks), physical_memory()
             arena = not memory or total * 2**20 <= memory / 4
             if not arena:
@@ -673,14 +673,17 @@ def onnx_level(args):
                       f'{memory / 2**30:.0f} GiB of memory)', flush=True)
             runs = []
             for path in paths:
-                sess = onnx_session(path, threads, arena=arena, spinning=False)
+                sess = onnx_session(path, threads, arena=arena)
                 sess.run(None, feed)
                 runs.append(lambda sess=sess: sess.run(None, feed))
                 os.remove(path)
             print(f'# {name} {size}x{size}: timing {len(paths)} files x 3 rounds',
                   file=sys.stderr, flush=True)
             # interleaved rounds: all see the same load of the host
-            medians = interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False)
+            # ORT's default sessions, as a user runs one: their intra-op threads spin a while
+            # after a run, and would take the cores from the next file's run: a pause first
+            medians = interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False,
+                                          pause=0.2)
             base = medians[0] if labels[0] == 'softmax' else None
             bound = base / medians[-1] if base else None
             for label, t, peak, diff in zip(labels, medians, peaks, diffs):

@@ -90,7 +90,7 @@ def _sync(device: Optional[torch.device]) -> None:
 
 def interleaved_medians(fns: Sequence[Callable[[], Any]], min_run_time: float = 0.0,
                         rounds: int = 3, device: Optional[torch.device] = None,
-                        warmup: bool = True) -> List[float]:
+                        warmup: bool = True, pause: float = 0.0) -> List[float]:
     """Median seconds per call of each of ``fns``, timed in turn: one call of each per
     round, at least ``rounds`` rounds, and more until each has run ``min_run_time`` seconds.
     Calls of seconds on a shared host drift; timed one after the other, the ratios of
@@ -104,6 +104,9 @@ def interleaved_medians(fns: Sequence[Callable[[], Any]], min_run_time: float = 
             device. Default: None.
         warmup (bool): call each once first (not timed), within the allocator of
             :func:`steady_allocator` as the timed calls. Default: True.
+        pause (float): seconds of sleep before each timed call, so that the threads of the
+            variant before go idle (ONNX Runtime's sessions each spin their own thread
+            pool after a run, and would take the cores from the next one). Default: 0.
 
     Returns:
         list[float]: the median of each, in the order of ``fns``.
@@ -119,6 +122,8 @@ def interleaved_medians(fns: Sequence[Callable[[], Any]], min_run_time: float = 
         while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
             for fn, t in zip(fns, times):
                 _sync(device)
+                if pause:
+                    time.sleep(pause)
                 t0 = time.perf_counter()
                 fn()
                 _sync(device)

@@ -284,20 +284,15 @@ def dense_attention_weights(model: nn.Module, run) -> List[Tuple[str, int]]:
     return sorted(sizes.items(), key=lambda item: -item[1])
 
 
-def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True,
-                 spinning: bool = True):
+def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True):
     """An ONNX Runtime CPU session of ``path`` (``threads`` intra-op threads; None: ORT's
     default, the physical cores; ``arena=False``: buffers are given back after each run,
-    as a peak memory measurement needs; ``spinning=False``: idle intra-op threads block at
-    once instead of spinning, as sessions timed in turn need: a session's spinning threads
-    take the cores from the next one's run)."""
+    as a peak memory measurement needs)."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
     so.enable_cpu_mem_arena = arena
-    if not spinning:
-        so.add_session_config_entry('session.intra_op.allow_spinning', '0')
     return ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
 
 
