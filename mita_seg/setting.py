@@ -27,6 +27,11 @@ MITA_DEFAULTS: Dict[str, Any] = dict(pool_size=7, topk=49, router_topk=1,
                                      with_shared_expert=True, shared_scale=None)
 DENSE = 'dense'
 EXAMPLES = '7:49, 4x6:16 or 7:49:route'
+# The per-layer candidates a swap plan is calibrated over by default
+# (mita_seg.apis.calibrate_swap, tools/calibrate_swap.py): dense, pool 4/5/7 x k 16/49/100,
+# with the shared expert and route-only.
+CALIBRATION_CANDIDATES = (DENSE, ) + tuple(
+    f'{p}:{k}{s}' for p in (4, 5, 7) for k in (16, 49, 100) for s in ('', ':route'))
 
 
 def _is_int(x: Any) -> bool:

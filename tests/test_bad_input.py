@@ -612,6 +612,7 @@ MISSING_CONFIG = {
     'analyze_token_selection': ['nope.py', 'x.pth', 'README.md', '--out-dir', 'o'],
     'image_demo': ['nope.png', 'nope.py', 'x.pth', '--out-file', 'o.png'],
     'swap_sweep': ['nope.py', 'x.pth', '--merge-ratios', '0.3'],
+    'calibrate_swap': ['nope.py', 'x.pth', '--reduction', '0.3', '--out', 'p.json'],
 }
 
 
@@ -645,6 +646,11 @@ def test_help_and_a_good_parse_need_no_stack(tools, careless):
     proc = subprocess.run([sys.executable, '-c', PARSE_ONLY, 'tools/test.py', *argv],
                           cwd=tools.root, env=tools.env, capture_output=True, text=True,
                           timeout=300)
+    assert proc.returncode == 0 and 'IMPORTED []' in proc.stdout, proc.stdout + proc.stderr
+    # the swap study too (its candidates default to the study's, named in --help)
+    proc = subprocess.run([sys.executable, '-c', PARSE_ONLY, 'tools/swap_study.py', '--seeds',
+                           '1', '--candidates', 'dense', '7:49'], cwd=tools.root,
+                          env=tools.env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and 'IMPORTED []' in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -102,15 +102,8 @@ from mita_seg.analysis.timing import (cpu_description, interleaved_medians,  # n
 from mita_seg.ops import (Inputs, RelPosBias, attention_flops, mita_attention,  # noqa: E402
                           mita_flops, select_backend)
 from mita_seg.ops.bias import bias_index, table_size  # noqa: E402
-from mita_seg.ops.token_merge import check_ratio  # noqa: E402
+from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 
-
-def merge_ratio(text):
-    """``--merge-ratio``: a number in [0, 0.5] (mita_seg.ops.token_merge.check_ratio)."""
-    try:
-        return check_ratio(float(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 # name -> config (every one with 16x16 patches)
 MODELS = {

@@ -25,9 +25,8 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis import add_dense_attn_arg, calibrate_swap, config_name  # noqa: E402
-from mita_seg.apis.calibrate import DEFAULT_CANDIDATES  # noqa: E402
-from mita_seg.setting import label, setting_or_dense_arg  # noqa: E402
+from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
+from mita_seg.setting import CALIBRATION_CANDIDATES, label, setting_or_dense_arg  # noqa: E402
 from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
                                 ensure_parent, float_range, int_range, output_file, python_command,
                                 run_tool)
@@ -54,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument('--images', type=int_range(1), default=16,
                         help='calibration images from the training split (default: 16)')
     parser.add_argument('--candidates', nargs='+', type=setting_or_dense_arg,
-                        default=list(DEFAULT_CANDIDATES), metavar='SETTING',
+                        default=list(CALIBRATION_CANDIDATES), metavar='SETTING',
                         help='candidate settings of every layer: dense, P:K (shared expert) '
                         'or P:K:route (default: dense and P 4/5/7 x K 16/49/100, both kinds)')
     parser.add_argument('--seed', type=int_range(0), default=0, help='which training images')
@@ -91,6 +90,7 @@ def format_plan(plan) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    from mita_seg.apis import calibrate_swap, config_name   # the stack, once parsed
     plan = calibrate_swap(
         args.config, args.checkpoint, args.reduction, args.budget_gflops, args.images,
         args.candidates, args.seed, args.cfg_options,

@@ -48,7 +48,6 @@ from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
                               setting_or_dense_arg)
-from projects.swap_study.study import STUDY_CANDIDATES  # noqa: E402
 
 # The study's models: standard-attention configs on the 256x256 data (32x32 grid).
 MODELS = {
@@ -156,8 +155,7 @@ def parse_args(argv=None):
                         help='training images each plan is calibrated on')
     parser.add_argument('--calibration-counts', type=int_range(1), nargs='*', default=[4, 8],
                         metavar='N', help='also calibrate the first budget on N images')
-    parser.add_argument('--candidates', nargs='+', type=spelled, metavar='C',
-                        default=list(STUDY_CANDIDATES),
+    parser.add_argument('--candidates', nargs='+', type=spelled, metavar='C', default=None,
                         help='per-layer candidates of the calibration (dense, P:K, '
                         "P:K:route; default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: "
                         "a finer grid than tools/calibrate_swap.py's default, see "
@@ -247,7 +245,8 @@ def main(argv=None):
         merged_swaps=tuple(args.merged_swaps), plan_budgets=tuple(args.plan_budgets),
         calibration_images=args.calibration_images,
         calibration_counts=tuple(args.calibration_counts),
-        calibration_candidates=tuple(args.candidates),
+        **({} if args.candidates is None else
+           dict(calibration_candidates=tuple(args.candidates))),   # None: the study's
         native=tuple(args.native), native_models=tuple(args.native_models),
         workers=args.workers, cfg_options=args.cfg_options, reuse=args.reuse,
         verbose=args.verbose)

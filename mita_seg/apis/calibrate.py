@@ -36,14 +36,10 @@ import torch.nn.functional as F
 from mmengine.config import Config
 
 from mita_seg.models import PlanError, SwapPlan, attention_layers
-from mita_seg.setting import DENSE, MiTASetting
+from mita_seg.setting import CALIBRATION_CANDIDATES, DENSE, MiTASetting
 from .config import load_config
 from .model import init_model, swap_model
 
-# candidates of every layer, by default: dense, pool 4/5/7 x k 16/49/100, with the shared
-# expert and route-only
-DEFAULT_CANDIDATES = ('dense', ) + tuple(
-    f'{p}:{k}{s}' for p in (4, 5, 7) for k in (16, 49, 100) for s in ('', ':route'))
 KNAPSACK_BINS = 4000
 METRIC = ('mean per-pixel KL(softmax(dense) || softmax(swapped)) of the segmentation logits, '
           'with only that layer swapped')
@@ -189,7 +185,7 @@ class SwapCalibrator:
         images (int): calibration images from the training split. Default: 16.
         candidates (Sequence[str | MiTASetting]): candidate settings (``7:49``,
             ``5:16:route``: :meth:`~mita_seg.setting.MiTASetting.parse_or_dense`); dense is
-            always one. Default: :data:`DEFAULT_CANDIDATES`.
+            always one. Default: :data:`CALIBRATION_CANDIDATES`.
         seed (int): which training images. Default: 0.
         cfg_options (dict, optional): ``--cfg-options``. Default: None.
         batch_size (int): images per forward. Default: 4.
@@ -199,7 +195,7 @@ class SwapCalibrator:
     """
 
     def __init__(self, config, checkpoint: str, images: int = 16,
-                 candidates: Sequence[str] = DEFAULT_CANDIDATES, seed: int = 0,
+                 candidates: Sequence[str] = CALIBRATION_CANDIDATES, seed: int = 0,
                  cfg_options: Optional[dict] = None, batch_size: int = 4,
                  progress: Optional[Callable[[str], None]] = None, replay: bool = True):
         if images < 1 or batch_size < 1:
@@ -488,7 +484,7 @@ def calibrate_swap(config,
                    reduction: Optional[float] = None,
                    budget_gflops: Optional[float] = None,
                    images: int = 16,
-                   candidates: Sequence[str] = DEFAULT_CANDIDATES,
+                   candidates: Sequence[str] = CALIBRATION_CANDIDATES,
                    seed: int = 0,
                    cfg_options: Optional[dict] = None,
                    progress: Optional[Callable[[str], None]] = None,
@@ -505,7 +501,7 @@ def calibrate_swap(config,
             size, as ``tools/get_flops.py`` counts).
         images (int): calibration images from the training split. Default: 16.
         candidates (Sequence[str | MiTASetting]): candidate settings (``dense``, ``P:K``,
-            ``PhxPw:K``, ``P:K:route``). Default: :data:`DEFAULT_CANDIDATES`.
+            ``PhxPw:K``, ``P:K:route``). Default: :data:`CALIBRATION_CANDIDATES`.
         seed (int): which training images. Default: 0.
         cfg_options (dict, optional): ``--cfg-options``. Default: None.
         progress (Callable, optional): called with a line per step. Default: None.

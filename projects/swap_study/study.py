@@ -61,11 +61,11 @@ from mita_seg.analysis.attention_macs import attention_gmacs
 from mita_seg.analysis.timing import cpu_description, median_time
 from mita_seg.apis import (build_runner, export_swapped, init_model, load_config,
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
-from mita_seg.apis.calibrate import DEFAULT_CANDIDATES, CalibrationError, SwapCalibrator
+from mita_seg.apis.calibrate import CalibrationError, SwapCalibrator
 from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
-from mita_seg.setting import MiTASetting, label as label_of
+from mita_seg.setting import CALIBRATION_CANDIDATES, MiTASetting, label as label_of
 from .report import markdown, plot_native, plot_study
 
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
@@ -232,7 +232,7 @@ class StudySettings:
 
     def candidates(self) -> Tuple[str, ...]:
         """The calibration's per-layer candidates (the calibration's defaults if None)."""
-        return tuple(self.calibration_candidates or DEFAULT_CANDIDATES)
+        return tuple(self.calibration_candidates or CALIBRATION_CANDIDATES)
 
     def for_run(self, name: str, seed: int) -> 'StudySettings':
         """The settings of model ``name`` trained with ``seed``: that seed only;
