@@ -75,6 +75,23 @@ def test_onnx_level(tools):
     assert rows[1][1][1] == 'n/a' and float(rows[1][2][0]) >= 0, out  # no base: no ratio
 
 
+@pytest.mark.slow
+def test_onnx_op_level(tools):
+    # one layer, softmax and MiTA exported alone and timed in ORT; MiTA's file computes
+    # PyTorch's MiTA; a token count whose softmax weights exceed --max-onnx-gib is skipped
+    small = ['--level', 'onnx-op', '--heads', 2, '--head-dim', 16, '--pool-size', 2,
+             '--topk', 8, '--min-run-time', 0.01]
+    _, out = tools('tools/benchmark.py', *small, '--tokens', 65, 82)
+    rows = _rows(out, 65) + _rows(out, 82)
+    assert len(rows) == 2, out
+    for _, (soft, mita), (ratio, ), (diff, ) in rows:   # N | ms ms | x | diff
+        assert float(soft) > 0 and float(mita) > 0
+        _ratio(ratio)
+        assert float(diff) < 1e-5, out
+    _, out = tools('tools/benchmark.py', *small, '--tokens', 65, '--max-onnx-gib', 1e-9)
+    assert 'skipped' in ' '.join(_rows(out, 65)[0][1]), out
+
+
 def test_bound_removes_only_the_mixing(tiny_cfg):
     # the bound of --level model: the swapped layers keep their projections, out = v
     from mmengine.registry import init_default_scope

@@ -49,6 +49,12 @@ where the ``H x N x N`` weights of one of its dense attention layers exceed
 ``--max-onnx-gib``: ViT-B at 2048, the unswapped encoder's 12 GiB, and Segmenter's dense
 mask head's 12.2 GiB in the swapped files too unless ``--swap-head``).
 
+One attention layer in ONNX Runtime (``--level onnx-op``): softmax attention (exported from
+``F.scaled_dot_product_attention``) and MiTA (:mod:`mita_seg.ops.onnx`), ``--heads`` x
+``--head-dim`` at each ``--tokens``, float32, exported alone and timed in turn, MiTA's
+speed-up and its largest difference to PyTorch's MiTA on the same inputs: where MiTA's ORT
+graph stands against dense attention's, without the rest of a model.
+
 Thread scaling (``--level threads``): SDPA and MiTA's forward on one thread and on
 ``--threads``, all four timed in turn, with MiTA's ratio to SDPA at each thread count and
 its own speed-up over one thread.
@@ -79,6 +85,7 @@ Examples::
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-sizes 512 1024
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-settings 7:49 4:16
+    python tools/benchmark.py --level onnx-op --tokens 1025 4097
 """
 import argparse
 import copy
@@ -692,6 +699,77 @@ def onnx_level(args):
     os.rmdir(tmp)
 
 
+def onnx_op_level(args):
+    """``--level onnx-op``: one attention layer, softmax and MiTA, each exported alone and
+    timed in turn in ONNX Runtime (ORT's default sessions, a pause before each call so that
+    one session's spinning threads do not take the cores from the other's run)."""
+    import tempfile
+
+    import onnxruntime
+
+    from mita_seg.apis.onnx_export import onnx_session
+    from mita_seg.ops.onnx import mita_translation_table
+
+    H, d, P, K = args.heads, args.head_dim, args.pool_size, args.topk
+    threads = args.threads or None
+    print(f'# one attention layer in ONNX Runtime {onnxruntime.__version__} CPU, '
+          f'{threads or "default"} intra-op threads, on {cpu_description()}; B=1, H={H}, '
+          f'd={d}, float32, forward; MiTA pool {P}x{P}, k={K} as standard ONNX operators; '
+          'speed-up = softmax ms / MiTA ms in this run; max |diff| = ORT\'s MiTA against '
+          'PyTorch\'s on the same inputs')
+    header = (f"{'N':>6} | {'softmax ms':>10} {'MiTA ms':>9} | {'speed-up':>8} | "
+              f"{'max |diff|':>10}")
+    print(header)
+    print('-' * len(header))
+
+    class Softmax(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    class MiTA(torch.nn.Module):
+        def __init__(self, side):
+            super().__init__()
+            self.side = side
+
+        def forward(self, q, k, v):
+            return mita_attention(q, k, v, (self.side, self.side), P, K)
+
+    with tempfile.TemporaryDirectory(prefix='mita-onnx-op-') as tmp:
+        for N in args.tokens:
+            gib = H * N * N * 4 / 2**30      # the [H, N, N] weights ORT materialises
+            if gib > args.max_onnx_gib:
+                print(f'{N:>6} | skipped: softmax attention\'s weights take {gib:.1f} GiB > '
+                      f'--max-onnx-gib {args.max_onnx_gib:g}', flush=True)
+                continue
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(1, H, N, d) for _ in range(3))
+            feed = {'q': q.numpy(), 'k': k.numpy(), 'v': v.numpy()}
+            runs, outs, per_call = [], [], []
+            for name, module in (('softmax', Softmax()), ('mita', MiTA(grid_side(N)))):
+                path = os.path.join(tmp, f'{name}-{N}.onnx')
+                with torch.no_grad():
+                    torch.onnx.export(module, (q, k, v), dynamo=True, opset_version=18,
+                                      input_names=['q', 'k', 'v'], output_names=['out'],
+                                      custom_translation_table=mita_translation_table(),
+                                      verbose=False).save(path)
+                sess = onnx_session(path, threads)
+                outs.append(sess.run(None, feed)[0])
+                # a timed call: calls of the layer for 0.2 s at least (the first one after
+                # the pause, its threads waking up, must not be the whole measurement)
+                t0 = time.perf_counter()
+                sess.run(None, feed)
+                reps = max(1, int(0.2 / (time.perf_counter() - t0)))
+                runs.append(lambda sess=sess, reps=reps: [sess.run(None, feed)
+                                                          for _ in range(reps)])
+                per_call.append(reps)
+            diff = float(abs(outs[1] - MiTA(grid_side(N))(q, k, v).numpy()).max())
+            soft, mita = (t / r for t, r in zip(
+                interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False,
+                                    pause=0.2), per_call))
+            print(f'{N:>6} | {soft * 1e3:10.2f} {mita * 1e3:9.2f} | {soft / mita:7.2f}x | '
+                  f'{diff:10.2g}', flush=True)
+
+
 def token_count(text):
     """An argparse ``type``: a token count ``N = 1 + s*s``, ``s >= 1``."""
     from mita_seg.utils.cli import int_range
@@ -708,13 +786,15 @@ def parse_args():
     from mita_seg.setting import setting_arg
     from mita_seg.utils.cli import float_range, int_range
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'all'], default='op',
-                   help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn')
+    p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'onnx-op', 'all'],
+                   default='op',
+                   help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn; '
+                   'onnx-op: one attention layer in ONNX Runtime')
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'],
                    help='where the tensors and models live')
     p.add_argument('--tokens', type=token_count, nargs='+', default=None,
                    help='token counts N = 1 + s*s (default: 1025 4097 16385 on CPU, '
-                   'and 65537 on CUDA)')
+                   'and 65537 on CUDA; 1025 4097 at --level onnx-op)')
     p.add_argument('--dtypes', '--dtype', nargs='+', default=None,
                    choices=['float32', 'bfloat16', 'float16'],
                    help='operator level: the inputs\' dtype (default: float32 bfloat16 on '
@@ -768,7 +848,7 @@ def parse_args():
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
                    help='--level onnx: skip a file where the H x N x N weights of one of its '
-                   'dense attention layers exceed this (GiB)')
+                   'dense attention layers exceed this (GiB); --level onnx-op: a token count')
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path (mmseg as released at the model level) where its '
                    'N x N weights exceed this many GiB')
@@ -804,7 +884,8 @@ def main():
                          f'(torch {torch.__version__}, built for CUDA {torch.version.cuda})')
     args.model_dtypes = args.dtypes or ['float32']
     if args.tokens is None:
-        args.tokens = [1025, 4097, 16385] + ([65537] if cuda else [])
+        args.tokens = ([1025, 4097] if args.level == 'onnx-op' else
+                       [1025, 4097, 16385] + ([65537] if cuda else []))
     if args.dtypes is None:
         args.dtypes = ['float16', 'bfloat16', 'float32'] if cuda else ['float32', 'bfloat16']
     if args.threads:
@@ -818,6 +899,10 @@ def main():
         if cuda:
             raise SystemExit('--level onnx times ONNX Runtime on the CPU: use --device cpu')
         onnx_level(args)
+    if args.level == 'onnx-op':
+        if cuda:
+            raise SystemExit('--level onnx-op times ONNX Runtime on the CPU: use --device cpu')
+        onnx_op_level(args)
     if args.level == 'threads':
         if cuda:
             raise SystemExit('--level threads compares CPU thread counts: use --device cpu')
