@@ -707,7 +707,7 @@ def onnx_op_level(args):
 
     import onnxruntime
 
-    from mita_seg.apis.onnx_export import onnx_session
+    from mita_seg.apis.onnx_export import MIN_OPSET, export_module, onnx_session
     from mita_seg.ops.onnx import mita_translation_table
 
     H, d, P, K = args.heads, args.head_dim, args.pool_size, args.topk
@@ -744,14 +744,11 @@ def onnx_op_level(args):
             torch.manual_seed(0)
             q, k, v = (torch.randn(1, H, N, d) for _ in range(3))
             feed = {'q': q.numpy(), 'k': k.numpy(), 'v': v.numpy()}
-            runs, outs, per_call = [], [], []
-            for name, module in (('softmax', Softmax()), ('mita', MiTA(grid_side(N)))):
+            runs, outs, per_call, mita_layer = [], [], [], MiTA(grid_side(N))
+            for name, module in (('softmax', Softmax()), ('mita', mita_layer)):
                 path = os.path.join(tmp, f'{name}-{N}.onnx')
-                with torch.no_grad():
-                    torch.onnx.export(module, (q, k, v), dynamo=True, opset_version=18,
-                                      input_names=['q', 'k', 'v'], output_names=['out'],
-                                      custom_translation_table=mita_translation_table(),
-                                      verbose=False).save(path)
+                export_module(module, (q, k, v), path, MIN_OPSET, mita_translation_table(),
+                              ['q', 'k', 'v'], ['out'], f'at N = {N}')
                 sess = onnx_session(path, threads)
                 outs.append(sess.run(None, feed)[0])
                 # a timed call: calls of the layer for 0.2 s at least (the first one after
@@ -762,7 +759,7 @@ def onnx_op_level(args):
                 runs.append(lambda sess=sess, reps=reps: [sess.run(None, feed)
                                                           for _ in range(reps)])
                 per_call.append(reps)
-            diff = float(abs(outs[1] - MiTA(grid_side(N))(q, k, v).numpy()).max())
+            diff = float(abs(outs[1] - mita_layer(q, k, v).numpy()).max())
             soft, mita = (t / r for t, r in zip(
                 interleaved_medians(runs, args.min_run_time, rounds=3, warmup=False,
                                     pause=0.2), per_call))

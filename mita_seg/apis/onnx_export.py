@@ -48,7 +48,7 @@ from .model import init_model, physical_memory
 
 __all__ = ['OnnxExportError', 'OnnxReport', 'OnnxCheck', 'LayerCheck', 'SegLogits',
            'export_onnx', 'check_onnx', 'compare_layer', 'write_onnx', 'export_shape',
-           'onnx_session', 'MIN_OPSET', 'CHECKS']
+           'onnx_session', 'export_module', 'MIN_OPSET', 'CHECKS']
 
 # The translation of mita_seg::mita_attention uses opset 18 operators (ReduceMax's axes
 # input, ScatterElements' reduction).
@@ -296,8 +296,8 @@ def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True):
     return ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
 
 
-def _export(module: nn.Module, inputs: tuple, path: str, opset: int, table: dict,
-            input_names: List[str], output_names: List[str], what: str) -> None:
+def export_module(module: nn.Module, inputs: tuple, path: str, opset: int, table: dict,
+                  input_names: List[str], output_names: List[str], what: str) -> None:
     """``torch.onnx.export(..., dynamo=True)`` of ``module`` to ``path``; an exporter
     failure as :class:`OnnxExportError` (its first line of the cause)."""
     # the exporter's registry lists every torchvision op it skips: not ours to report
@@ -334,9 +334,9 @@ def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int 
     Raises:
         OnnxExportError: the exporter failed (its first line of the cause).
     """
-    _export(module, (torch.zeros(1, 3, *shape), ), path, opset,
-            table or mita_translation_table(), ['img'], ['seg_logits'],
-            f'at shape {shape[0]}x{shape[1]}')
+    export_module(module, (torch.zeros(1, 3, *shape), ), path, opset,
+                  table or mita_translation_table(), ['img'], ['seg_logits'],
+                  f'at shape {shape[0]}x{shape[1]}')
 
 
 # ------------------------------------------------------------------------------- the check
@@ -434,8 +434,8 @@ def _check_layers(module: nn.Module, img: torch.Tensor, table: dict, opset: int,
             inputs += (torch.zeros_like(args['bias_table']), )
             names.append('table')
         path = osp.join(workdir, f'mita_call_{i}.onnx')
-        _export(_MiTANode(settings).eval(), inputs, path, opset, table, names, ['out'],
-                f'on a MiTA call of q {tuple(args["q"].shape)}')
+        export_module(_MiTANode(settings).eval(), inputs, path, opset, table, names,
+                      ['out'], f'on a MiTA call of q {tuple(args["q"].shape)}')
         sessions[key] = (onnx_session(path), names)
 
     checks, backends = [], set()
