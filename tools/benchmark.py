@@ -617,16 +617,19 @@ def onnx_level(args):
                                **setting.cfg())
                 variants.append((f'MiTA {setting.text}', swapped, None))
             variants.append(('no mixing (bound)', swapped, no_mixing_table()))
-            kept = []
+            kept, sized = [], {}
             for label, m, table in variants:
                 # the dense attention layers a forward calls, sized on a copy on the meta
-                # device (shapes only, nothing computed)
-                meta = copy.deepcopy(m).to('meta')
-                run = SegLogits(meta, (size, size))
-                with torch.no_grad():
-                    dense = dense_attention_weights(
-                        meta, lambda: run(torch.zeros(1, 3, size, size, device='meta')))
-                del meta, run
+                # device (shapes only, nothing computed); the bound's model is the last
+                # MiTA file's, sized once
+                if id(m) not in sized:
+                    meta = copy.deepcopy(m).to('meta')
+                    run = SegLogits(meta, (size, size))
+                    with torch.no_grad():
+                        sized[id(m)] = dense_attention_weights(
+                            meta, lambda: run(torch.zeros(1, 3, size, size, device='meta')))
+                    del meta, run
+                dense = sized[id(m)]
                 # ORT holds a layer's scores and their softmax: the weights are half
                 gib = dense[0][1] / 2 / 2**30 if dense else 0.0
                 if gib <= args.max_onnx_gib:
@@ -845,7 +848,8 @@ def parse_args():
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
                    help='--level onnx: skip a file where the H x N x N weights of one of its '
-                   'dense attention layers exceed this (GiB); --level onnx-op: a token count')
+                   'dense attention layers exceed this (GiB); --level onnx-op: skip a token '
+                   'count where softmax attention\'s do')
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path (mmseg as released at the model level) where its '
                    'N x N weights exceed this many GiB')
