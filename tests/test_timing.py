@@ -101,6 +101,15 @@ def test_cpu_description_names_the_cpus():
         assert 'AMX' in text, text  # the vector units are said, present or not
 
 
+def test_core_generation():
+    from mita_seg.analysis.timing import _core
+    assert _core('AuthenticAMD', 25, 1) == 'Zen 3'
+    assert _core('AuthenticAMD', 25, 17) == 'Zen 4'
+    assert _core('GenuineIntel', 6, 106) == 'Ice Lake-SP'
+    assert _core('GenuineIntel', 6, 143) == 'Sapphire Rapids'
+    assert _core('GenuineIntel', 6, 1) is None and _core('Other', 6, 106) is None
+
+
 def test_timing_imports_no_mm_stack():
     # the study and the benchmark import it before (or without) the mm stack
     code = ('import sys, mita_seg.analysis.timing; '

@@ -192,6 +192,22 @@ def _amd_core(family: int, model: int) -> Optional[str]:
     return None
 
 
+# Intel family 6 server models (Intel's model numbers): model 85 is Skylake-SP, Cascade Lake
+# and Cooper Lake alike, told apart only by stepping.
+_INTEL_XEON_MODELS = {85: 'Skylake-SP/Cascade Lake', 106: 'Ice Lake-SP', 108: 'Ice Lake-D',
+                      143: 'Sapphire Rapids', 207: 'Emerald Rapids', 173: 'Granite Rapids',
+                      175: 'Sierra Forest'}
+
+
+def _core(vendor: str, family: int, model: int) -> Optional[str]:
+    """The core generation of a CPU's vendor, family and model, where known."""
+    if vendor == 'AuthenticAMD':
+        return _amd_core(family, model)
+    if vendor == 'GenuineIntel' and family == 6:
+        return _INTEL_XEON_MODELS.get(model)
+    return None
+
+
 def _cpuinfo() -> Dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     info: Dict[str, str] = {}
@@ -245,9 +261,9 @@ def vector_units(flags: Sequence[str]) -> str:
 
 def cpu_description() -> str:
     """The CPU in words, from ``/proc/cpuinfo`` (and lscpu's hypervisor vendor): its name,
-    family and model (with AMD's core generation where known), the logical CPUs (vCPUs
-    under a hypervisor) and the vector units, e.g. ``AMD EPYC (family 25 model 1, Zen 3),
-    2 vCPUs under KVM, AVX2, no AVX-512, no AMX``. Falls back to ``platform.processor()``
+    family and model (with the core generation where known: AMD's Zen, Intel's Xeons), the
+    logical CPUs (vCPUs under a hypervisor) and the vector units, e.g. ``AMD EPYC (family 25
+    model 1, Zen 3), 2 vCPUs under KVM, AVX2, no AVX-512, no AMX``. Falls back to ``platform.processor()``
     where there is no ``/proc/cpuinfo``."""
     import platform
     info = _cpuinfo()
@@ -255,7 +271,7 @@ def cpu_description() -> str:
     where = []
     if 'cpu family' in info and 'model' in info:
         family, model = int(info['cpu family']), int(info['model'])
-        core = _amd_core(family, model) if info.get('vendor_id') == 'AuthenticAMD' else None
+        core = _core(info.get('vendor_id', ''), family, model)
         where.append(f'family {family} model {model}' + (f', {core}' if core else ''))
     flags = info.get('flags', '').split()
     cpus = f'{os.cpu_count()} CPUs'
