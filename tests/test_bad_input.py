@@ -433,6 +433,8 @@ def careless_cases(f):
         'benchmark/min-run-time-0': ('benchmark', ['--min-run-time', 0], 2, "'0': must be > 0"),
         'benchmark/profile-bias': ('benchmark', ['--profile', '--bias'], 2,
                                    '--profile measures the fused CPU kernel without a bias'),
+        'benchmark/profile-onnx': ('benchmark', ['--level', 'onnx', '--profile'], 2,
+                                   'use it with --device cpu, --level op/model/all/onnx-op'),
         'benchmark/compile-op-level': ('benchmark', ['--compile'], 2,
                                        '--compile adds compiled columns to the model level'),
         'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--onnx-settings',

@@ -90,6 +90,13 @@ def test_onnx_op_level(tools):
         assert float(diff) < 1e-5, out
     _, out = tools('tools/benchmark.py', *small, '--tokens', 65, '--max-onnx-gib', 1e-9)
     assert 'skipped' in ' '.join(_rows(out, 65)[0][1]), out
+    # --profile: MiTA's ORT time per operator type, under the row; the shares add up
+    _, out = tools('tools/benchmark.py', *small, '--tokens', 65, '--profile')
+    line = next(ln for ln in out.splitlines() if ln.startswith("#   MiTA's nodes"))
+    shares = dict((op, float(pct.rstrip('%'))) for op, pct in
+                  (part.rsplit(' ', 1) for part in line.split(': ', 1)[1].split(', ')))
+    assert 'MatMul' in shares and 'TopK' in shares, line
+    assert abs(sum(shares.values()) - 100) <= len(shares), line
 
 
 def test_bound_removes_only_the_mixing(tiny_cfg):

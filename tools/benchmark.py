@@ -86,6 +86,7 @@ Examples::
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-sizes 512 1024
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-settings 7:49 4:16
     python tools/benchmark.py --level onnx-op --tokens 1025 4097
+    python tools/benchmark.py --level onnx-op --tokens 1025 --profile   # + per operator type
 """
 import argparse
 import copy
@@ -768,6 +769,46 @@ def onnx_op_level(args):
                                     pause=0.2), per_call))
             print(f'{N:>6} | {soft * 1e3:10.2f} {mita * 1e3:9.2f} | {soft / mita:7.2f}x | '
                   f'{diff:10.2g}', flush=True)
+            if args.profile:
+                path = os.path.join(tmp, f'mita-{N}.onnx')
+                print(ort_profile(path, threads, feed, per_call[1], tmp), flush=True)
+
+
+def ort_profile(path, threads, feed, reps, tmp):
+    """One line: where an ONNX file's time goes in ONNX Runtime, per operator type (ORT's
+    profiler, ``reps`` runs after one untimed; each type's share of the nodes' summed
+    kernel time and ms per run, the largest first, types under 2% as ``other``)."""
+    import json
+
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(tmp, 'profile')
+    sess = ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
+    sess.run(None, feed)
+    for _ in range(reps):
+        sess.run(None, feed)
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    per_type = {}
+    for e in events:
+        if e.get('cat') == 'Node' and e['name'].endswith('_kernel_time'):
+            op = e.get('args', {}).get('op_name', '?')
+            per_type[op] = per_type.get(op, 0) + e['dur']
+    # the first run's nodes are in the file too: (reps + 1) runs
+    total = sum(per_type.values())
+    parts, other = [], 0
+    for op, us in sorted(per_type.items(), key=lambda kv: -kv[1]):
+        if us < 0.02 * total:
+            other += us
+        else:
+            parts.append(f'{op} {100 * us / total:.0f}%')
+    if other:
+        parts.append(f'other {100 * other / total:.0f}%')
+    ms = total / (reps + 1) / 1e3
+    return f"#   MiTA's nodes {ms:.2f} ms per run: {', '.join(parts)}"
 
 
 def token_count(text):
@@ -843,7 +884,8 @@ def parse_args():
     p.add_argument('--profile', action='store_true',
                    help='fused CPU backend: under each row, the time of each phase of the '
                    'kernel (operator level), or the kernel\'s share of the swapped model\'s '
-                   'time and the speed-up that leaves at most (model level)')
+                   'time and the speed-up that leaves at most (model level); --level onnx-op: '
+                   'MiTA\'s ORT time per operator type (ORT\'s profiler)')
     p.add_argument('--min-run-time', type=float_range(0, low_open=True), default=1.0,
                    help='seconds of repeated calls per measurement (median reported)')
     p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
@@ -871,9 +913,11 @@ def parse_args():
     if args.compile and args.level not in ('model', 'all'):
         p.error('--compile adds compiled columns to the model level: use it with --level model '
                 'or all')
-    if args.profile and (args.bias or args.level == 'threads' or args.device != 'cpu'):
-        p.error('--profile measures the fused CPU kernel without a bias: use it with '
-                '--device cpu, --level op/model/all, and without --bias')
+    if args.profile and (args.bias or args.level in ('threads', 'onnx')
+                         or args.device != 'cpu'):
+        p.error('--profile measures the fused CPU kernel without a bias, or MiTA\'s ONNX '
+                'Runtime graph: use it with --device cpu, --level op/model/all/onnx-op, and '
+                'without --bias')
     return args
 
 
