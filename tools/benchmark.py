@@ -780,13 +780,8 @@ def ort_profile(path, threads, feed, reps, tmp):
     kernel time and ms per run, the largest first, types under 2% as ``other``)."""
     import json
 
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    if threads:
-        so.intra_op_num_threads = threads
-    so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(tmp, 'profile')
-    sess = ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
+    from mita_seg.apis.onnx_export import onnx_session
+    sess = onnx_session(path, threads, profile_prefix=os.path.join(tmp, 'profile'))
     sess.run(None, feed)
     for _ in range(reps):
         sess.run(None, feed)

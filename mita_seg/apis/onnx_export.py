@@ -284,15 +284,20 @@ def dense_attention_weights(model: nn.Module, run) -> List[Tuple[str, int]]:
     return sorted(sizes.items(), key=lambda item: -item[1])
 
 
-def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True):
+def onnx_session(path: str, threads: Optional[int] = None, arena: bool = True,
+                 profile_prefix: Optional[str] = None):
     """An ONNX Runtime CPU session of ``path`` (``threads`` intra-op threads; None: ORT's
     default, the physical cores; ``arena=False``: buffers are given back after each run,
-    as a peak memory measurement needs)."""
+    as a peak memory measurement needs; ``profile_prefix``: ORT's profiler on, its JSON
+    file named from this prefix, written by ``end_profiling()``)."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
     so.enable_cpu_mem_arena = arena
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     return ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])
 
 
