@@ -234,6 +234,33 @@ def test_atomic_write_keeps_old_file_when_writing_fails(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ['ckpt.pth']  # no temporary file left behind
 
 
+
+@pytest.mark.parametrize('umask', [0o022, 0o077, 0o002])
+def test_atomic_writes_follow_the_umask_and_keep_a_replaced_files_mode(tmp_path, umask):
+    """A new file gets ``0666 & ~umask``, as ``open`` gives it (mkstemp's temporary file is
+    0600); a replaced file keeps its mode; both through the bytes writer (checkpoints,
+    plans, last_checkpoint) and the path one (ONNX export)."""
+    from mita_seg.engine.atomic_io import atomic_path, atomic_write_bytes
+    old = os.umask(umask)
+    try:
+        new = tmp_path / 'new.pth'
+        atomic_write_bytes(b'x', new)
+        with atomic_path(tmp_path / 'new.onnx', suffix='.onnx.part') as tmp:
+            Path(tmp).write_bytes(b'onnx')
+        plain = tmp_path / 'plain'
+        plain.write_bytes(b'x')  # what open() gives, for comparison
+        kept = tmp_path / 'kept.pth'
+        kept.write_bytes(b'old')
+        os.chmod(kept, 0o640)
+        atomic_write_bytes(b'new', kept)
+    finally:
+        os.umask(old)
+    mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+    assert mode(new) == mode(tmp_path / 'new.onnx') == mode(plain) == 0o666 & ~umask
+    assert mode(kept) == 0o640 and kept.read_bytes() == b'new'
+    assert sorted(os.listdir(tmp_path)) == ['kept.pth', 'new.onnx', 'new.pth', 'plain']
+
+
 WRITER = '''
 import sys, torch, io
 from mita_seg.engine import atomic_write_bytes, atomic_write_text

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mita_seg.engine.atomic_io import atomic_path
 from mita_seg.models import GridMismatchError
 from mita_seg.ops.bias import RelPosBias
 from mita_seg.ops.onnx import OnnxExportError, mita_translation_table, routing_ties
@@ -599,24 +600,19 @@ def export_onnx(config: str, checkpoint: str, out: str,
     table = table or mita_translation_table(formulation)
     pre = cfg.model.get('data_preprocessor') or {}
     mean, std = pre.get('mean'), pre.get('std')
-    out_dir = osp.dirname(osp.abspath(out))
-    os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(suffix='.onnx.part', dir=out_dir)
-    os.close(fd)
-    try:
-        write_onnx(module, (h, w), tmp, opset, table)
-        seconds = time.perf_counter() - t0
-        result = None
-        if check != 'none':
-            result = check_onnx(tmp, module, (h, w), seed, check, table, opset)
-            if not result.ok:
-                raise OnnxExportError(f'{result.problem()}; nothing written to {out}')
-        os.replace(tmp, out)
-        return OnnxReport(out, (h, w), logits.shape[1], len(_mita_modules(model)), result,
-                          list(mean) if mean else None, list(std) if std else None,
-                          bool(pre.get('bgr_to_rgb', False)), seconds)
-    finally:
-        for leftover in (tmp, tmp + '.data'):
-            if osp.exists(leftover):
-                os.remove(leftover)
+    with atomic_path(out, suffix='.onnx.part') as tmp:  # the user's umask, whole or not at all
+        try:
+            write_onnx(module, (h, w), tmp, opset, table)
+            seconds = time.perf_counter() - t0
+            result = None
+            if check != 'none':
+                result = check_onnx(tmp, module, (h, w), seed, check, table, opset)
+                if not result.ok:
+                    raise OnnxExportError(f'{result.problem()}; nothing written to {out}')
+        finally:
+            if osp.exists(tmp + '.data'):
+                os.remove(tmp + '.data')
+    return OnnxReport(out, (h, w), logits.shape[1], len(_mita_modules(model)), result,
+                      list(mean) if mean else None, list(std) if std else None,
+                      bool(pre.get('bgr_to_rgb', False)), seconds)

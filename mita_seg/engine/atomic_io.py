@@ -2,17 +2,21 @@
 
 The new bytes go to a temporary file in the same directory, are flushed and ``fsync``-ed,
 then ``os.replace`` moves them over the target (atomic on POSIX and Windows within one file
-system), and the directory is ``fsync``-ed so the rename itself survives a power cut.
+system), and the directory is ``fsync``-ed so the rename itself survives a power cut. The
+file gets the mode of the file it replaces, or that of a new file (``0666 & ~umask``), as
+``open`` would give it (``mkstemp`` makes its temporary file ``0600``, whatever the umask).
 """
+import contextlib
 import os
 import os.path as osp
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Iterator, Union
 
 from mmengine.fileio import LocalBackend, register_backend
 
-__all__ = ['atomic_write_bytes', 'atomic_write_text', 'AtomicLocalBackend', 'ATOMIC_BACKEND']
+__all__ = ['atomic_path', 'atomic_write_bytes', 'atomic_write_text', 'AtomicLocalBackend',
+           'ATOMIC_BACKEND', 'new_file_mode']
 
 # Name under which :class:`AtomicLocalBackend` is registered in mmengine's file backends.
 ATOMIC_BACKEND = 'mita_atomic_local'
@@ -32,8 +36,60 @@ def _fsync_dir(dirname: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc``)."""
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('Umask:'):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but brief)
+    os.umask(mask)
+    return mask
+
+
+def new_file_mode(filepath: Union[str, Path]) -> int:
+    """The permission bits ``filepath`` should have once written: those of the file there
+    now, or ``0666 & ~umask`` for a new one (what ``open(filepath, 'w')`` gives)."""
+    try:
+        return os.stat(filepath).st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+@contextlib.contextmanager
+def atomic_path(filepath: Union[str, Path], suffix: str = '.tmp') -> Iterator[str]:
+    """A temporary path beside ``filepath`` to write to; when the block ends without an
+    exception it takes :func:`new_file_mode` and replaces ``filepath`` in one rename (the
+    directory ``fsync``-ed); otherwise it is removed and ``filepath`` is untouched.
+    Parent directories are created. A writer that opens the path itself (``torch.onnx.export``)
+    uses this; bytes in memory go through :func:`atomic_write_bytes`.
+
+    Args:
+        filepath (str | Path): the target.
+        suffix (str): the temporary file's suffix. Default: ``'.tmp'``.
+    """
+    filepath = osp.abspath(os.fspath(filepath))
+    dirname = osp.dirname(filepath)
+    os.makedirs(dirname, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f'.{osp.basename(filepath)}.', suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, new_file_mode(filepath))
+        os.replace(tmp, filepath)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(dirname)
+
+
 def atomic_write_bytes(data: bytes, filepath: Union[str, Path]) -> None:
-    """Write ``data`` to ``filepath`` atomically (parent directories are created).
+    """Write ``data`` to ``filepath`` atomically (parent directories are created), with the
+    mode :func:`new_file_mode` says.
 
     Args:
         data (bytes): the new contents.
@@ -43,23 +99,11 @@ def atomic_write_bytes(data: bytes, filepath: Union[str, Path]) -> None:
     Raises:
         OSError: writing failed; ``filepath`` is untouched and no temporary file is left.
     """
-    filepath = osp.abspath(os.fspath(filepath))
-    dirname = osp.dirname(filepath)
-    os.makedirs(dirname, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dirname, prefix=f'.{osp.basename(filepath)}.', suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'wb') as f:
+    with atomic_path(filepath) as tmp:
+        with open(tmp, 'wb') as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, filepath)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(dirname)
 
 
 def atomic_write_text(text: str, filepath: Union[str, Path], encoding: str = 'utf-8') -> None:

@@ -23,9 +23,15 @@ oneDNN's bf16 kernel ran the forward no faster than MKL's float32 GEMMs, see
 docs/benchmark.md). The backward's five routed GEMMs per expert (``q K_e^T``, ``dout
 V_e^T``, ``dS^T q``, ``P^T dout``, ``dS K_e``; P and dS rounded) take the same path under the
 same rule; its routing part (shared expert, scores, landmarks) stays float32.
-``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on in both (through cpublas's plain GEMM
-where oneDNN's kernel does not run: slow, it tests the path on any CPU), ``=0`` off;
-``_C.lowp_gemm_path(dtype)`` says which runs. The GEMMs that decide the routing (the scores,
+oneDNN's kernel reads its B operand in a layout that depends on the kernel it generates for
+the CPU (AMX tiles, interleaved pairs of rows, plain rows), so the C++ probes each layout
+once per dtype with a product of distinct values on an odd shape, checked bit for bit
+against float32, and never runs one that failed (``_C.lowp_probe(dtype)`` lists the
+results: on a Sapphire Rapids Xeon the fp16 kernel reads plain rows, on an AMD Zen 4 the bf16
+one interleaved pairs). ``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on in both: the
+layout that passed, else cpublas's plain GEMM (slow, it tests the path on any CPU), with a
+warning saying why (:func:`lowp_gemm_path`); ``=0`` off; ``_C.lowp_gemm_path(dtype)`` says
+which runs. The GEMMs that decide the routing (the scores,
 the shared logits) stay float32.
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases
@@ -43,6 +49,7 @@ tracers (``torch.compile``) see opaque nodes.
 import importlib.util
 import os
 import sys
+import warnings
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -91,6 +98,26 @@ def unsupported(inp) -> List[str]:
         why.append('the relative position bias table must be on the CPU, got '
                    f'{inp.bias.table.device.type}')
     return why
+
+
+_LOWP_WARNED = set()
+
+
+def lowp_gemm_path(dtype: torch.dtype) -> str:
+    """The path of the kernel's bf16/fp16 GEMMs for inputs of ``dtype`` now
+    (``_C.lowp_gemm_path``). Forced on (``MITA_CPU_BF16_GEMM=1``) where oneDNN's kernel
+    failed its probe in every layout, it warns once per dtype, saying why and what runs."""
+    path = _C.lowp_gemm_path(dtype)
+    forced = os.environ.get('MITA_CPU_BF16_GEMM', '') not in ('', '0')
+    if forced and not path.startswith('brgemm') and dtype not in _LOWP_WARNED:
+        _LOWP_WARNED.add(dtype)
+        why = '; '.join(f'{layout}: {result}' for layout, result in _C.lowp_probe(dtype)
+                        if layout.startswith('brgemm') and not result.startswith('not tried'))
+        runs = ("cpublas's plain kernel" if path == 'cpublas'
+                else 'float32 (cpublas failed its probe too)')
+        warnings.warn(f'MITA_CPU_BF16_GEMM=1: oneDNN\'s {str(dtype)[6:]} GEMM failed its '
+                      f'check on this CPU ({why}); those GEMMs run on {runs}', stacklevel=3)
+    return path
 
 
 # What the kernel executes: exactly MiTA's multiply-adds.
@@ -292,6 +319,8 @@ def mita_attention_fused_cpu(inp):
         acc = routing_dtype(q.dtype)
         table, window = bias.table.to(acc).contiguous(), tuple(bias.window)
         bias_q, bias_k = LandmarkBias.apply(table, window, tuple(pool_size))
+    if q.dtype in (torch.bfloat16, torch.float16):
+        lowp_gemm_path(q.dtype)  # warns where a forced path fell back
     with_lse = inp.global_kv is not None
     res = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
                           tuple(pool_size), inp.num_prefix_tokens, inp.topk, inp.router_topk,

@@ -191,7 +191,11 @@ __attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t n
   return m;
 }
 
+// MITA_CPU_ISA=scalar turns the kernel's own AVX2/F16C code off (the exponential, the maxima,
+// the conversions): the tests run the scalar code on any CPU that way. Read once, at load.
 bool cpu_has_avx2() {
+  const char* isa = std::getenv("MITA_CPU_ISA");
+  if (isa && std::string(isa) == "scalar") return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
@@ -407,42 +411,124 @@ inline void prefetch_row(const T* x, int64_t d) {
 }
 
 // ---- bf16/fp16 GEMMs with float32 accumulation on the matrix units (AMX): oneDNN's brgemm
-// micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash attention calls them
-// (B in the VNNI layout, pairs of rows interleaved, in column blocks of at most 64: made by
-// cpublas::pack where the CPU has AMX, by pack_b itself otherwise; k rounded up to even with
-// zeros). For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V (phase 2)
-// and the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the inputs' dtype
-// as FlashAttention does; in the backward, phase B's five routed GEMMs (q K_e^T, dout V_e^T, dS^T
+// micro-kernels through at::native::cpublas::brgemm, as PyTorch's CPU flash attention calls them.
+// For bf16/fp16 inputs only the read-out GEMMs take them: V_R += exp(S - max) V (phase 2) and
+// the routed logits q K_e^T and read-out P V_e (phase 5), with P rounded to the inputs' dtype as
+// FlashAttention does; in the backward, phase B's five routed GEMMs (q K_e^T, dout V_e^T, dS^T
 // q, P^T dout, dS K_e, with P and dS rounded). The GEMMs that decide the routing (S = R K^T, Ls =
 // q R^T) stay float32 (R is float32: rounding it would move the top-k and the argmax), and so do
-// softmax, log-sum-exp, top-k and the merge. MITA_CPU_BF16_GEMM=1 forces the path on (where
-// oneDNN's kernel does not run on this CPU, cpublas's plain bf16 x bf16 -> float32 GEMM runs it:
-// slow, for testing the path on any CPU), =0 off; unset: on where the CPU has AMX for the dtype
-// (cpublas::could_pack). With AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel runs too,
-// but no faster than MKL's float32 GEMMs at these small shapes (its per-call cost and the packing
-// eat the gain; see docs/benchmark.md): the float32 path stays there. ----
-enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpNative = 2 };
+// softmax, log-sum-exp, top-k and the merge.
+//
+// oneDNN's kernel reads B in the layout of the kernel it generates for this CPU, which cpublas
+// does not say: pairs of rows interleaved (VNNI: bf16 on AVX512-BF16), AMX tiles (made by
+// cpublas::pack where cpublas::could_pack), or plain rows (fp16 on AVX512-FP16 without
+// AMX-FP16). So each layout is *probed*: a product of distinct values on an odd shape (k odd,
+// so padded; a second column block of another width; two row blocks; accumulation), computed
+// through pack_b and lowp_gemm exactly as the kernels call them and compared with the float32
+// product, which it must equal bit for bit (small integers and halves: exact in bf16, fp16 and
+// float32). A wrong layout changes almost every entry; a kernel that cannot be generated
+// throws. The first layout that passes is the path (kLowpPacked, then kLowpVnni, then
+// kLowpRows); none passing, oneDNN's kernel is off for that dtype. cpublas's plain GEMM
+// (kLowpPlain, B in rows, is_vnni false) is probed too.
+//
+// MITA_CPU_BF16_GEMM=1 forces the path on: the probed oneDNN layout, else cpublas's plain GEMM
+// (slow, for testing the path on any CPU; mita_seg.ops.fused_cpu warns, saying why), else
+// none; =0 off; unset: on where
+// the CPU has AMX for the dtype and its packed layout passed (With AVX512-BF16 and no AMX, AMD
+// Zen 4, oneDNN's bf16 kernel runs, but no faster than MKL's float32 GEMMs at these small
+// shapes: its per-call cost and the packing eat the gain, see docs/benchmark.md). A path is
+// never chosen whose probe failed. _C.lowp_probe(dtype) reports each layout's result. ----
+enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpPacked = 2, kLowpVnni = 3, kLowpRows = 4 };
+constexpr LowpPath kLowpLayouts[] = {kLowpPlain, kLowpPacked, kLowpVnni, kLowpRows};
+
+inline bool lowp_native(LowpPath path) { return path >= kLowpPacked; }
+
+inline const char* lowp_name(LowpPath path) {
+  switch (path) {
+    case kLowpPlain: return "cpublas";
+    case kLowpPacked: return "brgemm-packed";
+    case kLowpVnni: return "brgemm-vnni";
+    case kLowpRows: return "brgemm-rows";
+    default: return "float32";
+  }
+}
 
 template <typename In>
 constexpr bool is_lowp = std::is_same<In, c10::BFloat16>::value ||
                          std::is_same<In, c10::Half>::value;
 
-// Whether oneDNN's brgemm runs In x In -> float32 (B in the VNNI layout) on this CPU: a
-// [2, 2] x [2, 2] product of ones. Where it does not, cpublas refuses it with a c10::Error or
-// oneDNN's kernel generation throws its own error ("could not generate a kernel": bf16 on an
-// AVX-512 CPU without AVX512-BF16 or AMX, e.g. Ice Lake): either means no.
 template <typename In>
-bool brgemm_native() {
-  const In one(1.f);
-  const In a[4] = {one, one, one, one};
-  float c[4] = {0, 0, 0, 0};
+void lowp_gemm(LowpPath path, int64_t m, int64_t n, int64_t kp, const In* A, int64_t lda,
+               const In* B, float* C, int64_t ldc, bool accumulate);
+template <typename In, typename Row>
+void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::vector<In>& out,
+            std::vector<In>& tmp);
+
+// The probe of one path for inputs of type In: "ok", "wrong results (...)", "error: ..." or
+// "not tried: ..." (see above).
+template <typename In>
+std::string probe_lowp(LowpPath path) {
+  const at::ScalarType dtype = c10::CppTypeToScalarType<In>::value;
+  if (path == kLowpPacked && !at::native::cpublas::could_pack(dtype))
+    return "not tried: cpublas::could_pack is false for this dtype (no AMX for it)";
+  constexpr int64_t m = 37, k = 7, n = 70, kp = 8;  // two row blocks of lowp_gemm, k odd,
+  // column blocks of 64 and 6
+  auto a_val = [](int64_t i, int64_t r) { return float((i * 5 + r * 3) % 9 - 4); };
+  auto b_val = [](int64_t r, int64_t c) { return float((r * 7 + c * 11) % 13 - 6) * 0.5f; };
+  std::vector<In> A(m * kp, In(0.f)), rows(k * n), cols(n * k), packed, tmp;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t r = 0; r < k; ++r) A[i * kp + r] = In(a_val(i, r));
+  for (int64_t r = 0; r < k; ++r)
+    for (int64_t c = 0; c < n; ++c) rows[r * n + c] = cols[c * k + r] = In(b_val(r, c));
+  float worst = 0;
+  int64_t wrong = 0;
   try {
-    at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, a, c, true);
-    at::native::cpublas::brgemm_release(true);
-  } catch (const std::exception&) {
-    return false;
+    for (const bool b_t : {false, true}) {  // both ways pack_b reads B
+      if (b_t)
+        pack_b<In>(path, true, k, n, [&](int64_t c) { return cols.data() + c * k; }, packed, tmp);
+      else
+        pack_b<In>(path, false, k, n, [&](int64_t r) { return rows.data() + r * n; }, packed,
+                   tmp);
+      std::vector<float> C(m * n, 1.f);
+      lowp_gemm<In>(path, m, n, kp, A.data(), kp, packed.data(), C.data(), n, b_t);
+      if (lowp_native(path)) at::native::cpublas::brgemm_release(true);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 0; c < n; ++c) {
+          float want = b_t ? 1.f : 0.f;  // accumulate onto ones when b_t
+          for (int64_t r = 0; r < k; ++r) want += a_val(i, r) * b_val(r, c);
+          const float err = std::abs(C[i * n + c] - want);
+          wrong += err != 0.f;
+          worst = std::max(worst, err);
+        }
+    }
+  } catch (const std::exception& e) {  // c10::Error, or oneDNN's "could not generate a kernel"
+    std::string what = e.what();
+    return "error: " + what.substr(0, what.find('\n'));
   }
-  return c[0] == 2 && c[3] == 2;
+  if (wrong == 0) return "ok";
+  return "wrong results (" + std::to_string(wrong) + " of " + std::to_string(2 * m * n) +
+         " entries of a [37, 7] x [7, 70] product, max error " + std::to_string(worst) + ")";
+}
+
+template <typename In>
+struct LowpProbe {
+  std::vector<std::pair<LowpPath, std::string>> results;  // every path, in kLowpLayouts order
+  LowpPath native = kLowpOff;  // the first oneDNN layout that passed
+  bool plain = false;          // cpublas's plain GEMM passed
+  LowpProbe() {
+    for (LowpPath path : kLowpLayouts) {
+      results.emplace_back(path, probe_lowp<In>(path));
+      const bool ok = results.back().second == "ok";
+      if (path == kLowpPlain) plain = ok;
+      else if (ok && native == kLowpOff) native = path;
+    }
+  }
+};
+
+template <typename In>
+const LowpProbe<In>& lowp_probe() {
+  static const LowpProbe<In> probe;
+  return probe;
 }
 
 // The path of this call's GEMMs for inputs of type In (read each call: tests switch it).
@@ -451,12 +537,12 @@ LowpPath lowp_path() {
   if constexpr (!is_lowp<In>) {
     return kLowpOff;
   } else {
-    static const bool native = brgemm_native<In>();
-    static const bool amx =
-        at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
+    const LowpProbe<In>& probe = lowp_probe<In>();
     const char* env = std::getenv("MITA_CPU_BF16_GEMM");
-    const bool on = env && *env ? std::string(env) != "0" : amx && native;
-    return on ? (native ? kLowpNative : kLowpPlain) : kLowpOff;
+    if (!(env && *env)) return probe.native == kLowpPacked ? kLowpPacked : kLowpOff;
+    if (std::string(env) == "0") return kLowpOff;
+    if (probe.native != kLowpOff) return probe.native;
+    return probe.plain ? kLowpPlain : kLowpOff;  // mita_seg.ops.fused_cpu says why
   }
 }
 
@@ -497,9 +583,9 @@ constexpr int64_t kBlockN = 64;
 inline int64_t packed_ld(int64_t nb) { return (nb + 15) / 16 * 16; }
 
 // op(B) [k, n] as lowp_gemm's B operand in out: k rounded up to even (kp) with zero rows,
-// each column block [kp][ld] with zero padding columns, in the VNNI layout ([kp/2][ld][2]) for
-// oneDNN's kernel (by cpublas::pack of the row-major block where the CPU has AMX, as
-// PyTorch's flash attention packs whole blocks), else row-major for cpublas's plain GEMM.
+// each column block [kp][ld] with zero padding columns, in the path's layout: interleaved
+// ([kp/2][ld][2], kLowpVnni), cpublas::pack of the row-major block (kLowpPacked, as PyTorch's
+// flash attention packs whole blocks), else row-major (kLowpRows, kLowpPlain).
 // b_t: row(c) is column c of op(B) (k values: an expert's key c for K_e^T); else row(r) is
 // its row r (n values: a value row). Rows are read through pointers, so the experts' keys
 // and values are gathered and packed in one pass.
@@ -510,9 +596,8 @@ void pack_b(LowpPath path, bool b_t, int64_t k, int64_t n, const Row& row, std::
   const int64_t kp = (k + 1) / 2 * 2;
   const int64_t size = kp * (n - n % kBlockN + (n % kBlockN ? packed_ld(n % kBlockN) : 0));
   if (static_cast<int64_t>(out.size()) < size) out.resize(size);
-  static const bool amx = at::native::cpublas::could_pack(c10::CppTypeToScalarType<In>::value);
-  const bool vnni = path == kLowpNative && !amx;  // interleaved here
-  const bool repack = path == kLowpNative && amx;  // row-major blocks in tmp, then pack
+  const bool vnni = path == kLowpVnni;      // interleaved here
+  const bool repack = path == kLowpPacked;  // row-major blocks in tmp, then pack
   if (repack && static_cast<int64_t>(tmp.size()) < size) tmp.resize(size);
   // the 16-bit patterns: copies, no conversions
   uint16_t* base = reinterpret_cast<uint16_t*>(repack ? tmp.data() : out.data());
@@ -577,14 +662,14 @@ void lowp_gemm(LowpPath path, int64_t m, int64_t n, int64_t kp, const In* A, int
     for (int64_t i = 0; i < m; i += kRows)
       at::native::cpublas::brgemm(std::min(kRows, m - i), nb, kp, lda, packed_ld(nb), ldc,
                                   accumulate, A + i * lda, B + kp * c0, C + i * ldc + c0,
-                                  path == kLowpNative);
+                                  lowp_native(path));
   }
 }
 
 // Held by a parallel task that calls lowp_gemm: releases the thread's AMX tile state at its end.
 struct BrgemmRelease {
   bool native;
-  explicit BrgemmRelease(LowpPath path) : native(path == kLowpNative) {}
+  explicit BrgemmRelease(LowpPath path) : native(lowp_native(path)) {}
   ~BrgemmRelease() {
     if (native) at::native::cpublas::brgemm_release(true);
   }
@@ -2047,17 +2132,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("profile", &profile, "Per-phase wall time of the kernels: profile(enable)");
   m.def("_set_torch_mm_only", [](bool on) { g_torch_mm_only = on; },
         "Tests: make the kernels' GEMMs use torch::mm (the fallback where BLAS is absent)");
-  m.def("has_avx2", [] { return g_has_avx2; }, "Whether the AVX2 exponential is used");
+  m.def("has_avx2", [] { return g_has_avx2; },
+        "Whether the kernel's AVX2 code (exponential, maxima) runs (the CPU, MITA_CPU_ISA)");
+  m.def("has_f16c", [] { return g_has_f16c; },
+        "Whether the kernel's F16C conversions run (the CPU, MITA_CPU_ISA)");
   m.def("lowp_gemm_path",
         [](at::ScalarType dtype) -> std::string {
-          const LowpPath lp = dtype == at::kBFloat16 ? lowp_path<c10::BFloat16>()
-                              : dtype == at::kHalf   ? lowp_path<c10::Half>()
-                                                     : kLowpOff;
-          return lp == kLowpNative ? "brgemm" : lp == kLowpPlain ? "cpublas" : "float32";
+          return lowp_name(dtype == at::kBFloat16 ? lowp_path<c10::BFloat16>()
+                           : dtype == at::kHalf   ? lowp_path<c10::Half>()
+                                                  : kLowpOff);
         },
         "The read-out GEMMs (forward) and routed GEMMs (backward) for inputs of this dtype now "
-        "(MITA_CPU_BF16_GEMM, the CPU): 'brgemm' (oneDNN's bf16/fp16 kernel), 'cpublas' "
-        "(forced where it does not run), 'float32'");
+        "(MITA_CPU_BF16_GEMM, the CPU, the probes): 'brgemm-packed', 'brgemm-vnni' or "
+        "'brgemm-rows' (oneDNN's bf16/fp16 kernel, B in AMX tiles, interleaved pairs of rows "
+        "or plain rows), 'cpublas' (its plain GEMM: forced where no oneDNN layout passed), "
+        "'float32'");
+  m.def("lowp_probe",
+        [](at::ScalarType dtype) {
+          std::vector<std::pair<std::string, std::string>> out;
+          if (dtype != at::kBFloat16 && dtype != at::kHalf) return out;
+          const auto& results = dtype == at::kBFloat16 ? lowp_probe<c10::BFloat16>().results
+                                                       : lowp_probe<c10::Half>().results;
+          for (const auto& r : results) out.emplace_back(lowp_name(r.first), r.second);
+          return out;
+        },
+        "Each bf16/fp16 GEMM path's probe on this CPU (run once per dtype): [(path, 'ok' | "
+        "'wrong results (...)' | 'error: ...' | 'not tried: ...')]; a path runs only if 'ok'");
   m.def("_convert", [](torch::Tensor t, at::ScalarType to) { return convert({t}, to)[0]; },
         "Tests: the kernel's float32 <-> bf16/fp16 conversion (as Tensor.to)");
 }
