@@ -14,17 +14,12 @@ from scratch with MiTA (small and paper-size experts), evaluated over the same g
 ``FIG_DIR/swap_study.png``, ``FIG_DIR/<model>_native.png`` and the selection maps; ``make
 swap-study`` runs it as in docs/swap_study.md.
 
-Usage::
+Usage (``--help`` lists every option; the defaults are the study's,
+:mod:`projects.swap_study.settings`)::
 
     python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
-        [--seeds 2027 2028 2029] [--head-settings 7:49]
-        [--work-dir work_dirs/swap_study] [--fig-dir DIR] [--data-root DIR]
-        [--train-iters 120] [--model-train-iters beit=400] [--finetune-iters 40]
-        [--pool-sizes 4 5 7 8 10] [--topks 8 16 49 100] [--candidates dense 4:8 ...]
-        [--finetune 7:49 ...] [--selection 7:49] [--no-control] [--reuse] [--threads N]
-        [--merge-ratios 0.2 0.3 0.4 0.5] [--merged-swaps 7:49+tome0.5] [--plan-budgets 7:49 tome]
-        [--calibration-images 16] [--calibration-counts 4 8] [--native 4:16 7:49]
-        [--native-models segmenter]
+        [--seeds S ...] [--work-dir DIR] [--fig-dir DIR] [--data-root DIR] [--reuse]
+        [--train-iters N] [--pool-sizes P ...] [--topks K ...] [--finetune P:K ...] ...
 
 A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
 is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
@@ -48,13 +43,9 @@ from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
 from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
 from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
                               setting_or_dense_arg)
-
-# The study's models: standard-attention configs on the 256x256 data (32x32 grid).
-MODELS = {
-    'segmenter': 'configs/baselines/segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py',
-    'beit': 'configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py',
-}
-DATA_ROOT = 'data/ade/tiny_ade20k_256'
+# the study's defaults (torch-free: parsed against before the stack is loaded)
+from projects.swap_study.settings import (DATA, DATA_ROOT, MODEL_TRAIN_ITERS,  # noqa: E402
+                                          MODELS, WORK_DIR, StudySettings, default)
 
 
 def merged_swap(text):
@@ -91,99 +82,101 @@ def plan_budget(text):
             f"{e}; or 'tome' (the FLOPs of the largest --merge-ratios)") from None
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+def build_parser():
+    """The tool's arguments, their defaults the study's (:mod:`projects.swap_study.settings`);
+    an argument of a ``StudySettings`` field has its name as ``dest``."""
+    p = argparse.ArgumentParser(
         description='MiTA swap study: train, swap without retraining, fine-tune, measure')
-    parser.add_argument('--models', nargs='+', choices=sorted(MODELS),
-                        help='models of the study (default without --model: every one whose '
-                        'config exists; '
-                        f"{', '.join(f'{k}: {v}' for k, v in MODELS.items())})")
-    parser.add_argument('--model', action='append', default=[], metavar='NAME=CONFIG',
-                        help='a further standard-attention model (config file or mmseg::)')
-    parser.add_argument('--work-dir', type=output_dir('--work-dir'),
-                        default='work_dirs/swap_study')
-    parser.add_argument('--fig-dir', type=output_dir('--fig-dir'),
-                        help='figures (default: WORK_DIR/figures)')
-    parser.add_argument('--data-root', type=output_dir('--data-root'), default=DATA_ROOT,
-                        help='ADE20K-format data; written if missing (see --data-*)')
-    parser.add_argument('--data-size', type=int_range(32), default=256,
-                        help='image side if written')
-    parser.add_argument('--data-train', type=int_range(1), default=200,
-                        help='training images if written')
-    parser.add_argument('--data-val', type=int_range(1), default=40,
-                        help='validation images if written')
-    parser.add_argument('--seeds', type=int_range(0), nargs='+', default=[2027, 2028, 2029],
-                        help='training seeds: every model is trained and studied once per seed '
-                        '(randomness.seed); rows are mean and spread over them')
-    parser.add_argument('--train-iters', type=int_range(1), default=120)
-    parser.add_argument('--model-train-iters', nargs='*', default=['beit=400'],
-                        metavar='NAME=ITERS', help='training iterations of some models '
-                        'instead of --train-iters (default: beit=400, the tiny BEiT barely uses '
-                        'its attention after 120; see docs/swap_study.md)')
-    parser.add_argument('--finetune-iters', type=int_range(1), default=40)
-    parser.add_argument('--finetune-lr-mult', type=float_range(0, low_open=True), default=0.1,
-                        help="fine-tune learning rate as a multiple of the config's")
-    parser.add_argument('--pool-sizes', type=int_range(1), nargs='+', default=[4, 5, 7, 8, 10],
-                        help='landmark grid sides P of the sweep (M = P*P)')
-    parser.add_argument('--topks', type=int_range(1), nargs='+', default=[8, 16, 49, 100],
-                        help='keys per routed expert of the sweep')
-    parser.add_argument('--finetune', type=setting_arg, nargs='*',
-                        default=[MiTASetting.parse('7:49')], metavar='P:K',
-                        help='settings to export and fine-tune (none: no fine-tune)')
-    parser.add_argument('--selection', type=setting_arg, default=MiTASetting.parse('7:49'),
-                        metavar='P:K', help='setting of the token-selection maps')
-    parser.add_argument('--selection-images', type=int_range(0), default=2,
-                        help='validation images of the token-selection maps (0: no maps)')
-    parser.add_argument('--merge-ratios', type=merge_ratio, nargs='*',
-                        default=[0.2, 0.3, 0.4, 0.5], metavar='R',
-                        help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
-    parser.add_argument('--head-settings', type=setting_arg, nargs='*',
-                        default=[MiTASetting.parse('7:49')], metavar='P:K',
-                        help="settings at which Segmenter's mask head is swapped too, its class "
-                        'tokens global and, as a second row, routed like patches (none: no such '
-                        'rows)')
-    parser.add_argument('--no-merge-head', action='store_true',
-                        help="no ToMe rows with Segmenter's mask head merged (only the encoder's)")
-    parser.add_argument('--merged-swaps', type=merged_swap, nargs='*',
-                        default=[(MiTASetting.parse('7:49'), 0.5)], metavar='P:K+tomeR',
-                        help='MiTA at a setting with ToMe at ratio R together, e.g. '
-                        '7:49+tome0.5')
-    parser.add_argument('--plan-budgets', type=plan_budget, nargs='*',
-                        default=['7:49', '7:16', '4:16', 'tome'], metavar='P:K|tome',
-                        help='FLOP budgets of the calibrated per-layer plans (none: no plans)')
-    parser.add_argument('--calibration-images', type=int_range(1), default=16,
-                        help='training images each plan is calibrated on')
-    parser.add_argument('--calibration-counts', type=int_range(1), nargs='*', default=[4, 8],
-                        metavar='N', help='also calibrate the first budget on N images')
-    parser.add_argument('--candidates', nargs='+', type=spelled, metavar='C', default=None,
-                        help='per-layer candidates of the calibration (dense, P:K, '
-                        "P:K:route; default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: "
-                        "a finer grid than tools/calibrate_swap.py's default, see "
-                        'docs/swap_study.md)')
-    parser.add_argument('--native', type=setting_arg, nargs='*',
-                        default=[MiTASetting.parse(t) for t in ('4:16', '7:49')],
-                        metavar='P:K', help='also train the model from scratch with MiTA at '
-                        'each setting and evaluate it over the grid (none: no such runs)')
-    parser.add_argument('--native-models', nargs='+', default=['segmenter'], metavar='NAME',
-                        help='the models that get the --native runs')
-    parser.add_argument('--no-control', action='store_true',
-                        help='skip training the unswapped model as long as the fine-tune')
-    parser.add_argument('--no-check', action='store_true',
-                        help='skip the route-only every-key row (must equal unswapped)')
-    parser.add_argument('--speed-time', type=float_range(0, low_open=True), default=1.0,
-                        help='seconds of timing per row for images/s')
-    parser.add_argument('--threads', type=int_range(1), help="torch's intra-op threads (default: "
-                        "torch's choice)")
-    parser.add_argument('--workers', type=int_range(0), default=0,
-                        help='dataloader worker processes')
-    parser.add_argument('--reuse', action='store_true',
-                        help='reuse results and checkpoints of the work dir made with the '
-                        'same settings (to add a model to a finished study)')
-    parser.add_argument('--cfg-options', nargs='+', action=KeyValueAction,
-                        help='override settings of every config, key=value')
-    add_dense_attn_arg(parser)
-    parser.add_argument('--verbose', action='store_true',
-                        help="print the Runner's config dumps and per-class tables")
+    add = p.add_argument
+    add('--models', nargs='+', choices=sorted(MODELS), help='models of the study (default '
+        'without --model: every one whose config exists; '
+        f"{', '.join(f'{k}: {v}' for k, v in MODELS.items())})")
+    add('--model', action='append', default=[], metavar='NAME=CONFIG',
+        help='a further standard-attention model (config file or mmseg::)')
+    add('--work-dir', type=output_dir('--work-dir'), default=WORK_DIR)
+    add('--fig-dir', type=output_dir('--fig-dir'), help='figures (default: WORK_DIR/figures)')
+    add('--data-root', type=output_dir('--data-root'), default=DATA_ROOT,
+        help='ADE20K-format data; written if missing (see --data-*)')
+    add('--data-size', type=int_range(32), default=DATA['size'], help='image side if written')
+    add('--data-train', type=int_range(1), default=DATA['train'], help='training images if written')
+    add('--data-val', type=int_range(1), default=DATA['val'], help='validation images if written')
+    add_study_args(add)
+    add('--threads', type=int_range(1), help="torch's intra-op threads (default: torch's choice)")
+    add('--workers', type=int_range(0), default=default('workers'),
+        help='dataloader worker processes')
+    add('--reuse', action='store_true', help='reuse results and checkpoints of the work dir '
+        'made with the same settings (to add a model to a finished study)')
+    add('--cfg-options', nargs='+', action=KeyValueAction,
+        help='override settings of every config, key=value')
+    add_dense_attn_arg(p)
+    add('--verbose', action='store_true',
+        help="print the Runner's config dumps and per-class tables")
+    return p
+
+
+def add_study_args(add):
+    """What the study runs: ``StudySettings``' fields, their defaults the settings'."""
+    D = default
+    add('--seeds', type=int_range(0), nargs='+', default=list(D('seeds')),
+        help='training seeds: every model is trained and studied once per seed '
+        '(randomness.seed); rows are mean and spread over them')
+    add('--train-iters', type=int_range(1), default=D('train_iters'))
+    iters = [f'{k}={v}' for k, v in MODEL_TRAIN_ITERS.items()]
+    add('--model-train-iters', nargs='*', default=iters, metavar='NAME=ITERS',
+        help='training iterations of some models instead of --train-iters (default: '
+        f"{' '.join(iters)}, the tiny BEiT barely uses its attention after 120; see "
+        'docs/swap_study.md)')
+    add('--finetune-iters', type=int_range(1), default=D('finetune_iters'))
+    add('--finetune-lr-mult', type=float_range(0, low_open=True), default=D('finetune_lr_mult'),
+        help="fine-tune learning rate as a multiple of the config's")
+    add('--pool-sizes', type=int_range(1), nargs='+', default=list(D('pool_sizes')),
+        help='landmark grid sides P of the sweep (M = P*P)')
+    add('--topks', type=int_range(1), nargs='+', default=list(D('topks')),
+        help='keys per routed expert of the sweep')
+    add('--finetune', type=setting_arg, nargs='*', default=list(D('finetune')), metavar='P:K',
+        help='settings to export and fine-tune (none: no fine-tune)')
+    add('--selection', type=setting_arg, default=D('selection'), metavar='P:K',
+        help='setting of the token-selection maps')
+    add('--selection-images', type=int_range(0), default=D('selection_images'),
+        help='validation images of the token-selection maps (0: no maps)')
+    add('--merge-ratios', type=merge_ratio, nargs='*', default=list(D('merge_ratios')),
+        metavar='R', help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
+    add('--head-settings', type=setting_arg, nargs='*', default=list(D('head_settings')),
+        metavar='P:K', help="settings at which Segmenter's mask head is swapped too, its "
+        'class tokens global and, as a second row, routed like patches (none: no such rows)')
+    add('--no-merge-head', dest='merge_head', action='store_false',
+        help="no ToMe rows with Segmenter's mask head merged (only the encoder's)")
+    add('--merged-swaps', type=merged_swap, nargs='*', default=list(D('merged_swaps')),
+        metavar='P:K+tomeR', help='MiTA at a setting with ToMe at ratio R together, e.g. '
+        '7:49+tome0.5')
+    add('--plan-budgets', type=plan_budget, nargs='*', default=list(D('plan_budgets')),
+        metavar='P:K|tome', help='FLOP budgets of the calibrated per-layer plans (none: no '
+        'plans)')
+    add('--calibration-images', type=int_range(1), default=D('calibration_images'),
+        help='training images each plan is calibrated on')
+    add('--calibration-counts', type=int_range(1), nargs='*',
+        default=list(D('calibration_counts')), metavar='N',
+        help='also calibrate the first budget on N images')
+    add('--candidates', dest='calibration_candidates', nargs='+', type=spelled, metavar='C',
+        default=None, help='per-layer candidates of the calibration (dense, P:K, P:K:route; '
+        "default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: a finer grid than "
+        "tools/calibrate_swap.py's default, see docs/swap_study.md)")
+    add('--native', type=setting_arg, nargs='*', default=list(D('native')), metavar='P:K',
+        help='also train the model from scratch with MiTA at each setting and evaluate it '
+        'over the grid (none: no such runs)')
+    add('--native-models', nargs='+', default=list(D('native_models')), metavar='NAME',
+        help='the models that get the --native runs')
+    add('--no-control', dest='control', action='store_false',
+        help='skip training the unswapped model as long as the fine-tune')
+    add('--no-check', dest='exact_check', action='store_false',
+        help='skip the route-only every-key row (must equal unswapped)')
+    add('--speed-time', dest='speed_min_run_time', metavar='SPEED_TIME',
+        type=float_range(0, low_open=True), default=D('speed_min_run_time'),
+        help='seconds of timing per row for images/s')
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.models:
         models = [(n, MODELS[n]) for n in args.models]
@@ -221,7 +214,7 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from projects.swap_study import StudySettings, run_swap_study
+    from projects.swap_study import run_swap_study
     skipped = sorted(set(MODELS) - {n for n, _ in args.models})
     if skipped:
         print(f'[swap_study] not in this study: {", ".join(skipped)} '
@@ -232,24 +225,7 @@ def main(argv=None):
                str(args.data_val), '--size', str(args.data_size)]
         print('[swap_study] $ ' + ' '.join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    settings = StudySettings(
-        data_root=args.data_root, seeds=tuple(args.seeds), train_iters=args.train_iters,
-        model_train_iters=args.model_train_iters,
-        finetune_iters=args.finetune_iters, finetune_lr_mult=args.finetune_lr_mult,
-        pool_sizes=tuple(args.pool_sizes), topks=tuple(args.topks),
-        finetune=tuple(args.finetune), control=not args.no_control,
-        exact_check=not args.no_check, selection=args.selection,
-        selection_images=args.selection_images, speed_min_run_time=args.speed_time,
-        merge_ratios=tuple(args.merge_ratios), merge_head=not args.no_merge_head,
-        head_settings=tuple(args.head_settings),
-        merged_swaps=tuple(args.merged_swaps), plan_budgets=tuple(args.plan_budgets),
-        calibration_images=args.calibration_images,
-        calibration_counts=tuple(args.calibration_counts),
-        **({} if args.candidates is None else
-           dict(calibration_candidates=tuple(args.candidates))),   # None: the study's
-        native=tuple(args.native), native_models=tuple(args.native_models),
-        workers=args.workers, cfg_options=args.cfg_options, reuse=args.reuse,
-        verbose=args.verbose)
+    settings = StudySettings.from_values(vars(args))   # the arguments named as its fields
     try:
         study = run_swap_study(args.models, args.work_dir, settings, args.fig_dir)
     except ValueError as e:

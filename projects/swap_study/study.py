@@ -1,8 +1,10 @@
-"""The swap study's runner: its settings, its stages and the run (``tools/swap_study.py``,
-``make swap-study``; the tables and figures are :mod:`projects.swap_study.report`'s).
+"""The swap study's runner: its stages and the run (``tools/swap_study.py``, ``make
+swap-study``; its settings are :mod:`projects.swap_study.settings`', the tables and figures
+:mod:`projects.swap_study.report`'s).
 
 For each ``(name, config)`` of a standard-attention segmentor on the generated ADE20K-format
-data and each training seed (``randomness.seed`` of every training), :func:`run_swap_study`:
+data and each training seed (``randomness.seed`` of every training), :func:`run_swap_study`
+(a :class:`ModelStudy` per model and seed, a method per stage):
 
 1. trains it with MMEngine's Runner (what ``tools/train.py`` runs: :func:`load_config`,
    :func:`prepare_config`, :func:`build_runner`) for ``train_iters`` iterations;
@@ -48,8 +50,7 @@ import platform
 import time
 import traceback
 from statistics import mean, stdev
-from dataclasses import dataclass, fields, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -65,19 +66,13 @@ from mita_seg.apis.calibrate import CalibrationError, SwapCalibrator
 from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
-from mita_seg.setting import CALIBRATION_CANDIDATES, MiTASetting, label as label_of
+from mita_seg.setting import MiTASetting, label as label_of
 from .report import markdown, plot_native, plot_study
+from .settings import PAPER, STUDY_CANDIDATES, StudySettings  # noqa: F401 (STUDY_CANDIDATES)
 
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
 # route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
 EXACT = dict(with_shared_expert=False, topk=10**6)
-# the calibration's per-layer candidates in the study: finer steps of cost than
-# calibrate_swap's default (P 4/5/7 x k 16/49/100), so that the knapsack has settings to trade
-# between layers (docs/swap_study.md shows both)
-STUDY_CANDIDATES = ('dense', ) + tuple(
-    f'{p}:{k}' for p in (4, 5, 6, 7, 8, 9, 10) for k in (8, 16)) + ('7:49', '4:16:route',
-                                                                    '7:16:route')
-PAPER = MiTASetting.parse('7:49')   # the paper's M = k = 49
 # the row kinds in the order of the tables (the paper's row, MiTA M = k = 49 in the encoder
 # only, goes first: :func:`aggregate`)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
@@ -85,185 +80,6 @@ KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head
 # the numbers of a row that are averaged over the seeds
 NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
            'model_reduction_%', 'speedup')
-
-
-@dataclass
-class StudySettings:
-    """What the study runs; every model gets the same.
-
-    Args:
-        data_root (str): the ADE20K-format data (``tools/dataset/make_tiny_ade20k.py``), set
-            as ``data_root`` of the three dataloaders of every config.
-        seeds (tuple[int]): training seeds (``randomness.seed`` of every training of a run):
-            every model is trained, and studied, once per seed. Default: (2027, 2028, 2029).
-        train_iters (int): iterations of the standard-attention training. Default: 120.
-        model_train_iters (dict, optional): training iterations of some models, by name,
-            instead of ``train_iters`` (a model that needs longer to use its attention).
-            Default: None.
-        finetune_iters (int): iterations of each fine-tune (and of the control). Default: 40.
-        finetune_lr_mult (float): the fine-tune's (and control's) learning rate, as a multiple
-            of the config's. Default: 0.1.
-        pool_sizes (tuple[int]): landmark grid sides P of the sweep (M = P * P).
-            Default: (4, 5, 7, 8, 10).
-        topks (tuple[int]): keys per routed expert of the sweep. Default: (8, 16, 49, 100).
-        finetune (tuple[MiTASetting]): the settings exported and fine-tuned.
-            Default: (``7:49``, ), the paper's M = k = 49.
-        control (bool): also train the unswapped model for ``finetune_iters`` more
-            iterations (what the fine-tune gains from training alone). Default: True.
-        exact_check (bool): evaluate route-only MiTA with every key (must equal the
-            unswapped mIoU). Default: True.
-        selection (MiTASetting, optional): the setting of the token-selection maps; None
-            for none. Default: ``7:49``.
-        selection_images (int): validation images mapped. Default: 2.
-        merge_ratios (tuple[float]): token-merging (ToMe) ratios evaluated beside the sweep,
-            in ``[0, 0.5]``; none for no ToMe rows. Default: (0.2, 0.3, 0.4, 0.5).
-        head_settings (tuple[MiTASetting]): settings at which Segmenter's mask head is
-            swapped too (``include_head=True``), once with its class tokens global (the
-            default), once routed like patches (``global_suffix=False``). Default: (``7:49``, ).
-        merge_head (bool): each ToMe ratio also with Segmenter's mask head merged (besides the
-            encoder only). Default: True.
-        merged_swaps (tuple[tuple[MiTASetting, float]]): ``(setting, ratio)``: MiTA with
-            ToMe (the MLPs of MiTA layers merged). Default: ((``7:49``, 0.5), ).
-        plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: a setting (``7:49``)
-            the FLOPs of every layer on it, ``'tome'`` the reduction of the largest ToMe
-            ratio. Default: ('7:49', '7:16', '4:16', 'tome').
-        calibration_images (int): training images each plan is calibrated on. Default: 16.
-        calibration_counts (tuple[int]): further image counts, calibrated at the first
-            budget only (how the plan moves with the images). Default: (4, 8).
-        calibration_candidates (tuple[str], optional): per-layer candidates
-            (``dense``, ``7:49``, ``4:16:route``); None for the calibration's
-            defaults (dense, pool 4/5/7 x k 16/49/100, with and without the shared expert).
-            Default: :data:`STUDY_CANDIDATES` (dense, P 4 to 10 x k 8/16, 7:49, two
-            route-only).
-        native (tuple[MiTASetting]): settings the architecture is also trained with from
-            scratch, with MiTA, for as many iterations, then evaluated over the sweep's grid.
-            Default: (``4:16``, ``7:49``).
-        native_models (tuple[str], optional): the models that get the ``native`` runs; None
-            for all. Default: ('segmenter', ).
-        speed_min_run_time (float): seconds of timing per row (images/s is the median of
-            ``torch.utils.benchmark.Timer`` over one test batch). Default: 1.0.
-        workers (int): dataloader worker processes. Default: 0.
-        cfg_options (dict, optional): ``--cfg-options`` for every config. Default: None.
-        reuse (bool): reuse models' results and trained checkpoints already in the work
-            dir when they were made with the same settings. Default: False.
-        verbose (bool): the Runner's full console (config dump, per-class tables).
-            Default: False.
-    """
-    data_root: str
-    seeds: Tuple[int, ...] = (2027, 2028, 2029)
-    train_iters: int = 120
-    model_train_iters: Optional[Dict[str, int]] = None
-    finetune_iters: int = 40
-    finetune_lr_mult: float = 0.1
-    pool_sizes: Tuple[int, ...] = (4, 5, 7, 8, 10)
-    topks: Tuple[int, ...] = (8, 16, 49, 100)
-    finetune: Tuple[MiTASetting, ...] = (PAPER, )
-    control: bool = True
-    exact_check: bool = True
-    selection: Optional[MiTASetting] = PAPER
-    selection_images: int = 2
-    merge_ratios: Tuple[float, ...] = (0.2, 0.3, 0.4, 0.5)
-    head_settings: Tuple[MiTASetting, ...] = (PAPER, )
-    merge_head: bool = True
-    merged_swaps: Tuple[Tuple[MiTASetting, float], ...] = ((PAPER, 0.5), )
-    plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
-    calibration_images: int = 16
-    calibration_counts: Tuple[int, ...] = (4, 8)
-    calibration_candidates: Optional[Tuple[str, ...]] = STUDY_CANDIDATES
-    native: Tuple[MiTASetting, ...] = (MiTASetting.parse('4:16'), PAPER)
-    native_models: Optional[Tuple[str, ...]] = ('segmenter', )
-    speed_min_run_time: float = 1.0
-    workers: int = 0
-    cfg_options: Optional[dict] = None
-    reuse: bool = False
-    verbose: bool = False
-
-    def check(self) -> 'StudySettings':
-        """Raise ``ValueError`` naming a bad setting and what it must be."""
-        if not osp.isdir(osp.join(self.data_root, 'images')):
-            raise FileNotFoundError(
-                f'data_root {self.data_root!r} has no images/ folder: write the data with '
-                f'tools/dataset/make_tiny_ade20k.py --out {self.data_root} --size 256')
-        iters = dict(train_iters=self.train_iters, finetune_iters=self.finetune_iters)
-        iters.update({f'model_train_iters[{k!r}]': v
-                      for k, v in (self.model_train_iters or {}).items()})
-        for name, value in iters.items():
-            if value < 2:
-                raise ValueError(f'{name} must be >= 2 (warm-up, then decay), got {value}')
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f'give at least one seed, each once; got {self.seeds}')
-        if not self.pool_sizes or not self.topks or min((*self.pool_sizes, *self.topks)) < 1:
-            raise ValueError('pool sizes and top-k values must be >= 1, got '
-                             f'pool_sizes={self.pool_sizes}, topks={self.topks}')
-        settings = dict(finetune=self.finetune, native=self.native,
-                        head_settings=self.head_settings,
-                        selection=() if self.selection is None else (self.selection, ),
-                        merged_swaps=tuple(m for m, _ in self.merged_swaps))
-        for name, values in settings.items():
-            bad = [v for v in values if not isinstance(v, MiTASetting)]
-            if bad:
-                raise ValueError(f'{name}: {bad[0]!r} is not a MiTASetting; give e.g. '
-                                 "MiTASetting.parse('7:49')")
-        if self.finetune_lr_mult <= 0 or self.speed_min_run_time <= 0:
-            raise ValueError('finetune_lr_mult and speed_min_run_time must be > 0, got '
-                             f'{self.finetune_lr_mult} and {self.speed_min_run_time}')
-        if self.selection_images < 0 or self.workers < 0:
-            raise ValueError('selection_images and workers must be >= 0, got '
-                             f'{self.selection_images} and {self.workers}')
-        ratios = list(self.merge_ratios) + [r for _, r in self.merged_swaps]
-        if any(not 0 <= r <= 0.5 for r in ratios):
-            raise ValueError(f'merge ratios must be in [0, 0.5] (bipartite matching merges at '
-                             f'most half of the tokens), got {ratios}')
-        if self.calibration_images < 1 or any(n < 1 for n in self.calibration_counts):
-            raise ValueError('calibration_images and calibration_counts must be >= 1, got '
-                             f'{self.calibration_images} and {self.calibration_counts}')
-        candidates = self.candidates()
-        # a bad candidate: MiTASettingError, a ValueError
-        settings = [MiTASetting.parse_or_dense(c) for c in candidates]
-        for budget in self.plan_budgets:
-            if budget == 'tome':
-                if not self.merge_ratios:
-                    raise ValueError("plan budget 'tome' needs merge_ratios (it is the FLOPs "
-                                     'of the largest ratio): give some, or drop the budget')
-            elif MiTASetting.parse_or_dense(budget) not in settings:
-                raise ValueError(f'plan budget {budget!r}: give a calibration candidate '
-                                 f"({' '.join(candidates)}) or 'tome'")
-        return self
-
-    def candidates(self) -> Tuple[str, ...]:
-        """The calibration's per-layer candidates (the calibration's defaults if None)."""
-        return tuple(self.calibration_candidates or CALIBRATION_CANDIDATES)
-
-    def for_run(self, name: str, seed: int) -> 'StudySettings':
-        """The settings of model ``name`` trained with ``seed``: that seed only;
-        ``train_iters`` from ``model_train_iters`` if it names the model; no ``native`` runs
-        unless ``native_models`` names it (or is None)."""
-        native = self.native if self.native_models is None or name in self.native_models \
-            else ()
-        return replace(self, seeds=(seed, ), model_train_iters=None, native_models=None,
-                       native=native,
-                       train_iters=(self.model_train_iters or {}).get(name, self.train_iters))
-
-    def key(self) -> dict:
-        """The settings that determine a model's results (not ``reuse``/``verbose``)."""
-        d = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-        for k in ('reuse', 'verbose'):
-            d.pop(k)
-        for k in ('model_train_iters', 'native_models'):   # resolved by for_model
-            if d[k] is None:
-                d.pop(k)
-        return json.loads(json.dumps(d))
-
-
-def _plain(value):
-    """``value`` for JSON: a setting as its spelling (``7:49``), tuples as lists."""
-    if isinstance(value, MiTASetting):
-        return value.text
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def tag_of(setting: MiTASetting) -> str:
@@ -558,294 +374,436 @@ def calibrate_plans(config: str, opts: dict, checkpoint: str, work_dir: str,
     return out
 
 
-def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
-                progress: Callable[[str], None], fig_dir: str) -> dict:
-    """Train, sweep, fine-tune and map one model with one seed (``settings.seeds``, one:
-    :meth:`StudySettings.for_run`; see the module docstring).
+# the layers of ToMe in the study's sweep (the encoder only, as MiTA's swap), and of the rows
+# with the mask head too
+ENCODER_ONLY = dict(include_head=False)
+WITH_HEAD = dict(include_head=True)
 
-    Returns:
-        dict: ``name, config, seed, input, train, rows, selection, seconds, load, errors``;
-        ``rows`` as in :func:`_row` with ``kind`` one of :data:`KINDS`.
+
+class ModelStudy:
+    """One model trained with one seed through the study's stages (the module docstring's 1
+    to 6), a method per stage, each writing its rows, notes and errors into :attr:`result`
+    (what :func:`study_model` returns). A stage that fails is recorded in
+    ``result['errors']`` and the study goes on with the others, except after the training
+    or the sweep, which the others need.
+
+    Args:
+        name (str): the model's name (in progress lines and file names).
+        config (str): its standard-attention config.
+        work_dir (str): this run's directory (``WORK_DIR/<name>/seed<seed>``).
+        settings (StudySettings): the run's settings, one seed (:meth:`StudySettings.for_run`).
+        progress (Callable): called with each progress line.
+        fig_dir (str): where the selection maps go.
+
+    Attributes:
+        opts (dict): the ``--cfg-options`` of every config of the run (the data, the seed).
+        result (dict): the run's result so far.
+        files (str): the stem of the run's figure names.
+        ckpt (str): the trained standard-attention checkpoint (after the training).
+        base (dict): the unswapped row, which every row's reductions are against (after the
+            sweep).
     """
-    t_model = time.time()
-    s = settings
-    (seed, ) = s.seeds
-    opts = dict(data_options(s.data_root, s.workers), **(s.cfg_options or {}))
-    opts['randomness.seed'] = seed
-    result = dict(name=name, config=config, seed=seed, settings=s.key(), rows=[], errors=[],
-                  load=[], notes=[], native=[], started=time.strftime('%Y-%m-%d %H:%M:%S'))
-    files = f'{name}_seed{seed}'   # figure names
 
-    def load(stage):
-        result['load'].append((stage, round(os.getloadavg()[0], 2)))
+    def __init__(self, name: str, config: str, work_dir: str, settings: StudySettings,
+                 progress: Callable[[str], None], fig_dir: str):
+        self.t_model = time.time()
+        self.name, self.config, self.work_dir, self.fig_dir = name, config, work_dir, fig_dir
+        self.s, self.progress = settings, progress
+        (seed, ) = settings.seeds
+        self.opts = dict(data_options(settings.data_root, settings.workers),
+                         **(settings.cfg_options or {}))
+        self.opts['randomness.seed'] = seed
+        self.result = dict(name=name, config=config, seed=seed, settings=settings.key(),
+                           rows=[], errors=[], load=[], notes=[], native=[],
+                           started=time.strftime('%Y-%m-%d %H:%M:%S'))
+        self.files = f'{name}_seed{seed}'   # figure names
+        self.ckpt: Optional[str] = None
+        self.base: Optional[dict] = None
 
-    def stage(label, fn):
-        """Run one stage; an error is recorded (and the study goes on with the others)."""
+    def run(self) -> dict:
+        """Every stage, in order: :attr:`result` (without ``seconds`` and ``finished`` when
+        the training or the sweep failed)."""
+        s = self.s
+        if not self.train_model() or not self.sweep():
+            return self.result
+        self.head()
+        if s.plan_budgets:
+            self.plans()
+        for setting in s.finetune:
+            self.finetune(setting)
+        if s.control:
+            self.control()
+        if s.selection and s.selection_images:
+            self.selection()
+        for setting in s.native:
+            self.native(setting)
+        self.load('end')
+        self.result['seconds'] = round(time.time() - self.t_model, 1)
+        self.result['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
+        return self.result
+
+    # --- the machinery of the stages
+
+    def load(self, stage: str) -> None:
+        """Record the machine's load (1-minute average) at the start of ``stage``."""
+        self.result['load'].append((stage, round(os.getloadavg()[0], 2)))
+
+    def stage(self, label: str, fn: Callable[[], Any]) -> Any:
+        """Run one stage, ``fn()``; an error is recorded (and the study goes on with the
+        others): None then."""
+        progress, name = self.progress, self.name
         progress(f'{name}: {label}')
-        load(label)
+        self.load(label)
         t0 = time.time()
         try:
             out = fn()
         except Exception as e:  # noqa: BLE001  recorded, reported, exit status 1 at the end
             msg = f'{label}: {type(e).__name__}: {e}'
-            result['errors'].append(msg)
+            self.result['errors'].append(msg)
             progress(f'{name}: FAILED {msg}\n{traceback.format_exc()}')
             return None
         progress(f'{name}: {label} done in {time.time() - t0:.0f}s')
         return out
 
-    # 1. train with standard attention
-    def do_train():
-        cfg = schedule(load_config(config, opts), s.train_iters)
-        return train(cfg, osp.join(work_dir, 'train'), s.verbose, s.reuse)
+    def say(self, prefix: str) -> Callable[[str], None]:
+        """A progress callback: each line as ``NAME: PREFIXline``."""
+        return lambda line: self.progress(f'{self.name}: {prefix}{line}')
 
-    trained = stage(f'training {s.train_iters} iterations (standard attention)', do_train)
-    if trained is None:
-        return result
-    ckpt, seconds, reused = trained
-    result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1), checkpoint=ckpt,
-                           reused=reused)
+    def measure(self, model: nn.Module, batch: dict) -> Dict[str, float]:
+        """The images/s of a sweep's row (:func:`images_per_second`)."""
+        return images_per_second(model, batch, self.s.speed_min_run_time)
 
-    # 2. unswapped, ToMe, the sweep, MiTA + ToMe, route-only check
-    measure = lambda model, batch: images_per_second(model, batch,  # noqa: E731
-                                                     s.speed_min_run_time)
-    merge_cfg = dict(include_head=False)   # the encoder only, as MiTA
+    def sweep_with(self, checkpoint: str, work_dir: str, points, prefix: str,
+                   mita_cfg: Optional[dict] = None, after: Optional[Callable] = None,
+                   **sweep_cfg) -> Optional[Tuple[List[SweepRow], Any]]:
+        """A test Runner of the config with ``checkpoint`` (on MiTA with ``mita_cfg``) in
+        ``work_dir``, swept over ``points`` (:func:`swap_sweep` with ``sweep_cfg``, progress
+        lines ``PREFIX...``), then freed.
 
-    def do_sweep():
-        runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'sweep'), s)
+        Args:
+            points (list[SweepPoint] | Callable): the points, or
+                ``points(runner, model)`` giving them (None: nothing to sweep).
+            after (Callable, optional): ``after(runner, model, points)`` after the sweep.
+
+        Returns:
+            tuple | None: the rows and what ``after`` returned (None without it); None when
+            ``points`` gave None.
+        """
+        runner, model = _test_runner(self.config, self.opts, checkpoint, work_dir, self.s,
+                                     mita_cfg)
+        todo = points(runner, model) if callable(points) else points
+        out = None
+        if todo is not None:
+            rows = swap_sweep(runner, todo, measure=self.measure, progress=self.say(prefix),
+                              **sweep_cfg)
+            out = rows, (after(runner, model, todo) if after else None)
+        del runner, model
+        gc.collect()
+        return out
+
+    def check_base(self, row: SweepRow, what: str, when: str = '') -> None:
+        """An error unless ``row``, the unswapped row of a later sweep of the same model on
+        the same test, has the sweep's mIoU."""
+        if row.mIoU != self.base['mIoU']:
+            self.result['errors'].append(f'{what}: the unswapped model gave mIoU '
+                                         f"{row.mIoU}{when}, {self.base['mIoU']} in the sweep")
+
+    def add_row(self, row: dict, **extra) -> None:
+        """Append ``row`` (with ``extra``) to the result's rows."""
+        row.update(extra)
+        self.result['rows'].append(row)
+
+    # --- 1. train with standard attention
+
+    def train_model(self) -> bool:
+        """Train the standard-attention model (or reuse its checkpoint): True if it is."""
+        s = self.s
+
+        def do_train():
+            cfg = schedule(load_config(self.config, self.opts), s.train_iters)
+            return train(cfg, osp.join(self.work_dir, 'train'), s.verbose, s.reuse)
+
+        trained = self.stage(f'training {s.train_iters} iterations (standard attention)',
+                             do_train)
+        if trained is None:
+            return False
+        self.ckpt, seconds, reused = trained
+        self.result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1),
+                                    checkpoint=self.ckpt, reused=reused)
+        return True
+
+    # --- 2. unswapped, ToMe, the sweep, MiTA + ToMe, route-only check
+
+    def sweep(self) -> bool:
+        """The encoder's sweep (the baseline row first) and the every-key check: True if it
+        ran."""
+        s = self.s
+        swept = self.stage(
+            f'unswapped, {len(s.merge_ratios)} ToMe ratios, '
+            f'{len(s.pool_sizes) * len(s.topks)} MiTA settings and '
+            f'{len(s.merged_swaps)} MiTA + ToMe in the encoder, no retraining',
+            lambda: self.sweep_with(self.ckpt, osp.join(self.work_dir, 'sweep'),
+                                    self._sweep_points, 'sweep ', after=self._after_sweep,
+                                    merge_cfg=ENCODER_ONLY))
+        if swept is None:
+            return False
+        rows, exact = swept
+        for r in rows:
+            self.result['rows'].append(_sweep_row(r, self.base))
+            self.base = self.base or self.result['rows'][0]
+        if exact is not None:
+            self.add_row(_row('route-only MiTA, every key (check: = unswapped)', 'check',
+                              None, 'N', dict(mIoU=exact), self.base))
+        return True
+
+    def _sweep_points(self, runner: Runner, model: nn.Module) -> List[SweepPoint]:
+        """The sweep's points; no ToMe points when the model has nothing to merge (a note)."""
+        s = self.s
         swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
         ratios, merged = s.merge_ratios, s.merged_swaps
         if ratios or merged:
             try:
-                merge_model(copy.deepcopy(model), 0.5, verbose=False, **merge_cfg)
+                merge_model(copy.deepcopy(model), 0.5, verbose=False, **ENCODER_ONLY)
             except NothingToMergeError as e:
-                result['notes'].append(f'no ToMe rows: {e}')
-                progress(f'{name}: no ToMe rows: {e}')
+                self.result['notes'].append(f'no ToMe rows: {e}')
+                self.progress(f'{self.name}: no ToMe rows: {e}')
                 ratios, merged = (), ()
-        points = sweep_points(s.pool_sizes, s.topks, merge_ratios=ratios, merged_swaps=merged)
-        rows = swap_sweep(runner, points, measure=measure, merge_cfg=merge_cfg,
-                          progress=lambda line: progress(f'{name}: sweep {line}'))
+        return sweep_points(s.pool_sizes, s.topks, merge_ratios=ratios, merged_swaps=merged)
+
+    def _after_sweep(self, runner: Runner, model: nn.Module,
+                     points: List[SweepPoint]) -> Optional[float]:
+        """The test input's shape, images and patch size into the result; the every-key
+        mIoU (None without the check)."""
         batch = next(iter(runner.test_dataloader))
-        result['input'] = list(batch['inputs'][0].shape[-2:])
-        result['test_images'] = len(runner.test_dataloader.dataset)
-        result['patch_size'] = runner.cfg.model.backbone.get('patch_size')
-        exact = None
-        if s.exact_check:
-            progress(f'{name}: route-only MiTA with every key (exactly softmax attention)')
-            if ratios or merged:
-                merge_model(model, 0.0, verbose=False, **merge_cfg)
-            exact = _every_key_miou(runner, model, min(s.pool_sizes))
-        del runner, model
-        gc.collect()
-        return rows, exact
+        self.result['input'] = list(batch['inputs'][0].shape[-2:])
+        self.result['test_images'] = len(runner.test_dataloader.dataset)
+        self.result['patch_size'] = runner.cfg.model.backbone.get('patch_size')
+        if not self.s.exact_check:
+            return None
+        self.progress(f'{self.name}: route-only MiTA with every key (exactly softmax attention)')
+        if any(p.merge_ratio is not None for p in points):   # ToMe ran: unmerge
+            merge_model(model, 0.0, verbose=False, **ENCODER_ONLY)
+        return _every_key_miou(runner, model, min(self.s.pool_sizes))
 
-    swept = stage(f'unswapped, {len(s.merge_ratios)} ToMe ratios, '
-                  f'{len(s.pool_sizes) * len(s.topks)} MiTA settings and '
-                  f'{len(s.merged_swaps)} MiTA + ToMe in the encoder, no retraining', do_sweep)
-    if swept is None:
-        return result
-    rows, exact = swept
-    base = None
-    for r in rows:
-        result['rows'].append(_sweep_row(r, base))
-        base = base or result['rows'][0]
-    if exact is not None:
-        result['rows'].append(_row('route-only MiTA, every key (check: = unswapped)', 'check',
-                                   None, 'N', dict(mIoU=exact), base))
-
-    # 2b. the mask head too: MiTA with its class tokens global, and routed like patches
+    # --- 2b. the mask head too: MiTA with its class tokens global, and routed like patches
     # (each on a model of its own: a later encoder-only swap keeps a swapped head); ToMe
-    head_ratios = s.merge_ratios if s.merge_head and any(
-        r['kind'] == 'tome' for r in result['rows']) else ()
 
-    def do_head():
+    def head(self) -> None:
+        """The rows with Segmenter's mask head swapped (merged) too."""
+        s = self.s
+        head_ratios = s.merge_ratios if s.merge_head and any(
+            r['kind'] == 'tome' for r in self.result['rows']) else ()
+        if s.head_settings or head_ratios:
+            head = self.stage(f'the mask head too: MiTA at {len(s.head_settings)} setting(s) '
+                              '(class tokens global, then routed), '
+                              f'{len(head_ratios)} ToMe ratio(s)',
+                              lambda: self._head_rows(head_ratios))
+            self.result['rows'] += head or []
+
+    def _head_rows(self, head_ratios: Sequence[float]) -> List[dict]:
+        """The head's rows: its class tokens global, then routed (each a sweep of its own
+        model); none, and a note, when the decode head has no attention."""
         out = []
         for kind, routed in (('swap-head', False), ('swap-head-routed', True)):
-            runner, model = _test_runner(config, opts, ckpt, osp.join(work_dir, 'head'), s)
-            if swap_model(copy.deepcopy(model), dict(include_head=True), verbose=False) == \
-                    swap_model(copy.deepcopy(model), {}, verbose=False):
-                result['notes'].append('no head rows: the decode head has no attention')
+            swept = self.sweep_with(
+                self.ckpt, osp.join(self.work_dir, 'head'),
+                lambda runner, model: self._head_points(model, routed, head_ratios),
+                f'{kind} ', swap_cfg=WITH_HEAD, merge_cfg=WITH_HEAD)
+            if swept is None:
+                self.result['notes'].append('no head rows: the decode head has no attention')
                 return out
-            grid_context(model.decode_head).global_suffix = not routed
-            points = sweep_points(merge_ratios=() if routed else head_ratios)
-            points += [SweepPoint('swap', h) for h in s.head_settings]
-            rows = swap_sweep(runner, points, swap_cfg=dict(include_head=True),
-                              merge_cfg=dict(include_head=True), measure=measure,
-                              progress=lambda line: progress(f'{name}: {kind} {line}'))
-            if rows[0].mIoU != base['mIoU']:   # the same model, the same test
-                result['errors'].append(f'{kind}: the unswapped model gave mIoU '
-                                        f"{rows[0].mIoU}, {base['mIoU']} in the sweep")
+            rows, _ = swept
+            self.check_base(rows[0], kind)
             how = 'class tokens routed' if routed else 'class tokens global'
             for r in rows[1:]:
                 if r.kind == 'tome':
-                    out.append(_sweep_row(r, base, f'{r.label}, with the head', 'tome-head'))
+                    out.append(_sweep_row(r, self.base, f'{r.label}, with the head',
+                                          'tome-head'))
                 else:
-                    out.append(_sweep_row(r, base, f'{r.label}, with the head ({how})', kind))
-            del runner, model
-            gc.collect()
+                    out.append(_sweep_row(r, self.base, f'{r.label}, with the head ({how})',
+                                          kind))
         return out
 
-    if s.head_settings or head_ratios:
-        head = stage(f'the mask head too: MiTA at {len(s.head_settings)} setting(s) (class '
-                     f'tokens global, then routed), {len(head_ratios)} ToMe ratio(s)', do_head)
-        result['rows'] += head or []
+    def _head_points(self, model: nn.Module, routed: bool,
+                     head_ratios: Sequence[float]) -> Optional[List[SweepPoint]]:
+        """The points with the head, its class tokens global or routed; None if the decode
+        head has no attention to swap."""
+        if swap_model(copy.deepcopy(model), dict(WITH_HEAD), verbose=False) == \
+                swap_model(copy.deepcopy(model), {}, verbose=False):
+            return None
+        grid_context(model.decode_head).global_suffix = not routed
+        points = sweep_points(merge_ratios=() if routed else head_ratios)
+        return points + [SweepPoint('swap', h) for h in self.s.head_settings]
 
-    # 3. calibrated per-layer plans at several budgets, then evaluated
-    if s.plan_budgets:
-        plans = stage(f'calibrated plans at {len(s.plan_budgets)} budget(s) on '
-                      f'{s.calibration_images} training images, and at the first with '
-                      f'{list(s.calibration_counts)} images',
-                      lambda: calibrate_plans(config, opts, ckpt, work_dir, s, result['rows'],
-                                              lambda line: progress(f'{name}: {line}'),
-                                              result['notes']))
-        if plans:
-            def do_plans():
-                runner, _ = _test_runner(config, opts, ckpt, osp.join(work_dir, 'plans'), s)
-                out = swap_sweep(runner, sweep_points(plans=[p for p, _ in plans]),
-                                 measure=measure,
-                                 progress=lambda line: progress(f'{name}: plans {line}'))
-                del runner
-                gc.collect()
-                return out
+    # --- 3. calibrated per-layer plans at several budgets, then evaluated
 
-            evaluated = stage(f'{len(plans)} calibrated plan(s) on the validation images',
-                              do_plans)
-            if evaluated is not None:
-                if evaluated[0].mIoU != base['mIoU']:   # the same model, the same test
-                    result['errors'].append(
-                        f"plans: the unswapped model gave mIoU {evaluated[0].mIoU} before "
-                        f"the plans, {base['mIoU']} in the sweep")
-                for r, (plan, info) in zip(evaluated[1:], plans):
-                    row = _sweep_row(r, base, info['label'])
-                    row.update(plan=info)
-                    result['rows'].append(row)
+    def plans(self) -> None:
+        """Calibrate the plans (:func:`calibrate_plans`), then evaluate them."""
+        s = self.s
+        plans = self.stage(f'calibrated plans at {len(s.plan_budgets)} budget(s) on '
+                           f'{s.calibration_images} training images, and at the first with '
+                           f'{list(s.calibration_counts)} images',
+                           lambda: calibrate_plans(self.config, self.opts, self.ckpt,
+                                                   self.work_dir, s, self.result['rows'],
+                                                   self.say(''), self.result['notes']))
+        if not plans:
+            return
+        evaluated = self.stage(
+            f'{len(plans)} calibrated plan(s) on the validation images',
+            lambda: self.sweep_with(self.ckpt, osp.join(self.work_dir, 'plans'),
+                                    sweep_points(plans=[p for p, _ in plans]), 'plans '))
+        if evaluated is not None:
+            rows, _ = evaluated
+            self.check_base(rows[0], 'plans', ' before the plans')
+            for r, (plan, info) in zip(rows[1:], plans):
+                self.add_row(_sweep_row(r, self.base, info['label']), plan=info)
 
-    # 4. fine-tune the exported pair, and the control
-    for setting in s.finetune:
-        tag = tag_of(setting)
+    # --- 4. fine-tune the exported pair, and the control
 
-        def do_finetune(setting=setting, tag=tag):
-            out_cfg, out_ckpt = export_swapped(config, ckpt,
-                                               osp.join(work_dir, f'finetune_{tag}', 'export'),
-                                               setting.cfg(), opts)
+    def finetune(self, setting: MiTASetting) -> None:
+        """Export the swap at ``setting`` (:func:`export_swapped`) and fine-tune it."""
+        s, tag = self.s, tag_of(setting)
+
+        def do_finetune():
+            out_cfg, out_ckpt = export_swapped(
+                self.config, self.ckpt, osp.join(self.work_dir, f'finetune_{tag}', 'export'),
+                setting.cfg(), self.opts)
             cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
-            ft_ckpt, ft_s, _ = train(cfg, osp.join(work_dir, f'finetune_{tag}', 'train'),
-                                  s.verbose, s.reuse)
+            ft_ckpt, ft_s, _ = train(cfg, osp.join(self.work_dir, f'finetune_{tag}', 'train'),
+                                     s.verbose, s.reuse)
             values = evaluate(load_config(out_cfg), ft_ckpt,
-                              osp.join(work_dir, f'finetune_{tag}', 'test'), s)
+                              osp.join(self.work_dir, f'finetune_{tag}', 'test'), s)
             return dict(values, exported=[out_cfg, out_ckpt], checkpoint=ft_ckpt,
                         seconds=round(ft_s, 1))
 
-        ft = stage(f'export MiTA {setting.label} and fine-tune it '
-                   f'{s.finetune_iters} iterations', do_finetune)
+        ft = self.stage(f'export MiTA {setting.label} and fine-tune it '
+                        f'{s.finetune_iters} iterations', do_finetune)
         if ft is not None:
-            row = _row(f'MiTA {setting.label}, fine-tuned {s.finetune_iters} it',
-                       'finetune', setting.num_experts, setting.topk, ft, base)
-            row.update(exported=ft['exported'], checkpoint=ft['checkpoint'],
-                       train_seconds=ft['seconds'])
-            result['rows'].append(row)
+            self.add_row(_row(f'MiTA {setting.label}, fine-tuned {s.finetune_iters} it',
+                              'finetune', setting.num_experts, setting.topk, ft, self.base),
+                         exported=ft['exported'], checkpoint=ft['checkpoint'],
+                         train_seconds=ft['seconds'])
 
-    if s.control:
+    def control(self) -> None:
+        """The unswapped model trained as long as the fine-tune, from the same checkpoint."""
+        s = self.s
+
         def do_control():
-            cfg = schedule(load_config(config, opts), s.finetune_iters, s.finetune_lr_mult)
-            cfg.load_from = ckpt
-            c_ckpt, c_s, _ = train(cfg, osp.join(work_dir, 'control', 'train'), s.verbose,
-                                s.reuse)
-            values = evaluate(load_config(config, opts), c_ckpt,
-                              osp.join(work_dir, 'control', 'test'), s)
+            cfg = schedule(load_config(self.config, self.opts), s.finetune_iters,
+                           s.finetune_lr_mult)
+            cfg.load_from = self.ckpt
+            c_ckpt, c_s, _ = train(cfg, osp.join(self.work_dir, 'control', 'train'),
+                                   s.verbose, s.reuse)
+            values = evaluate(load_config(self.config, self.opts), c_ckpt,
+                              osp.join(self.work_dir, 'control', 'test'), s)
             return dict(values, checkpoint=c_ckpt, seconds=round(c_s, 1))
 
-        ctl = stage(f'control: unswapped, trained {s.finetune_iters} more iterations', do_control)
+        ctl = self.stage(f'control: unswapped, trained {s.finetune_iters} more iterations',
+                         do_control)
         if ctl is not None:
-            row = _row(f'unswapped, trained {s.finetune_iters} it more (control)', 'control',
-                       None, None, ctl, base)
-            row.update(checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
-            result['rows'].append(row)
+            self.add_row(_row(f'unswapped, trained {s.finetune_iters} it more (control)',
+                              'control', None, None, ctl, self.base),
+                         checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
 
-    # 5. token selection at one setting
-    if s.selection and s.selection_images:
-        def do_selection():
-            cfg = load_config(config, opts)
-            return selection_maps(cfg, ckpt, s.selection,
-                                  validation_images(cfg, s.selection_images), fig_dir, files)
+    # --- 5. token selection at one setting
 
-        sel = stage(f'token selection at {s.selection.label} on '
-                    f'{s.selection_images} validation image(s)', do_selection)
+    def selection_maps(self, checkpoint: str, setting: MiTASetting, name: str,
+                       mita_cfg: Optional[dict] = None, **how) -> dict:
+        """:func:`selection_maps` of ``checkpoint`` (a MiTA-trained one: ``mita_cfg``) on
+        the first validation images."""
+        cfg = load_config(self.config, self.opts)
+        if mita_cfg:
+            cfg = mita_config(cfg, mita_cfg)
+        return selection_maps(cfg, checkpoint, setting,
+                              validation_images(cfg, self.s.selection_images), self.fig_dir,
+                              name, **how)
+
+    def selection(self) -> None:
+        """The token-selection maps of the swap at ``settings.selection``."""
+        s = self.s
+        sel = self.stage(f'token selection at {s.selection.label} on '
+                         f'{s.selection_images} validation image(s)',
+                         lambda: self.selection_maps(self.ckpt, s.selection, self.files))
         if sel is not None:
-            result['selection'] = sel
+            self.result['selection'] = sel
 
-    # 6. trained with MiTA from scratch, evaluated over the grid
-    for setting in s.native:
+    # --- 6. trained with MiTA from scratch, evaluated over the grid
+
+    def native(self, setting: MiTASetting) -> None:
+        """Train with MiTA at ``setting`` from scratch, evaluate it over the sweep's grid
+        (and with every key), map its token selection."""
+        s = self.s
         native = dict(setting=setting.text, label=setting.label, rows=[])
         mita = setting.cfg()
-        ndir = osp.join(work_dir, f'native_{tag_of(setting)}')
+        ndir = osp.join(self.work_dir, f'native_{tag_of(setting)}')
 
-        def do_native_train(mita=mita, ndir=ndir):
-            cfg = mita_config(load_config(config, opts), mita)
+        def do_native_train():
+            cfg = mita_config(load_config(self.config, self.opts), mita)
             os.makedirs(ndir, exist_ok=True)
             cfg.dump(osp.join(ndir, 'config.py'))   # for tools/test.py --mita-cfg ...
             return train(schedule(cfg, s.train_iters), osp.join(ndir, 'train'), s.verbose,
                          s.reuse)
 
-        trained = stage(f'training {s.train_iters} iterations with MiTA {setting.label} '
-                        'from scratch', do_native_train)
+        trained = self.stage(f'training {s.train_iters} iterations with MiTA {setting.label} '
+                             'from scratch', do_native_train)
         if trained is None:
-            continue
+            return
         n_ckpt, n_s, n_reused = trained
         native['train'] = dict(iters=s.train_iters, seconds=round(n_s, 1), checkpoint=n_ckpt,
                                reused=n_reused, config=osp.join(ndir, 'config.py'))
-
-        def do_native_sweep(mita=mita, ndir=ndir, n_ckpt=n_ckpt):
-            runner, model = _test_runner(config, opts, n_ckpt, osp.join(ndir, 'sweep'), s,
-                                         mita)
-            rows = swap_sweep(runner, sweep_points(s.pool_sizes, s.topks), measure=measure,
-                              progress=lambda line: progress(f'{name}: native {line}'))
-            exact = None
-            if s.exact_check:
-                exact = _every_key_miou(runner, model, min(s.pool_sizes))
-            del runner, model
-            gc.collect()
-            return rows, exact
-
-        swept = stage(f'MiTA-trained {setting.label}: as trained and at '
-                      f'{len(s.pool_sizes) * len(s.topks)} test-time settings', do_native_sweep)
+        every_key = (lambda runner, model, _: _every_key_miou(runner, model,
+                                                              min(s.pool_sizes)))
+        swept = self.stage(
+            f'MiTA-trained {setting.label}: as trained and at '
+            f'{len(s.pool_sizes) * len(s.topks)} test-time settings',
+            lambda: self.sweep_with(n_ckpt, osp.join(ndir, 'sweep'),
+                                    sweep_points(s.pool_sizes, s.topks), 'native ', mita,
+                                    after=every_key if s.exact_check else None))
         if swept is not None:
-            rows, exact = swept
-            trained = f'trained {setting.label}'
-            trained_row = _row(f'{trained}, tested as trained', 'native', setting.num_experts,
-                               setting.topk, rows[0].as_dict(), base)
-            trained_row['trained_setting'] = True
-            native['rows'].append(trained_row)
-            for r in rows[1:]:
-                if (r.M, r.topk) == (setting.num_experts, setting.topk):   # itself
-                    if r.mIoU != trained_row['mIoU']:
-                        result['errors'].append(
-                            f"native {setting.label}: set to its own setting at test "
-                            f"time it gave mIoU {r.mIoU}, as trained {trained_row['mIoU']}")
-                    continue
-                native['rows'].append(_sweep_row(r, base, f'{trained}, tested at {r.ran}',
-                                                 'native'))
-            if exact is not None:
-                native['rows'].append(_row(f'{trained}, tested with softmax attention '
-                                           '(route-only, every key)', 'native-dense', None, 'N',
-                                           dict(mIoU=exact), base))
+            self._native_rows(native, setting, *swept)
         if s.selection_images:
-            def do_native_selection(mita=mita, n_ckpt=n_ckpt, setting=setting):
-                cfg = mita_config(load_config(config, opts), mita)
-                return selection_maps(cfg, n_ckpt, setting,
-                                      validation_images(cfg, s.selection_images), fig_dir,
-                                      f'{files}_native_{tag_of(setting)}', how='trained with it')
-
-            sel = stage(f'token selection of the MiTA-trained {setting.label}',
-                        do_native_selection)
+            sel = self.stage(f'token selection of the MiTA-trained {setting.label}',
+                             lambda: self.selection_maps(
+                                 n_ckpt, setting, f'{self.files}_native_{tag_of(setting)}',
+                                 mita, how='trained with it'))
             if sel is not None:
                 native['selection'] = sel
-        result['native'].append(native)
+        self.result['native'].append(native)
 
-    load('end')
-    result['seconds'] = round(time.time() - t_model, 1)
-    result['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
-    return result
+    def _native_rows(self, native: dict, setting: MiTASetting, rows: List[SweepRow],
+                     exact: Optional[float]) -> None:
+        """The MiTA-trained model's rows: as trained, at the grid's other settings (an error
+        if its own setting at test time differs from as trained), with every key."""
+        base, trained = self.base, f'trained {setting.label}'
+        trained_row = _row(f'{trained}, tested as trained', 'native', setting.num_experts,
+                           setting.topk, rows[0].as_dict(), base)
+        trained_row['trained_setting'] = True
+        native['rows'].append(trained_row)
+        for r in rows[1:]:
+            if (r.M, r.topk) == (setting.num_experts, setting.topk):   # itself
+                if r.mIoU != trained_row['mIoU']:
+                    self.result['errors'].append(
+                        f"native {setting.label}: set to its own setting at test "
+                        f"time it gave mIoU {r.mIoU}, as trained {trained_row['mIoU']}")
+                continue
+            native['rows'].append(_sweep_row(r, base, f'{trained}, tested at {r.ran}',
+                                             'native'))
+        if exact is not None:
+            native['rows'].append(_row(f'{trained}, tested with softmax attention '
+                                       '(route-only, every key)', 'native-dense', None, 'N',
+                                       dict(mIoU=exact), base))
+
+
+def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
+                progress: Callable[[str], None], fig_dir: str) -> dict:
+    """Train, sweep, fine-tune and map one model with one seed (``settings.seeds``, one:
+    :meth:`StudySettings.for_run`; see the module docstring): :meth:`ModelStudy.run`.
+
+    Returns:
+        dict: ``name, config, seed, input, train, rows, selection, seconds, load, errors``;
+        ``rows`` as in :func:`_row` with ``kind`` one of :data:`KINDS`.
+    """
+    return ModelStudy(name, config, work_dir, settings, progress, fig_dir).run()
 
 
 def _mean_std(values: Sequence[float]) -> Tuple[float, float]:
