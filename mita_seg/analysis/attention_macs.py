@@ -1,6 +1,7 @@
 """Analytic attention multiply-adds of a model as it runs: :class:`AttentionMacCounter`
-counts every global attention call (standard, MiTA, BEiT/MAE with their bias adds, ToMe over
-its merged tokens) with the formulas of :mod:`mita_seg.ops.flops`, and records the settings
+counts every global attention call (standard, MiTA and the other kinds of
+:mod:`mita_seg.setting`, BEiT/MAE with their bias adds, ToMe over its merged tokens) with the
+formulas of :mod:`mita_seg.ops.flops`, and records the settings
 the MiTA calls ran with; :func:`attention_gmacs` is its per-image figure on test batches
 (the ``attn_GMACs`` column of ``tools/swap_sweep.py``)."""
 from typing import Optional, Sequence
@@ -49,7 +50,10 @@ class AttentionMacCounter:
         H = module.num_heads
         d = module.embed_dims // H
         with_bias = getattr(module, 'relative_position_bias_table', None) is not None
-        if isinstance(module, MiTASettingsMixin):
+        if isinstance(module, MiTASettingsMixin) and module.kind != 'mita':
+            grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
+            self.macs += B * H * module.setting.attention_macs(grid, N, d)
+        elif isinstance(module, MiTASettingsMixin):
             T = 0   # global tokens (a swapped Segmenter head's class tokens): exact both ways
             if isinstance(module, MiTABEiTAttention):
                 grid = module.grid_shape(N)

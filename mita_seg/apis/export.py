@@ -25,7 +25,7 @@ import torch
 from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
-from mita_seg.models import (MITA_KEYS, NothingToSwapError, PlanError, SwapPlan,
+from mita_seg.models import (SETTING_KEYS, NothingToSwapError, PlanError, SwapPlan,
                              attention_layers)
 from mita_seg.utils import load_local_checkpoint
 from .config import config_name, load_config, use_slim_inference
@@ -47,7 +47,8 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
 
     Args:
         cfg (Config): the standard-attention config.
-        mita_cfg (dict): ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``), or
+        mita_cfg (dict): ``--mita-cfg`` (settings, ``layers``, ``include_head``; the whole
+            setting as ``setting``, a :class:`~mita_seg.setting.MiTASetting`), or
             ``{'plan': SwapPlan}`` (``--mita-plan``; checked against the model by
             :func:`export_swapped`).
 
@@ -60,7 +61,9 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
     plan = mita_cfg.get('plan')
     if plan is not None:
         return _plan_config(cfg, plan)
-    settings = {k: v for k, v in mita_cfg.items() if k in MITA_KEYS}
+    setting = mita_cfg.get('setting')  # a whole setting (--swap-attn 7:49, agent:7...)
+    settings = ({**setting.cfg()} if setting is not None else
+                {k: v for k, v in mita_cfg.items() if k in SETTING_KEYS})
     backbone = _mita_backbone(cfg)
     backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
     layers = mita_cfg.get('layers')

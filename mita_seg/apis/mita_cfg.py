@@ -19,7 +19,8 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mita_seg.setting import MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, check_settings
+from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_KEYS, SETTING_RULES, MiTASetting,
+                              MiTASettingError, check_settings)
 from mita_seg.utils.cli import DeferredHelp, KeyValueAction
 
 # mita_seg.models (the rules, the plans, the dense paths) is imported where it is used: a
@@ -30,7 +31,7 @@ def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
     """``name -> (what it must be, check)`` of the settings ``--mita-cfg`` accepts:
     the MiTA settings and ``layers``/``include_head``, less ``exclude``."""
     from mita_seg.models import SWAP_RULES
-    rules = {k: SETTING_RULES[k] for k in MITA_KEYS}
+    rules = {k: SETTING_RULES[k] for k in SETTING_KEYS}
     rules.update(SWAP_RULES)
     return {k: v for k, v in rules.items() if k not in exclude}
 
@@ -73,6 +74,17 @@ class MiTACfgAction(KeyValueAction):
             check_mita_cfg(getattr(namespace, self.dest), self.exclude)
         except ValueError as e:
             parser.error(f'{option_string}: {e}')
+
+
+def swap_attn_arg(text: str):
+    """``--swap-attn``'s ``type``: ``'none'``, ``'mita'`` or a setting
+    (:meth:`~mita_seg.setting.MiTASetting.parse`: a bad one is a usage error)."""
+    if text in ('none', 'mita'):
+        return text
+    try:
+        return MiTASetting.parse(text)
+    except MiTASettingError as e:
+        raise argparse.ArgumentTypeError(f'{e}; or none, or mita (with --mita-cfg)') from None
 
 
 def read_plan_arg(path: str) -> 'SwapPlan':  # noqa: F821
@@ -129,9 +141,12 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
 
     if swap_flag:
         parser.add_argument(
-            '--swap-attn', choices=['none', 'mita'], default=None,
-            help='"mita": put the global attention of the model on MiTA (or reconfigure its '
-            'MiTA modules) before running; implied by --mita-cfg')
+            '--swap-attn', type=swap_attn_arg, default=None, metavar='SETTING',
+            help='put the global attention of the model on this setting before running: '
+            '7:49 (MiTA, pool 7x7, top-k 49; 4x6:16, 7:49:route), agent:7 (compression '
+            'only), block:8:4 (block routing), topk:49 (per-query top-k), window:7 (a local '
+            'window); "mita": MiTA with --mita-cfg over the defaults (or reconfigure a '
+            'model already on MiTA), implied by --mita-cfg; "none": no swap')
     action = type('MiTACfg', (MiTACfgAction, ), dict(exclude=tuple(exclude)))
     parser.add_argument(
         '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
@@ -145,9 +160,10 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
 
 def swap_settings(parser: argparse.ArgumentParser,
                   args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """The swap a tool's arguments ask for: None (no swap), the ``--mita-cfg`` dict, or
-    ``{'plan': SwapPlan}`` for ``--mita-plan`` (arguments of
-    :func:`~mita_seg.swap_attention`).
+    """The swap a tool's arguments ask for: None (no swap), the ``--mita-cfg`` dict (with
+    ``setting``, the :class:`~mita_seg.setting.MiTASetting` of ``--swap-attn 7:49`` and
+    the like, ``--mita-cfg``'s setting keys over it), or ``{'plan': SwapPlan}`` for
+    ``--mita-plan`` (arguments of :func:`~mita_seg.swap_attention`).
 
     Raises:
         SystemExit: ``--swap-attn none`` with ``--mita-cfg`` or ``--mita-plan``, or both of
@@ -161,9 +177,19 @@ def swap_settings(parser: argparse.ArgumentParser,
                          'not both')
         if swap == 'none':
             parser.error('--mita-plan needs --swap-attn mita (not none)')
+        if isinstance(swap, MiTASetting):
+            parser.error(f'--mita-plan sets every layer: give --mita-plan or --swap-attn '
+                         f'{swap.text}, not both')
         return dict(plan=plan)
     if swap == 'none' and args.mita_cfg:
         parser.error('--mita-cfg needs --swap-attn mita (not none)')
+    if isinstance(swap, MiTASetting):  # the whole setting, --mita-cfg keys over it
+        rest = dict(args.mita_cfg or {})
+        keys = {k: rest.pop(k) for k in list(rest) if k in SETTING_KEYS}
+        try:
+            return dict(rest, setting=swap.replace(**keys))
+        except MiTASettingError as e:
+            parser.error(f'--swap-attn {swap.text} with --mita-cfg: {e}')
     if swap == 'mita' or args.mita_cfg is not None:
         return dict(args.mita_cfg or {})
     return None

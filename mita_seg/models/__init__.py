@@ -9,7 +9,8 @@ Imports within: ``grid`` <- ``attention`` <- ``beit_attention`` <- ``backbones``
 (the high-level swap depends on the modules, never the reverse); ``fast_attention`` (mmcv's
 dense attention on PyTorch's fused path) stands apart, ``segmentors`` builds on it.
 """
-from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, MiTASetting, MiTASettingError,
+from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_DEFAULTS, SETTING_KEYS,
+                              MiTASetting, MiTASettingError,
                               check_settings)
 from mita_seg.utils.checkpoint import register_safe_globals
 from .attention import MiTAAttention, MiTASettingsMixin, use_dense, use_mita
@@ -33,7 +34,7 @@ __all__ = [
     'SlimEncoderDecoder',
     'GridMismatchError', 'guard_grids',
     'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
-    'MITA_KEYS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
+    'MITA_KEYS', 'SETTING_KEYS', 'SETTING_DEFAULTS', 'SWAP_RULES', 'NothingToSwapError', 'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
     'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError', 'MiTASetting',
     'DENSE_ATTN_MODES', 'FastMultiheadAttention', 'check_dense_attn', 'dense_attn_of',

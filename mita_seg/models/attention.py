@@ -12,29 +12,51 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
-from mita_seg.ops import mita_attention
+from mita_seg.ops import (agent_attention, block_attention, mita_attention, topk_attention,
+                          window_attention)
 from mita_seg.ops.routing import pair
-from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES,  # noqa: F401
-                              MiTASettingError, check_settings)
+from mita_seg.setting import (DEFAULT_SETTING, KINDS, MITA_DEFAULTS, MITA_KEYS,  # noqa: F401
+                              SETTING_DEFAULTS,
+                              SETTING_KEYS, SETTING_RULES, MiTASetting, MiTASettingError,
+                              check_settings)
 from .grid import GridContext, grid_context, resolve_grid
 
 
 class MiTASettingsMixin:
-    """The MiTA settings of an attention module (:data:`MITA_KEYS`): changing them
-    (:meth:`configure`, checked by :func:`check_settings`), what a forward over a given grid
-    runs with (:meth:`effective_settings`), and their repr. Shared by every MiTA attention
-    module (:class:`MiTAAttention`, the BEiT/MAE ones); their defaults are
-    :data:`MITA_DEFAULTS` (:mod:`mita_seg.setting`), which :class:`MiTAAttention`'s
-    signature repeats."""
+    """The settings of a swapped attention module (:data:`SETTING_KEYS`: the kind of
+    attention and its settings, :mod:`mita_seg.setting`): changing them (:meth:`configure`),
+    the one :class:`~mita_seg.setting.MiTASetting` they form (:attr:`setting`), what a
+    forward over a given grid runs with (:meth:`effective_settings`), and their repr. Shared
+    by every MiTA attention module (:class:`MiTAAttention`, the BEiT/MAE ones); their
+    defaults are :data:`SETTING_DEFAULTS`, which :class:`MiTAAttention`'s signature repeats.
+    """
+    # the kinds of attention (mita_seg.setting.KINDS) the module can run
+    supported_kinds: Tuple[str, ...] = tuple(KINDS)
 
-    def configure(self, **settings) -> None:
-        """Change MiTA settings (any of :data:`MITA_KEYS`), e.g. M and k at test time.
+    def configure(self, setting: Optional[MiTASetting] = None, **settings) -> None:
+        """Change settings, e.g. M and k at test time: a whole checked ``setting`` (it is
+        not checked again), or single keys (:data:`SETTING_KEYS`), checked here.
 
         Raises:
-            ValueError: an unknown setting or a bad value (:func:`check_settings`).
+            ValueError: an unknown setting, a bad value (:func:`check_settings`), or a kind
+                this module cannot run.
         """
-        check_settings(settings, {k: SETTING_RULES[k] for k in MITA_KEYS})
+        if setting is None:  # single keys over the module's own (or the defaults)
+            base = self.setting if hasattr(self, 'kind') else DEFAULT_SETTING
+            setting = base.replace(**settings)
+        settings = {k: getattr(setting, k) for k in SETTING_KEYS}
+        kind = settings['kind']
+        if kind not in self.supported_kinds:
+            raise MiTASettingError(
+                f'{type(self).__name__} runs {", ".join(self.supported_kinds)} attention, not '
+                f'{kind}: {KINDS[kind].title} does not take its relative position bias; give '
+                'it a MiTA setting (e.g. 7:49)')
         self.__dict__.update(settings)
+
+    @property
+    def setting(self) -> MiTASetting:
+        """The module's settings as one :class:`~mita_seg.setting.MiTASetting`."""
+        return MiTASetting(**{k: getattr(self, k) for k in SETTING_KEYS})
 
     def effective_settings(self, num_tokens: int,
                            hw_shape: Tuple[int, int]) -> Tuple[Tuple[int, int], int, int]:
@@ -64,6 +86,8 @@ class MiTASettingsMixin:
         return pool, topk, router_topk
 
     def extra_repr(self) -> str:
+        if self.kind != 'mita':
+            return ', '.join(f'{k}={getattr(self, k)}' for k in ('kind', ) + KINDS[self.kind].keys)
         return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
                 f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
 
@@ -87,6 +111,16 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             route-only MiTA. Default: True.
         shared_scale (float, optional): scale of the shared logits, None for ``1 / d``.
             Default: None.
+        kind (str): the attention (:data:`~mita_seg.setting.KINDS`): ``'mita'``, or a
+            training-free alternative of the paper's taxonomy on the same parameters:
+            ``'agent'`` (compression only: ``pool_size``, ``shared_scale``), ``'block'``
+            (block routing: ``block_size``, ``num_blocks``), ``'topk'`` (per-query top-k:
+            ``topk``), ``'window'`` (a local window: ``window``); those treat the tokens
+            off the grid as global. Default: 'mita'.
+        block_size (int): block side, in grid tokens (``kind='block'``). Default: 8.
+        num_blocks (int): blocks each query attends to, its own included (``kind='block'``).
+            Default: 4.
+        window (int): window side, in grid tokens (``kind='window'``). Default: 7.
         with_dwc (bool): add a depthwise 3x3 conv of the grid values to the output before
             the projection (adds ``dwc.{weight,bias}``). Default: False.
         num_prefix_tokens (int): tokens before the grid when no grid context says
@@ -109,6 +143,10 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                  router_topk: int = 1,
                  with_shared_expert: bool = True,
                  shared_scale: Optional[float] = None,
+                 kind: str = 'mita',
+                 block_size: int = 8,
+                 num_blocks: int = 4,
+                 window: int = 7,
                  with_dwc: bool = False,
                  num_prefix_tokens: int = 1,
                  attn_drop: float = 0.,
@@ -130,18 +168,20 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         if attn_drop > 0:
             warnings.warn(f'MiTAAttention does not apply attn_drop={attn_drop} (no dense '
                           'attention matrix); proj_drop and dropout_layer still apply')
-        check_settings(dict(with_dwc=with_dwc))
-        self.configure(pool_size=pool_size, topk=topk, router_topk=router_topk,
-                       with_shared_expert=with_shared_expert, shared_scale=shared_scale)
+        if not isinstance(with_dwc, bool):  # the message of the rule
+            check_settings(dict(with_dwc=with_dwc))
+        self.configure(MiTASetting(pool_size, topk, router_topk, with_shared_expert,
+                                   shared_scale, kind, block_size, num_blocks, window))
         self.num_prefix_tokens = num_prefix_tokens
         self.grid: Optional[GridContext] = None
         self.dwc = nn.Conv2d(embed_dims, embed_dims, 3, padding=1,
                              groups=embed_dims) if with_dwc else None
 
     @classmethod
-    def from_mmcv(cls, attn: MultiheadAttention, **mita_cfg) -> 'MiTAAttention':
-        """A MiTAAttention that takes over the very modules (and so the parameters) of
-        an mmcv ``MultiheadAttention``."""
+    def from_mmcv(cls, attn: MultiheadAttention, setting: MiTASetting,
+                  with_dwc: bool = False) -> 'MiTAAttention':
+        """A MiTAAttention with ``setting`` that takes over the very modules (and so the
+        parameters) of an mmcv ``MultiheadAttention``."""
         mha = attn.attn
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError('only self-attention with packed q/k/v projections can be '
@@ -150,7 +190,8 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             warnings.simplefilter('ignore')
             new = cls(attn.embed_dims, attn.num_heads, attn_drop=mha.dropout,
                       batch_first=attn.batch_first, qkv_bias=mha.in_proj_bias is not None,
-                      init_cfg=attn.init_cfg, **mita_cfg)
+                      init_cfg=attn.init_cfg, with_dwc=with_dwc,
+                      **{k: getattr(setting, k) for k in SETTING_KEYS})
         new.attn, new.proj_drop, new.dropout_layer = mha, attn.proj_drop, attn.dropout_layer
         new.train(attn.training)
         return new
@@ -178,6 +219,23 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(
             2, 0, 3, 1, 4).unbind(0)                                    # [B, H, N, d]
         return q, k, v, (h, w), p
+
+    def attend_kind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    hw_shape: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+        """The attention of a kind other than MiTA (:attr:`kind`) over ``q, k, v``
+        (``[B, H, N, d]``; the ``h x w`` grid after ``num_prefix_tokens`` tokens, every
+        token off the grid global); a pool larger than the grid runs on the grid."""
+        h, w = hw_shape
+        if self.kind == 'agent':
+            ph, pw = pair(self.pool_size, 'pool_size')
+            return agent_attention(q, k, v, hw_shape, (min(ph, h), min(pw, w)),
+                                   num_prefix_tokens, self.shared_scale)
+        if self.kind == 'block':
+            return block_attention(q, k, v, hw_shape, self.block_size, self.num_blocks,
+                                   num_prefix_tokens)
+        if self.kind == 'topk':
+            return topk_attention(q, k, v, hw_shape, self.topk, num_prefix_tokens)
+        return window_attention(q, k, v, hw_shape, self.window, num_prefix_tokens)
 
     def forward(self,
                 query: torch.Tensor,
@@ -221,14 +279,19 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             query = query.transpose(0, 1)
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
-        if global_tokens is None:
-            global_tokens = (0, 0) if self.grid is None else self.grid.global_tokens(N, (h, w))
-        # the experts' keys: the tokens that are not global
-        pool_size, topk, router_topk = self.effective_settings(N - sum(global_tokens), (h, w))
-        x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=pool_size, topk=topk,
-                           router_topk=router_topk, num_prefix_tokens=p,
-                           with_shared_expert=self.with_shared_expert,
-                           shared_scale=self.shared_scale, global_tokens=global_tokens)
+        if self.kind != 'mita':
+            x = self.attend_kind(q, k, v, (h, w), p)
+        else:
+            if global_tokens is None:
+                global_tokens = ((0, 0) if self.grid is None
+                                 else self.grid.global_tokens(N, (h, w)))
+            # the experts' keys: the tokens that are not global
+            pool_size, topk, router_topk = self.effective_settings(N - sum(global_tokens),
+                                                                   (h, w))
+            x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=pool_size, topk=topk,
+                               router_topk=router_topk, num_prefix_tokens=p,
+                               with_shared_expert=self.with_shared_expert,
+                               shared_scale=self.shared_scale, global_tokens=global_tokens)
         x = x.transpose(1, 2).reshape(B, N, C)
         if self.dwc is not None:
             v_grid = v[:, :, p:p + h * w].transpose(1, 2).reshape(B, h, w, C).permute(0, 3, 1, 2)
@@ -285,35 +348,39 @@ def can_use_mita(attn: nn.Module) -> bool:
     return isinstance(attn, MiTASettingsMixin) or type(attn) in _TO_MITA
 
 
-def use_mita(owner: nn.Module, layer_ids: Iterable[int], **settings) -> int:
-    """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) on MiTA, in place.
+def use_mita(owner: nn.Module, layer_ids: Iterable[int],
+             setting: Optional[MiTASetting] = None, **settings) -> int:
+    """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) on MiTA (or
+    another kind of :mod:`mita_seg.setting`), in place.
 
     ``owner`` is a token owner (a ViT or BEiT/MAE backbone, or a Segmenter mask head). An
     mmcv ``MultiheadAttention`` becomes a :class:`MiTAAttention` that takes over its very
     parameters (keys and weights unchanged), a BEiT/MAE attention its MiTA version
-    (:mod:`mita_seg.models.beit_attention`), each with the MiTA defaults for settings not
-    given; a MiTA module is reconfigured with the settings given (the others keep their
-    values). Either way the module gets the owner's grid
+    (:mod:`mita_seg.models.beit_attention`). Either way the module gets the owner's grid
     (:func:`~mita_seg.models.grid.grid_context`). Other attention modules are left alone.
 
     Args:
         owner (nn.Module): the module with ``layers``.
         layer_ids (Iterable[int]): indices into ``owner.layers``.
-        **settings: MiTA settings (:data:`MITA_KEYS`; ``with_dwc`` for modules swapped now,
-            as a MiTA backbone's config may ask).
+        setting (MiTASetting, optional): the whole setting every layer takes (checked when
+            it was made, not again).
+        **settings: single keys instead (:data:`SETTING_KEYS`): a module swapped now takes
+            them over the defaults, a module already swapped over its own settings; and
+            ``with_dwc`` for modules swapped now, as a MiTA backbone's config may ask.
 
     Returns:
         int: the number of layers whose attention is now MiTA.
     """
-    check_settings(settings)
+    with_dwc = settings.pop('with_dwc', False)
     done = 0
     for i in layer_ids:
         layer = owner.layers[i]
         if isinstance(layer.attn, MiTASettingsMixin):
-            layer.attn.configure(**{k: v for k, v in settings.items() if k in MITA_KEYS})
+            layer.attn.configure(setting or layer.attn.setting.replace(**settings))
         elif type(layer.attn) in _TO_MITA:
             old, old_cls = layer.attn, type(layer.attn)
-            layer.attn = _TO_MITA[old_cls](old, **{**MITA_DEFAULTS, **settings})
+            new = setting or DEFAULT_SETTING.replace(**settings)
+            layer.attn = _TO_MITA[old_cls](old, new, with_dwc=with_dwc)
             # kept outside the module tree (no state-dict keys) for use_dense
             layer.attn.__dict__[_DENSE_ORIGINAL] = (old, old_cls)
         else:

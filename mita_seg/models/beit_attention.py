@@ -17,8 +17,7 @@ from mmseg.models.backbones.mae import MAEAttention
 from mmseg.registry import MODELS
 
 from mita_seg.ops import RelPosBias, mita_attention
-from .attention import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, MiTASettingsMixin,
-                        check_settings, register_mita_conversion)
+from .attention import DEFAULT_SETTING, MiTASetting, MiTASettingsMixin, register_mita_conversion
 from .grid import GridContext, GridMismatchError, grid_mismatch_message
 
 __all__ = ['MiTABEiTAttention', 'MiTAMAEAttention']
@@ -26,7 +25,6 @@ __all__ = ['MiTABEiTAttention', 'MiTAMAEAttention']
 # Arguments mmseg's TransformerEncoderLayer passes to every attention and BEiTAttention
 # ignores (its own are attn_drop_rate / proj_drop_rate).
 _MMCV_ARGS = ('attn_drop', 'proj_drop', 'batch_first')
-_MITA_RULES = {k: SETTING_RULES[k] for k in MITA_KEYS}
 
 
 @MODELS.register_module()
@@ -77,15 +75,18 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
                  init_cfg: Optional[dict] = None,
                  **kwargs):
         mita_cfg = {k: v for k, v in kwargs.items() if k not in _MMCV_ARGS}
-        check_settings(mita_cfg, _MITA_RULES)
+        setting = DEFAULT_SETTING.replace(**mita_cfg)  # checked before anything is built
         super().__init__(embed_dims, num_heads, window_size, bias=bias, qk_scale=qk_scale,
                          attn_drop_rate=attn_drop_rate, proj_drop_rate=proj_drop_rate,
                          init_cfg=init_cfg)
-        self._init_mita(**mita_cfg)
+        self._init_mita(setting)
 
-    def _init_mita(self, **mita_cfg) -> None:
-        """MiTA settings (defaults for those not given) and no grid context yet."""
-        self.configure(**{**MITA_DEFAULTS, **mita_cfg})
+    # its relative position bias enters MiTA only
+    supported_kinds = ('mita', )
+
+    def _init_mita(self, setting: MiTASetting) -> None:
+        """The setting and no grid context yet."""
+        self.configure(setting)
         self.grid: Optional[GridContext] = None
         if self.attn_drop.p > 0:
             warnings.warn(f'{type(self).__name__} does not apply attn_drop_rate='
@@ -93,27 +94,33 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
                           'and the layer\'s drop path still apply')
 
     @classmethod
-    def from_beit(cls, attn: BEiTAttention, **mita_cfg) -> 'MiTABEiTAttention':
+    def from_beit(cls, attn: BEiTAttention, setting: MiTASetting,
+                  with_dwc: bool = False) -> 'MiTABEiTAttention':
         """Put ``attn`` on MiTA in place: the same module, whose class becomes ``cls``, so
         its parameters, buffers and state-dict keys are untouched.
 
         Args:
             attn (BEiTAttention): mmseg's module (``MAEAttention`` for
                 :class:`MiTAMAEAttention`).
-            **mita_cfg: MiTA settings; ``with_dwc`` must be False (BEiT/MAE checkpoints have
-                no DWC weights).
+            setting (MiTASetting): the MiTA setting (a MiTA one: other kinds do not take
+                the relative position bias).
+            with_dwc (bool): must be False (BEiT/MAE checkpoints have no DWC weights).
 
         Returns:
             MiTABEiTAttention: ``attn`` itself.
         """
-        if mita_cfg.pop('with_dwc', False):
+        if with_dwc:
             raise ValueError('with_dwc=True is not available for BEiT/MAE attention (their '
                              'checkpoints have no DWC weights); leave with_dwc unset')
-        check_settings(mita_cfg, _MITA_RULES)
         if not issubclass(cls, type(attn)):
             raise TypeError(f'{cls.__name__}.from_beit cannot take a {type(attn).__name__}')
+        old_cls = attn.__class__
         attn.__class__ = cls
-        attn._init_mita(**mita_cfg)
+        try:
+            attn._init_mita(setting)
+        except ValueError:
+            attn.__class__ = old_cls  # a kind it cannot run: left as it was
+            raise
         return attn
 
     def grid_shape(self, num_tokens: int) -> Tuple[int, int]:

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mita_seg.setting import DENSE, MITA_KEYS, SETTING_RULES, check_settings, label
+from mita_seg.setting import DENSE, SETTING_KEYS, SETTING_RULES, check_settings, label
 
 PLAN_FORMAT = 'mita_seg.swap_plan/1'
 # what a layer name must look like: an attention module of a token owner's layers
@@ -78,7 +78,7 @@ class SwapPlan:
         if not isinstance(entries, list) or not entries:
             raise PlanError(f'{what}: "layers" must be a non-empty list of '
                             '{"name": ..., "setting": ...}')
-        rules = {k: SETTING_RULES[k] for k in MITA_KEYS}
+        rules = {k: SETTING_RULES[k] for k in SETTING_KEYS}
         layers: Dict[str, Optional[Dict[str, Any]]] = {}
         layer_info: Dict[str, Dict[str, Any]] = {}
         for n, entry in enumerate(entries):
@@ -102,7 +102,7 @@ class SwapPlan:
                 setting = dict(setting)
             else:
                 raise PlanError(f'{what}: layer {name}: setting must be "dense" or an object '
-                                f'of MiTA settings ({", ".join(MITA_KEYS)}), got {setting!r}')
+                                f'of settings ({", ".join(SETTING_KEYS)}), got {setting!r}')
             layers[name] = setting
             layer_info[name] = {k: v for k, v in entry.items() if k not in ('name', 'setting')}
         info = {k: v for k, v in data.items() if k not in ('format', 'layers')}

@@ -5,10 +5,10 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
-from mita_seg.setting import MiTASetting
+from mita_seg.setting import DEFAULT_SETTING, MiTASetting
 from mita_seg.utils.modules import is_attention_module
-from .attention import (MITA_DEFAULTS, MITA_KEYS, SETTING_RULES, MiTASettingsMixin,
-                        can_use_mita, check_settings, layer_indices, use_dense, use_mita)
+from .attention import (MiTASettingsMixin, can_use_mita, layer_indices, use_dense,
+                        use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
 from .plan import PlanError, SwapPlan
@@ -57,8 +57,7 @@ def current_plan(model: nn.Module) -> SwapPlan:
     layers = {}
     for name, _, _ in attention_layers(model):
         attn = model.get_submodule(name)
-        layers[name] = ({k: getattr(attn, k) for k in MITA_KEYS}
-                        if isinstance(attn, MiTASettingsMixin) else None)
+        layers[name] = attn.setting.cfg() if isinstance(attn, MiTASettingsMixin) else None
     return SwapPlan(layers)
 
 
@@ -83,6 +82,7 @@ def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
 
 
 def swap_attention(model: nn.Module,
+                   setting: Optional[Union[MiTASetting, str]] = None,
                    layers: Optional[Sequence[int]] = None,
                    include_head: bool = False,
                    verbose: bool = True,
@@ -111,8 +111,18 @@ def swap_attention(model: nn.Module,
     each attention layer (:func:`attention_layers`) gets its own setting: MiTA settings as
     above, or dense, which puts a swapped layer back on the standard attention it replaced.
 
+    ``setting`` chooses the attention whole, as a user spells it
+    (:meth:`~mita_seg.setting.MiTASetting.parse`: ``'7:49'``, ``'agent:7'``,
+    ``'block:8:4'``, ``'topk:49'``, ``'window:7'``) or as a
+    :class:`~mita_seg.setting.MiTASetting`; the other kinds of attention than MiTA are the
+    paper's taxonomy, training-free on the same parameters (ViT family and Segmenter's head;
+    BEiT/MAE take MiTA only). The setting is checked once, here (a
+    :class:`~mita_seg.setting.MiTASetting` when it was made), and travels as that object.
+
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.
+        setting (MiTASetting | str, optional): the whole setting; not with ``mita_cfg``.
+            Default: None (``mita_cfg`` over the defaults).
         layers (Sequence[int], optional): backbone encoder layers to swap (negative
             indices count from the end); None for all. Default: None.
         include_head (bool): swap Segmenter's mask head too (its attention modules already
@@ -121,8 +131,10 @@ def swap_attention(model: nn.Module,
         plan (SwapPlan | str, optional): per-layer settings (the head's too, where the
             plan names them); not with ``layers``, ``include_head`` or ``mita_cfg``.
             Default: None.
-        **mita_cfg: MiTA settings (``pool_size``, ``topk``, ``router_topk``,
-            ``with_shared_expert``, ``shared_scale``).
+        **mita_cfg: single settings (``pool_size``, ``topk``, ``router_topk``,
+            ``with_shared_expert``, ``shared_scale``, ``kind``, ``block_size``,
+            ``num_blocks``, ``window``) over the defaults, or over the settings of modules
+            already swapped.
 
     Returns:
         int: the number of attention modules now on MiTA.
@@ -135,11 +147,17 @@ def swap_attention(model: nn.Module,
         ValueError: ``layers`` names a layer that does not exist, or a setting is unknown
             or has a bad value.
     """
-    check_settings(mita_cfg, {k: SETTING_RULES[k] for k in MITA_KEYS})
+    if isinstance(setting, str):
+        setting = MiTASetting.parse(setting)
+    if setting is not None and mita_cfg:
+        raise ValueError(f'swap_attention: give a setting or single settings, not both; got '
+                         f'{setting.text!r} and {sorted(mita_cfg)}')
+    if setting is None:
+        DEFAULT_SETTING.replace(**mita_cfg)  # refused before the model changes
     swapped: List[str] = []
     left_by_choice = {}  # global attention not swapped because of layers= / include_head
     if plan is not None:
-        if mita_cfg or layers is not None or include_head:
+        if mita_cfg or setting is not None or layers is not None or include_head:
             raise ValueError('swap_attention: give a plan or settings (layers, include_head, '
                              f'MiTA settings), not both; got plan and {sorted(mita_cfg)}'
                              f'{" layers" if layers is not None else ""}'
@@ -164,7 +182,7 @@ def swap_attention(model: nn.Module,
             else:
                 continue
             ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
-            use_mita(owner, ids, **mita_cfg)
+            use_mita(owner, ids, setting, **mita_cfg)
             swapped += [f'{prefix}layers.{i}.attn' for i in ids]
 
     skipped: List[Tuple[str, str]] = []
@@ -188,8 +206,7 @@ def swap_attention(model: nn.Module,
     if verbose and plan is not None:
         chosen = {}
         for name in swapped:
-            label = MiTASetting.from_cfg({k: getattr(model.get_submodule(name), k)
-                                          for k in MITA_KEYS}).label
+            label = model.get_submodule(name).setting.label
             chosen[label] = chosen.get(label, 0) + 1
         print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on MiTA ('
                   + ', '.join(f'{n} x {label}' for label, n in chosen.items())
@@ -198,7 +215,7 @@ def swap_attention(model: nn.Module,
             if name not in left_by_choice:
                 print_log(f'swap_attention: left {name} alone: {why}', logger='current')
     elif verbose:
-        settings = {k: getattr(model.get_submodule(swapped[0]), k) for k in MITA_KEYS}
+        settings = model.get_submodule(swapped[0]).setting.cfg()
         print_log(f'swap_attention: {len(swapped)} attention modules on MiTA ({settings})',
                   logger='current')
         for name, why in skipped:

@@ -28,7 +28,7 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mita_seg.ops.token_merge import (MergePlan, bipartite_soft_matching, check_ratio, merge,
                                       merged_count, merged_sizes,
                                       proportional_attention_bias, unmerge)
-from .attention import (MiTAAttention, MiTASettingsMixin, layer_indices,
+from .attention import (MiTAAttention, MiTASetting, MiTASettingsMixin, layer_indices,
                         register_mita_conversion)
 from .grid import PATCH_EMBED_OWNERS
 from .swap import SWAP_RULES
@@ -119,10 +119,10 @@ class ToMeFFN(FFN):
         return (x if identity is None else identity) + unmerge(out, plan)
 
 
-def _to_mita(attn: ToMeAttention, **settings) -> nn.Module:
+def _to_mita(attn: ToMeAttention, setting: MiTASetting, with_dwc: bool = False) -> nn.Module:
     """A ToMe attention put on MiTA (:func:`~mita_seg.swap_attention` after
     :func:`merge_tokens`): MiTA over the full grid; the layer's MLP stays merged."""
-    return MiTAAttention.from_mmcv(attn, **settings)
+    return MiTAAttention.from_mmcv(attn, setting, with_dwc)
 
 
 register_mita_conversion(ToMeAttention, _to_mita)

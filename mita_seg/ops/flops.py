@@ -55,3 +55,90 @@ def global_flops_per_head(num_tokens: int, num_global_tokens: int, head_dim: int
     """
     N, T = num_tokens, num_global_tokens
     return 2 * (N - T) * T * head_dim + 2 * T * N * head_dim
+
+
+# ----------------------------------------------------------------------------------------
+# Training-free attention kinds (mita_seg.ops.agent / block / topk / window): MACs per batch
+# item and head of what each executes on an ``h x w`` grid (``n = h*w`` grid tokens), plus
+# ``T`` global tokens (every token outside the grid) counted by global_flops_per_head.
+# ----------------------------------------------------------------------------------------
+def _pair(x) -> tuple:
+    return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
+def agent_flops_per_head(hw_shape, head_dim: int, pool_size, num_global_tokens: int = 0) -> int:
+    """MACs of :func:`mita_seg.ops.agent_attention` (``M = Ph * Pw`` landmarks)::
+
+        S = R K^T                 M n d
+        V_R = softmax(S) V        M n d
+        G = q R^T                 n M d
+        output P V_R              n M d
+        global tokens             global_flops_per_head(n + T, T, d)
+
+    MiTA's shared expert alone (:func:`mita_flops_per_head` less the routed part). The
+    pooling and the softmax are not MACs."""
+    (h, w), (ph, pw) = _pair(hw_shape), _pair(pool_size)
+    n, M, T = h * w, ph * pw, num_global_tokens
+    return 4 * M * n * head_dim + global_flops_per_head(n + T, T, head_dim)
+
+
+def block_flops_per_head(hw_shape, head_dim: int, block_size, num_blocks: int,
+                         num_global_tokens: int = 0) -> int:
+    """MACs of :func:`mita_seg.ops.block_attention` (``nb`` blocks, each query attending
+    to ``b = min(num_blocks, nb)``)::
+
+        block scores q . mean_k           n nb d
+        logits + output over its keys     2 n_keys d
+        global tokens                     global_flops_per_head(n + T, T, d)
+
+    ``n_keys``, the attended keys summed over the grid queries, is exact for the layout up
+    to the choice of blocks: a query in a block of ``size`` tokens is counted with its own
+    block plus the ``b - 1`` largest other blocks. Exact where every block has the same size
+    (``h`` and ``w`` multiples of the block); elsewhere an upper bound (the smaller blocks of
+    the last row and column may be chosen). With every block (``b = nb``) it is softmax
+    attention and no scores are computed: ``2 n^2 d``. The implementation gathers each
+    chosen block padded to ``bh * bw`` slots: it executes ``n nb d + 2 n b bh bw d``. The
+    block means are sums, not MACs."""
+    (h, w), (bh, bw) = _pair(hw_shape), _pair(block_size)
+    bh, bw = min(bh, h), min(bw, w)
+    n, d, T = h * w, head_dim, num_global_tokens
+    sizes = [min(bh, h - i) * min(bw, w - j) for i in range(0, h, bh) for j in range(0, w, bw)]
+    nb = len(sizes)
+    b = min(num_blocks, nb)
+    if b == nb:
+        return 2 * n * n * d + global_flops_per_head(n + T, T, d)
+    n_keys = 0
+    for i, size in enumerate(sizes):
+        others = sorted(sizes[:i] + sizes[i + 1:], reverse=True)
+        n_keys += size * (size + sum(others[:b - 1]))
+    return n * nb * d + 2 * n_keys * d + global_flops_per_head(n + T, T, d)
+
+
+def topk_flops_per_head(hw_shape, head_dim: int, topk: int, num_global_tokens: int = 0) -> int:
+    """MACs of :func:`mita_seg.ops.topk_attention` (``k = min(topk, n)``)::
+
+        scores q K^T (in chunks)          n n d
+        logits + output over top-k        2 n k d
+        global tokens                     global_flops_per_head(n + T, T, d)
+
+    With ``k = n`` it is softmax attention and no scores are computed: ``2 n^2 d``. Top-k
+    and gather are not MACs."""
+    h, w = _pair(hw_shape)
+    n, d, T = h * w, head_dim, num_global_tokens
+    k = min(topk, n)
+    grid = 2 * n * n * d if k == n else n * n * d + 2 * n * k * d
+    return grid + global_flops_per_head(n + T, T, d)
+
+
+def window_flops_per_head(hw_shape, head_dim: int, window_size,
+                          num_global_tokens: int = 0) -> int:
+    """MACs of :func:`mita_seg.ops.window_attention` (window ``wh x ww`` clamped to the
+    grid; it stays whole at the borders, so every query has ``wh ww`` keys)::
+
+        logits + output over the window   2 n wh ww d
+        global tokens                     global_flops_per_head(n + T, T, d)
+    """
+    (h, w), (wh, ww) = _pair(hw_shape), _pair(window_size)
+    n, T = h * w, num_global_tokens
+    return 2 * n * min(wh, h) * min(ww, w) * head_dim + global_flops_per_head(n + T, T,
+                                                                            head_dim)

@@ -1,0 +1,145 @@
+"""The kinds of attention of the paper's taxonomy (``agent``, ``block``, ``topk``,
+``window``, :mod:`mita_seg.setting`) as swaps of mmseg models: one spelling everywhere, a
+setting checked once on a swap, the parameters and state-dict keys untouched (a model-zoo
+checkpoint reloads strictly), each kind's multiply-adds by formula equal to the traced
+count, BEiT/MAE refusing them in one line, the long-range configs with the local window
+building, and ``tools/test.py --swap-attn KIND`` on a released-layout checkpoint (slow).
+The operators themselves are tested against dense oracles in tests/test_attention_kinds.py."""
+import copy
+import os.path as osp
+
+import pytest
+import torch
+
+import mita_seg.setting as setting_module
+from mita_seg.setting import MiTASetting, MiTASettingError
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+KINDS = ['7:49', 'agent:7', 'block:8:4', 'topk:49', 'window:7']
+
+
+@pytest.fixture(scope='module')
+def segmenter(tiny_cfg):
+    """mmseg's Segmenter ViT-T, narrowed (tests/conftest.py), seeded random weights."""
+    from mmseg.registry import MODELS
+    from mmseg.utils import register_all_modules
+    register_all_modules()
+    import mita_seg.models  # noqa: F401
+    torch.manual_seed(0)
+    return MODELS.build(copy.deepcopy(tiny_cfg.model)).eval()
+
+
+@pytest.mark.parametrize('spec', KINDS)
+def test_swap_each_kind_keeps_keys_and_runs(segmenter, spec):
+    from mita_seg import swap_attention
+    model = copy.deepcopy(segmenter)
+    keys = model.state_dict()
+    assert swap_attention(model, spec, include_head=True, verbose=False) == 3
+    attn = model.backbone.layers[0].attn
+    assert attn.setting == MiTASetting.parse(spec) and attn.setting.text == spec
+    swapped = model.state_dict()
+    assert list(swapped) == list(keys)                    # the very keys, in order
+    assert all(torch.equal(swapped[k], keys[k]) for k in keys)
+    model.load_state_dict(keys, strict=True)
+    with torch.no_grad():
+        out = model.backbone(torch.randn(2, 3, 64, 96))   # a non-square 8x12 grid
+    assert all(torch.isfinite(o).all() for o in out)
+    # a whole setting and single keys are not given together
+    with pytest.raises(ValueError, match='give a setting or single settings, not both'):
+        swap_attention(model, spec, topk=3)
+
+
+@pytest.mark.parametrize('what', ['text', 'setting', 'keys'])
+def test_a_swap_checks_its_setting_once(segmenter, what, monkeypatch):
+    """However many layers, the setting is checked once, where it enters (issue 41): by
+    the parser (a spelling), when made (a MiTASetting), at the top of swap_attention (single
+    keys); the modules take it as it is."""
+    from mita_seg import swap_attention
+    calls = []
+    check = setting_module.check_settings
+    monkeypatch.setattr(setting_module, 'check_settings',
+                        lambda *a, **k: calls.append(a) or check(*a, **k))
+    monkeypatch.setattr(setting_module, '_CHECKED', set())
+    arg = (('window:5', ) if what == 'text' else
+           (MiTASetting(4, 8, kind='topk'), ) if what == 'setting' else ())
+    kw = dict(pool_size=3, topk=5) if what == 'keys' else {}
+    model = copy.deepcopy(segmenter)
+    assert swap_attention(model, *arg, include_head=True, verbose=False, **kw) == 3
+    assert len(calls) == 1, calls
+
+
+def test_bad_settings_are_one_clear_error(segmenter):
+    from mita_seg import swap_attention
+    from mita_seg.models import MiTABEiTAttention
+    model = copy.deepcopy(segmenter)
+    with pytest.raises(MiTASettingError, match=r"window setting 'window:0': write window:W"):
+        swap_attention(model, 'window:0')
+    with pytest.raises(MiTASettingError, match=r"topk is not|unknown MiTA setting 'topk'"):
+        MiTASetting.from_cfg(dict(kind='agent', topk=16))    # agent reads no top-k
+    with pytest.raises(MiTASettingError, match="num_blocks=0: num_blocks must be an int >= 1"):
+        swap_attention(model, kind='block', num_blocks=0)
+    assert not any(type(m).__name__ == 'MiTAAttention' for m in model.modules())  # untouched
+    # BEiT/MAE: the relative position bias enters MiTA only
+    with pytest.raises(MiTASettingError, match='MiTABEiTAttention runs mita attention, not '
+                       'agent: compression only .* give it a MiTA setting'):
+        MiTABEiTAttention(64, 4, (4, 4), kind='agent')
+
+
+@pytest.mark.parametrize('spec', KINDS + ['block:4:2', 'topk:20', 'window:3', 'agent:2x3'])
+def test_traced_macs_match_each_kinds_formula(spec):
+    """The jit-traced multiply-adds of one swapped attention layer (projections aside) are
+    the setting's formula (MiTA's through its custom op's handle, the others through their
+    matmuls), and the analytic counter of swap_sweep/get_flops agrees. The formulas count
+    pooling as no multiply-adds (MiTA's convention); mmengine counts adaptive_avg_pool2d's
+    input elements, so agent's trace holds ``h w d`` more per head. (On a grid that is no
+    multiple of the block, block's formula counts the keys attended, its trace the padded
+    blocks it gathers: tests/test_attention_kinds.py.)"""
+    from mmcv.cnn.bricks.transformer import MultiheadAttention
+    from mita_seg.analysis.attention_macs import AttentionMacCounter
+    from mita_seg.analysis.flop_handles import flop_analyzer
+    from mita_seg.models import MiTAAttention
+    B, C, H, (h, w) = 2, 32, 4, (8, 12)
+    N = 1 + h * w
+    setting = MiTASetting.parse(spec)
+    attn = MiTAAttention.from_mmcv(MultiheadAttention(C, H, batch_first=True), setting).eval()
+    x = torch.randn(B, N, C)
+    traced = flop_analyzer(attn, (x, None, None, None, None, None, None, None, (h, w))).total()
+    projections = B * N * C * 3 * C + B * N * C * C
+    want = B * H * setting.attention_macs((h, w), N, C // H)
+    pooling = B * H * h * w * (C // H) if setting.kind == 'agent' else 0
+    assert traced - projections - pooling == want
+    with AttentionMacCounter(attn) as counter, torch.no_grad():
+        attn(x, hw_shape=(h, w))
+    assert counter.macs == want
+
+
+def test_longrange_configs_build_a_global_and_a_local_model():
+    """The long-range benchmark's pair: the same Segmenter without a cls token or head
+    attention, once with softmax attention and once with a 3x3 window (trained from
+    scratch through the config's mita_cfg)."""
+    from mmseg.registry import MODELS
+    from mita_seg.apis import load_config
+    import mita_seg.models  # noqa: F401
+    cfgs = [load_config(osp.join(ROOT, 'configs', 'longrange', name)) for name in (
+        'segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py',
+        'segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-256x256.py')]
+    dense, local = (MODELS.build(c.model).eval() for c in cfgs)
+    assert not dense.backbone.with_cls_token and len(dense.decode_head.layers) == 0
+    assert [m.setting.text for m in local.backbone.modules() if hasattr(m, 'kind')] == \
+        ['window:3'] * 4
+    assert list(local.state_dict()) == list(dense.state_dict())
+    with torch.no_grad():
+        assert local.backbone(torch.randn(1, 3, 256, 256))[0].shape == (1, 64, 32, 32)
+
+
+@pytest.mark.slow
+def test_test_py_swaps_a_zoo_checkpoint_to_each_kind(tools, segmenter_ckpt, tiny_data):
+    """tools/test.py --swap-attn KIND on a checkpoint in the model zoo's format: loads
+    strictly, evaluates, says the swap; --mita-cfg keys go over a whole setting."""
+    config, ckpt = segmenter_ckpt
+    for spec in KINDS[1:] + ['topk:8 --mita-cfg topk=16']:
+        spec, *extra = spec.split(' ')
+        _, out = tools('tools/test.py', config, ckpt, '--swap-attn', spec, *extra,
+                       *tools.data_options(tiny_data))
+        assert 'attention modules on MiTA' in out and tools.miou(out) >= 0, out[-2000:]
+    assert "'topk': 16" in out, out[-2000:]
