@@ -1,0 +1,33 @@
+# The study's tiny Segmenter (4 layers x 64 dims, patch 8: a 32x32 grid, N = 1024 patch
+# tokens at 256x256) on the long-range scenes of tools/dataset/make_longrange_ade20k.py,
+# whose labels need evidence 8-30 patches away (docs/longrange_data.md). Two changes from
+# configs/baselines/segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py, so that the
+# encoder's attention is the only way a token reaches far, and a model whose attention
+# is a local window is local:
+# - no cls token (a global token would carry the cue around any local window);
+# - the mask head without transformer layers (Segmenter's linear-like variant: masks are
+#   products of each patch with the class embeddings; its two attention layers over
+#   patches and class tokens would mix globally);
+# and the whole image in every training crop (a random crop can cut the cue or a partner
+# object off: its labels would be wrong). Data: python tools/dataset/make_longrange_ade20k.py.
+_base_ = ['../baselines/segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py']
+
+data_root = 'data/ade/longrange_ade20k'
+model = dict(
+    backbone=dict(with_cls_token=False, output_cls_token=False),
+    decode_head=dict(num_layers=0))
+
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='PackSegInputs')
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='PackSegInputs')
+]
+train_dataloader = dict(dataset=dict(data_root=data_root, pipeline=train_pipeline))
+val_dataloader = dict(dataset=dict(data_root=data_root, pipeline=test_pipeline))
+test_dataloader = val_dataloader
