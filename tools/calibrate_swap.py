@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
-from mita_seg.setting import CALIBRATION_CANDIDATES, label, setting_or_dense_arg  # noqa: E402
+from mita_seg.setting import CALIBRATION_CANDIDATES, setting_or_dense_arg  # noqa: E402
 from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
                                 ensure_parent, float_range, int_range, output_file, python_command,
                                 run_tool)
@@ -66,30 +66,9 @@ def parse_args(argv=None):
     return args
 
 
-def format_plan(plan) -> str:
-    """The plan as a short table: each layer's choice, error and GFLOPs, then the totals."""
-    info, per_layer = plan.info, plan.info['layer_info']
-    width = max(len(n) for n in plan.layers) + 2
-    lines = [f'{"layer":<{width}}{"setting":<24}{"error (KL)":>12}{"GFLOPs":>10}']
-    for name, setting in plan.layers.items():
-        li = per_layer[name]
-        lines.append(f'{name:<{width}}{label(setting):<24}{li["error"]:12.4g}'
-                     f'{li["gflops"]:10.4g}')
-    f, b, c = info['flops'], info['budget'], info['calibration']
-    asked = f' (uniform {b["uniform"]})' if b.get('uniform') else ''
-    lines.append(f'plan: {f["plan_gflops"]:.4g} GFLOPs, {f["reduction_percent"]:.1f}% below dense '
-                 f'{f["dense_gflops"]:.4g} (budget {b["gflops"]:.4g}{asked}; {b["counted"]})')
-    against = (f', uniform {b["uniform"]}: {b["uniform_predicted_error"]:.4g}'
-               if b.get('uniform') else '')
-    lines.append(f'{plan.summary()}; predicted error {c["predicted_error"]:.4g}{against} (sum '
-                 'of the layers\' errors)')
-    lines.append(f'calibration: {len(c["images"])} training images, {len(c["candidates"])} '
-                 f'candidates, {c["image_forwards"]} image forwards, {c["seconds"]:.0f}s')
-    return '\n'.join(lines)
-
-
 def main(argv=None):
     args = parse_args(argv)
+    from mita_seg.analysis.plan_report import format_plan
     from mita_seg.apis import calibrate_swap, config_name   # the stack, once parsed
     plan = calibrate_swap(
         args.config, args.checkpoint, args.reduction, args.budget_gflops, args.images,

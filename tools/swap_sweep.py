@@ -26,7 +26,6 @@ Usage::
         [--work-dir DIR] [--out DIR/table.md] [--plot DIR/sweep.png] [--cfg-options k=v ...]
 """
 import argparse
-import csv
 import copy
 import os.path as osp
 import sys
@@ -38,7 +37,7 @@ from mita_seg.apis import add_merge_args, add_mita_args, check_mita_cfg  # noqa:
 from mita_seg.setting import MITA_KEYS  # noqa: E402
 from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
                                 ensure_parent, int_range, output_dir, output_file, quiet_stack,
-                                run_tool, wrap_title)
+                                run_tool)
 
 
 def parse_args(argv=None):
@@ -80,78 +79,12 @@ def parse_args(argv=None):
     return args
 
 
-def write_tables(rows, out_md, note):
-    """Write ``rows`` (:class:`~mita_seg.apis.sweep.SweepRow`) as markdown and CSV beside
-    it, without the columns no row has a value in; returns both paths."""
-    stem = osp.splitext(out_md)[0]
-    out_csv = stem + '.csv'
-    out_md = stem + '.md'
-    rows = [r.as_dict() for r in rows]
-    keys = [k for k in rows[0] if any(r[k] is not None for r in rows)]
-    rows = [{k: '' if r[k] is None else r[k] for k in keys} for r in rows]
-    with open(out_csv, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
-    def fmt(key, v):
-        if not isinstance(v, float):
-            return str(v)
-        return f'{v:.4g}' if key.endswith(('GMACs', 'GFLOPs')) else f'{v:.2f}'
-
-    lines = ['| ' + ' | '.join(keys) + ' |', '|' + '---|' * len(keys)]
-    lines += ['| ' + ' | '.join(fmt(k, r[k]) for k in keys) + ' |' for r in rows]
-    with open(out_md, 'w') as f:
-        f.write('\n'.join(lines) + f'\n\n{note}\n')
-    return out_md, out_csv
-
-
-def plot_sweep(rows, out_png, title):
-    """mIoU against whole-model GFLOPs and against attention GMACs of ``rows``
-    (:class:`~mita_seg.apis.sweep.SweepRow`); one line per number of landmarks and one for
-    ToMe's ratios, the plans as diamonds, the baseline as a star."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    base = rows[0]
-    for ax, key, xlabel in ((axes[0], 'model_GFLOPs', 'model GFLOPs per image'),
-                            (axes[1], 'attn_GMACs', 'attention GMACs per image')):
-        x = lambda r: getattr(r, key)  # noqa: E731
-        ax.scatter([x(base)], [base.mIoU], marker='*', s=200, c='k', label=base.label,
-                   zorder=3)
-        tome = sorted((r for r in rows if r.kind == 'tome'), key=x)
-        if tome:
-            ax.plot([x(r) for r in tome], [r.mIoU for r in tome], 'D--', c='C7',
-                    label='ToMe (token merging)')
-            for r in tome:
-                ax.annotate(f'r={r.merge_ratio:g}', (x(r), r.mIoU), fontsize=7,
-                            textcoords='offset points', xytext=(3, -9))
-        for r in (r for r in rows if r.kind in ('plan', 'swap+tome')):
-            ax.scatter([x(r)], [r.mIoU], marker='D', s=60, zorder=3, label=r.label)
-        swaps = [r for r in rows if r.kind == 'swap']
-        for m in sorted({r.M for r in swaps}):
-            sel = sorted((r for r in swaps if r.M == m), key=x)
-            ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-', label=f'MiTA M={m}')
-            for r in sel:
-                ax.annotate(f'k={r.topk}', (x(r), r.mIoU), fontsize=7,
-                            textcoords='offset points', xytext=(3, 3))
-        ax.set_xlabel(f'{xlabel} (1 MAC = 1 FLOP)')
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel('mIoU (%)')
-    axes[1].legend(fontsize=8)
-    fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
-
-
 def main(argv=None):
     args = parse_args(argv)
     quiet_stack()
     from mita_seg.apis import (build_runner, config_name, load_config, merge_model,
                                prepare_config, swap_model, swap_sweep)
+    from mita_seg.analysis.sweep_report import plot_sweep, write_tables
     from mita_seg.apis.sweep import FLOP_NOTE, sweep_points
     cfg = load_config(args.config, args.cfg_options, args.work_dir or osp.join(
         'work_dirs', 'swap_sweep', config_name(args.config)))

@@ -30,7 +30,7 @@ __all__ = [
     'InputError', 'user_errors', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
     'image_file', 'output_file', 'output_dir', 'int_range', 'float_range', 'device_name',
     'KeyValueAction', 'DeferredHelp', 'quiet_stack', 'is_stack_noise', 'ensure_parent',
-    'python_command', 'wrap_title'
+    'python_command'
 ]
 
 
@@ -351,15 +351,6 @@ class DeferredHelp(str):
 
 
 # ---------------------------------------------------------------------------- printing
-def wrap_title(text: str, width_inches: float, fontsize: float = 9) -> str:
-    """``text`` wrapped to lines that fit ``width_inches`` at ``fontsize`` points (a
-    character of a sans-serif font is at most about 0.6 em wide): a figure's title whole,
-    on as many lines as it needs (matplotlib cuts a long one at the figure's edge)."""
-    import textwrap
-    chars = max(20, int(width_inches * 72 / (0.6 * fontsize)))
-    return '\n'.join(textwrap.fill(line, chars) for line in text.split('\n'))
-
-
 def python_command(script: str, *args: str) -> str:
     """The command line that runs ``script`` (a path) with ``args`` with the interpreter
     running now (so a venv's ``.venv/bin/python`` is printed as such), paths relative to
