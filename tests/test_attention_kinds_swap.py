@@ -140,6 +140,35 @@ def test_test_py_swaps_a_zoo_checkpoint_to_each_kind(tools, segmenter_ckpt, tiny
     for spec in KINDS[1:] + ['topk:8 --mita-cfg topk=16']:
         spec, *extra = spec.split(' ')
         _, out = tools('tools/test.py', config, ckpt, '--swap-attn', spec, *extra,
-                       *tools.data_options(tiny_data))
+                       '--cfg-options', *tools.data_options(tiny_data))
         assert 'attention modules on MiTA' in out and tools.miou(out) >= 0, out[-2000:]
     assert "'topk': 16" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_swap_sweep_sets_the_kinds_side_by_side(segmenter_ckpt, tools, tmp_path):
+    """tools/swap_sweep.py --settings: every kind as a row; a kind that covers every key
+    (all blocks, k at least the grid, a window over the grid) is softmax attention (the
+    baseline's mIoU); the whole-model trace saves what each kind's formula saves."""
+    import csv
+    config, ckpt = segmenter_ckpt
+    kinds = ['agent:4', 'block:4:2', 'block:4:16', 'topk:16', 'topk:1000', 'window:3',
+             'window:16']
+    tools('tools/swap_sweep.py', config, ckpt, '--pool-sizes', 4, '--topks', 16, '--settings',
+          *kinds, '--work-dir', tmp_path / 'work', '--out', tmp_path / 'sweep.md')
+    with open(tmp_path / 'sweep.csv') as f:
+        rows = {r['setting']: r for r in csv.DictReader(f)}
+    assert list(rows) == ['baseline', 'MiTA M=4x4 k=16', 'agent M=4x4', 'block 4x4 x2',
+                          'block 4x4 x16', 'top-k k=16', 'top-k k=1000', 'window 3x3',
+                          'window 16x16']
+    base = rows['baseline']
+    for name, r in rows.items():
+        saved_traced = float(base['model_GFLOPs']) - float(r['model_GFLOPs'])
+        saved_formula = float(base['attn_GMACs']) - float(r['attn_GMACs'])
+        # agent's trace counts its landmark pooling's adds (mmengine's adaptive_avg_pool2d)
+        assert saved_traced == pytest.approx(saved_formula, rel=0.02, abs=1e-9), name
+        if name in ('block 4x4 x16', 'top-k k=1000', 'window 16x16'):
+            assert float(r['mIoU']) == pytest.approx(float(base['mIoU']), abs=0.01), name
+            assert saved_formula == pytest.approx(0, abs=1e-9), name
+        elif name != 'baseline':
+            assert saved_formula > 0, name

@@ -34,7 +34,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
 from mita_seg.apis import add_merge_args, add_mita_args, check_mita_cfg  # noqa: E402
-from mita_seg.setting import MITA_KEYS  # noqa: E402
+from mita_seg.setting import MITA_KEYS, setting_arg  # noqa: E402
 from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
                                 ensure_parent, int_range, output_dir, output_file, quiet_stack,
                                 run_tool)
@@ -55,6 +55,11 @@ def parse_args(argv=None):
                         help='keys per routed expert')
     add_mita_args(parser, swap_flag=False, exclude=('pool_size', 'topk'))
     add_merge_args(parser, sweep=True)
+    parser.add_argument('--settings', type=setting_arg, nargs='+', default=[],
+                        metavar='SETTING',
+                        help='more settings to sweep, of any kind: 7:49, agent:7 (compression '
+                        'only), block:8:4 (block routing), topk:49 (per-query top-k), window:7 '
+                        '(a local window)')
     parser.add_argument('--flops-images', type=int_range(1), default=1,
                         help='test images to count attention MACs on (per-image mean)')
     parser.add_argument('--work-dir', type=output_dir('--work-dir'),
@@ -102,7 +107,7 @@ def main(argv=None):
     mita_cfg = args.mita_cfg or {}
     points = sweep_points(args.pool_sizes, args.topks,
                           {k: v for k, v in mita_cfg.items() if k in MITA_KEYS},
-                          merge_ratios=args.merge_ratios, plans=plans)
+                          merge_ratios=args.merge_ratios, plans=plans, settings=args.settings)
     rows = swap_sweep(runner, points, {k: v for k, v in mita_cfg.items() if k not in MITA_KEYS},
                       args.flops_images,
                       progress=lambda line: print(f'[swap_sweep] {line}', flush=True))

@@ -57,13 +57,20 @@ def plot_sweep(rows, out_png, title):
                             textcoords='offset points', xytext=(3, -9))
         for r in (r for r in rows if r.kind in ('plan', 'swap+tome')):
             ax.scatter([x(r)], [r.mIoU], marker='D', s=60, zorder=3, label=r.label)
-        swaps = [r for r in rows if r.kind == 'swap']
+        swaps = [r for r in rows if r.kind == 'swap' and r.point.setting.kind == 'mita']
         for m in sorted({r.M for r in swaps}):
             sel = sorted((r for r in swaps if r.M == m), key=x)
             ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-', label=f'MiTA M={m}')
             for r in sel:
                 ax.annotate(f'k={r.topk}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, 3))
+        others = [r for r in rows if r.kind == 'swap' and r.point.setting.kind != 'mita']
+        for kind in sorted({r.point.setting.kind for r in others}):  # the other kinds
+            sel = sorted((r for r in others if r.point.setting.kind == kind), key=x)
+            ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 's--', label=kind)
+            for r in sel:
+                ax.annotate(r.label, (x(r), r.mIoU), fontsize=7, textcoords='offset points',
+                            xytext=(3, -9))
         ax.set_xlabel(f'{xlabel} (1 MAC = 1 FLOP)')
         ax.grid(alpha=0.3)
     axes[0].set_ylabel('mIoU (%)')

@@ -79,10 +79,12 @@ def sweep_points(pool_sizes: Sequence[int] = (),
                  mita_cfg: Optional[dict] = None,
                  merge_ratios: Sequence[float] = (),
                  merged_swaps: Sequence[Tuple[MiTASetting, float]] = (),
-                 plans: Sequence[SwapPlan] = ()) -> List[SweepPoint]:
+                 plans: Sequence[SwapPlan] = (),
+                 settings: Sequence[MiTASetting] = ()) -> List[SweepPoint]:
     """The points of a sweep, in the order :func:`swap_sweep` evaluates them: the baseline,
     ToMe at every ratio, MiTA at every ``(pool size, top-k)`` (with the further MiTA
-    settings ``mita_cfg``: ``router_topk``...), MiTA with ToMe, the plans.
+    settings ``mita_cfg``: ``router_topk``...), each of ``settings`` (any kind:
+    ``agent:7``, ``block:8:4``...), MiTA with ToMe, the plans.
 
     Raises:
         MiTASettingError: a bad setting, or ``mita_cfg`` with another key than a MiTA
@@ -97,6 +99,7 @@ def sweep_points(pool_sizes: Sequence[int] = (),
     points += [SweepPoint('tome', merge_ratio=r) for r in merge_ratios]
     points += [SweepPoint('swap', MiTASetting.from_cfg(dict(extra, pool_size=p, topk=k)))
                for p, k in itertools.product(pool_sizes, topks)]
+    points += [SweepPoint('swap', s) for s in settings]
     points += [SweepPoint('swap+tome', s, r) for s, r in merged_swaps]
     points += [SweepPoint('plan', plan=p) for p in plans]
     return points
@@ -224,24 +227,28 @@ def swap_sweep(runner: Runner,
             swap_model(model, dict(plan=point.plan), verbose=False)
             label = f'plan {osp.basename(point.plan.source) or i}'
         else:   # swap, swap+tome: what runs, counted first
-            swap_model(model, dict(swap_cfg, **point.setting.cfg()), verbose=verbose)
+            setting = point.setting
+            swap_model(model, dict(swap_cfg, setting=setting), verbose=verbose)
             if point.kind == 'swap+tome':
                 merge_model(model, point.merge_ratio, verbose=False, **merge_cfg)
                 merged = True
             attn = attention_gmacs(model, batches, ran)
-            ran_label = point.setting.ran_label({p for p, *_ in ran},
-                                                [k < point.setting.topk for _, k, _, _ in ran])
-            M = max((h * w for (h, w), *_ in ran), default=point.setting.num_experts)
-            label = f'MiTA {ran_label}'
+            if setting.kind == 'mita':
+                ran_label = setting.ran_label({p for p, *_ in ran},
+                                              [k < setting.topk for _, k, _, _ in ran])
+                M = max((h * w for (h, w), *_ in ran), default=setting.num_experts)
+                label = f'MiTA {ran_label}'
+            else:  # another kind of the taxonomy: as asked
+                ran_label = label = setting.label
             if point.kind == 'swap+tome':
                 label += f' + {merge_label(point.merge_ratio)}'
             else:
-                same = seen.get(frozenset(ran))
+                same = seen.get(frozenset(ran) if setting.kind == 'mita' else setting)
                 if same is not None:
                     progress(f'[{i + 1}/{len(points)}] MiTA {point.setting.label} runs '
                              f'exactly as {same!r} on these inputs: not evaluated again, no row')
                     continue
-                seen[frozenset(ran)] = label
+                seen[frozenset(ran) if setting.kind == 'mita' else setting] = label
         progress(f'[{i + 1}/{len(points)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()
