@@ -429,20 +429,3 @@ def label(setting: Union[MiTASetting, Dict[str, Any], None]) -> str:
     parts += _extras(cfg)
     return ' '.join(parts) or 'MiTA (defaults)'
 
-
-def setting_arg(text: str) -> MiTASetting:
-    """An argparse ``type``: :meth:`MiTASetting.parse` (a bad one is a usage error)."""
-    import argparse
-    try:
-        return MiTASetting.parse(text)
-    except MiTASettingError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def setting_or_dense_arg(text: str) -> Optional[MiTASetting]:
-    """An argparse ``type``: :meth:`MiTASetting.parse_or_dense`."""
-    import argparse
-    try:
-        return MiTASetting.parse_or_dense(text)
-    except MiTASettingError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

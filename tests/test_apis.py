@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from mita_seg.apis import (MiTASegInferencer, add_mita_args, inference_model, init_model,
-                           load_config, swap_settings)
+from mita_seg.apis import MiTASegInferencer, inference_model, init_model, load_config
+from mita_seg.cli import add_mita_args, swap_settings
 from mita_seg.models import MiTAAttention
 from mita_seg.utils import CheckpointMismatchError
 

@@ -273,10 +273,14 @@ def run_cases(tools, cases, timeout=600):
 
 
 @pytest.fixture(scope='module')
-def careless(tmp_path_factory):
-    """Files a careless hand gives: each name -> a path."""
+def careless(tmp_path_factory, tools):
+    """Files a careless hand gives: each name -> a path; ``work``: a folder outside them for
+    the work dirs of runs that start, ``data``: a tiny dataset (2 + 2 images of 32x32)."""
     import cv2
     import numpy as np
+    work = tmp_path_factory.mktemp('careless_work')
+    tools('tools/dataset/make_tiny_ade20k.py', '--out', work / 'data', '--train', 2, '--val', 2,
+          '--size', 32)
     d = tmp_path_factory.mktemp('careless')
     (d / 'folder').mkdir()
     (d / 'afile').write_text('not a folder\n')
@@ -292,7 +296,8 @@ def careless(tmp_path_factory):
     (d / 'fake.pth').write_bytes(b'\x00' * 64)      # exists: its content is read later
     return {p.name: str(p) for p in d.iterdir()} | {'missing': str(d / 'nope.pth'),
                                                     'dir': str(d / 'folder'),
-                                                    'root': str(d)}
+                                                    'root': str(d), 'work': str(work),
+                                                    'data': str(work / 'data')}
 
 
 def careless_cases(f):
@@ -488,8 +493,139 @@ def careless_cases(f):
         'swap_study/work-dir-file': ('swap_study', ['--work-dir', afile], 2, 'is a file'),
         'train_demo/iters-0': ('train_demo', ['--iters', 0], 2, "'0': must be >= 1"),
         'train_demo/data-root-file': ('train_demo', ['--data-root', afile], 2, 'is a file'),
+        # --- tools/make_standin_checkpoint.py
+        'standin/config-missing': ('make_standin_checkpoint', ['nope.py', '--out', 's.pth'], 2,
+                                   "config 'nope.py' does not exist"),
+        'standin/out-kind': ('make_standin_checkpoint', [CFG, '--out', 's.txt'], 2,
+                             "--out 's.txt' must end with .pth"),
+        'standin/out-not-a-standin': ('make_standin_checkpoint', [CFG, '--out', ck], 1,
+                                      f'error: {ck} exists (64 bytes) and is not a stand-in '
+                                      'made by this command'),
     }
+    c.update(cfg_options_cases(f))
+    c.update(unwritable_output_cases(f))
     return c
+
+
+def cfg_options_cases(f):
+    """A ``--cfg-options`` value the model, or the test loop, cannot be built with: one
+    ``error:`` line naming the option (and the value the config had), exit status 1, in
+    every tool that takes ``--cfg-options`` (the model is built before the checkpoint is
+    read: the fake one does)."""
+    ck, img, work = f['fake.pth'], f['good.png'], f['work']
+    word = "error: --cfg-options model.backbone.embed_dims='abc': the model cannot be built " \
+        'with it (TypeError: '
+    had = 'the config has model.backbone.embed_dims=64'
+    data = [f'test_dataloader.{k}' for k in (f"dataset.data_root={f['data']}", 'num_workers=0',
+                                              'persistent_workers=False')]
+    return {
+        'test/cfg-options-word': ('test', [CFG, ck, '--work-dir', work + '/t1', '--cfg-options',
+                                           'model.backbone.embed_dims=abc'], 1, had),
+        'test/cfg-options-misspelt': (
+            'test', [CFG, ck, '--work-dir', work + '/t2', '--cfg-options',
+                     'model.backbone.embed_dim=64'], 1,
+            "error: --cfg-options model.backbone.embed_dim=64: the model cannot be built with "
+            "it (TypeError: VisionTransformer.__init__() got an unexpected keyword argument "
+            "'embed_dim'); the config has no model.backbone.embed_dim: did you mean "
+            'model.backbone.embed_dims?'),
+        'test/cfg-options-batch-size': (
+            'test', [CFG, ck, '--work-dir', work + '/t3', '--cfg-options', *data,
+                     'test_dataloader.batch_size=-1'], 1,
+            'error: --cfg-options test_dataloader.batch_size=-1: the test loop cannot be built '
+            'with it (ValueError: batch_size should be a positive integer value, but got '
+            'batch_size=-1); the config has test_dataloader.batch_size=1'),
+        'image_demo/cfg-options-word': (
+            'image_demo', [img, CFG, ck, '--out-file', 'x.png', '--cfg-options',
+                           'model.backbone.num_layers=four'], 1,
+            "error: --cfg-options model.backbone.num_layers='four': the model cannot be built "
+            'with it (TypeError: '),
+        'image_demo/cfg-options-misspelt': (
+            'image_demo', [img, CFG, ck, '--out-file', 'x.png', '--cfg-options',
+                           'model.backbone.embed_dim=64'], 1, 'did you mean '
+            'model.backbone.embed_dims?'),
+        'get_flops/cfg-options-word': ('get_flops', [CFG, '--cfg-options',
+                                                     'model.backbone.embed_dims=abc'], 1, word),
+        'get_flops/cfg-options-type': (
+            'get_flops', [CFG, '--cfg-options', 'model.backbone.type=VisionTransformr'], 1,
+            "error: --cfg-options model.backbone.type='VisionTransformr': the model cannot be "
+            'built with it (KeyError: VisionTransformr is not in the mmseg::model registry'),
+        'train/cfg-options-word': ('train', [CFG, '--work-dir', work + '/tr', '--cfg-options',
+                                             'model.backbone.embed_dims=abc'], 1, word),
+        'swap_sweep/cfg-options-word': ('swap_sweep', [CFG, ck, '--work-dir', work + '/sw',
+                                                       '--cfg-options',
+                                                       'model.backbone.embed_dims=abc'], 1, word),
+        'export/cfg-options-word': ('export_swapped', [CFG, ck, '--out-dir', 'o', '--cfg-options',
+                                                       'model.backbone.embed_dims=abc'], 1, word),
+        'analyze/cfg-options-word': ('analyze_token_selection', [CFG, ck, img, '--out-dir', 'o',
+                                                                 '--cfg-options',
+                                                                 'model.backbone.embed_dims=abc'],
+                                     1, word),
+        'calibrate/cfg-options-word': ('calibrate_swap', [CFG, ck, '--reduction', 0.4, '--out',
+                                                          'p.json', '--cfg-options',
+                                                          'model.backbone.embed_dims=abc'],
+                                       1, word),
+        'standin/cfg-options-word': ('make_standin_checkpoint', [CFG, '--out', work + '/s.pth',
+                                                              '--cfg-options',
+                                                              'model.backbone.embed_dims=abc'],
+                                     1, word),
+        'export_onnx/cfg-options-word': ('export_onnx', [CFG, ck, '--out', 'm.onnx',
+                                                         '--cfg-options',
+                                                         'model.backbone.embed_dims=abc'], 1,
+                                         word),
+    }
+
+
+def unwritable_output_cases(f):
+    """Every output path of every tool where no file can be made (``/proc``, even for root):
+    refused while parsing, naming the user's path, before anything is built."""
+    ck, img = f['fake.pth'], f['good.png']
+    no = 'cannot create a file in /proc'
+    return {
+        'image_demo/out-file-proc': ('image_demo', [img, CFG, ck, '--out-file', '/proc/seg.png'],
+                                     2, f"--out-file '/proc/seg.png': {no}"),
+        'export_onnx/out-proc': ('export_onnx', [CFG, ck, '--out', '/proc/m.onnx'], 2,
+                                 f"--out '/proc/m.onnx': {no}"),
+        'test/work-dir-proc': ('test', [CFG, ck, '--work-dir', '/proc/w'], 2,
+                               f"--work-dir '/proc/w': {no}"),
+        'test/out-proc': ('test', [CFG, ck, '--out', '/proc/new/p'], 2,
+                          f"--out '/proc/new/p': {no}"),
+        'test/show-dir-proc': ('test', [CFG, ck, '--show-dir', '/proc/s'], 2,
+                               f"--show-dir '/proc/s': {no}"),
+        'train/work-dir-proc': ('train', [CFG, '--work-dir', '/proc/w'], 2,
+                                f"--work-dir '/proc/w': {no}"),
+        'get_flops/json-proc': ('get_flops', [CFG, '--json', '/proc/f.json'], 2,
+                                f"--json '/proc/f.json': {no}"),
+        'get_flops/plot-proc': ('get_flops', [CFG, '--sweep', 64, '--plot', '/proc/f.png'], 2,
+                                f"--plot '/proc/f.png': {no}"),
+        'swap_sweep/work-dir-proc': ('swap_sweep', [CFG, ck, '--work-dir', '/proc/w'], 2,
+                                     f"--work-dir '/proc/w': {no}"),
+        'swap_sweep/out-proc': ('swap_sweep', [CFG, ck, '--out', '/proc/t.md'], 2,
+                                f"--out '/proc/t.md': {no}"),
+        'swap_sweep/plot-proc': ('swap_sweep', [CFG, ck, '--plot', '/proc/t.png'], 2,
+                                 f"--plot '/proc/t.png': {no}"),
+        'export/out-dir-proc': ('export_swapped', [CFG, ck, '--out-dir', '/proc/x'], 2,
+                                f"--out-dir '/proc/x': {no}"),
+        'analyze/out-dir-proc': ('analyze_token_selection', [CFG, ck, img, '--out-dir', '/proc/x'],
+                                 2, f"--out-dir '/proc/x': {no}"),
+        'calibrate/out-proc': ('calibrate_swap', [CFG, ck, '--reduction', 0.4, '--out',
+                                                  '/proc/p.json'], 2,
+                               f"--out '/proc/p.json': {no}"),
+        'swap_study/work-dir-proc': ('swap_study', ['--work-dir', '/proc/w'], 2,
+                                     f"--work-dir '/proc/w': {no}"),
+        'swap_study/fig-dir-proc': ('swap_study', ['--fig-dir', '/proc/f'], 2,
+                                    f"--fig-dir '/proc/f': {no}"),
+        'swap_study/data-root-proc': ('swap_study', ['--data-root', '/proc/d'], 2,
+                                      f"--data-root '/proc/d': {no}"),
+        'train_demo/work-dir-proc': ('train_demo', ['--work-dir', '/proc/w'], 2,
+                                     f"--work-dir '/proc/w': {no}"),
+        'standin/out-proc': ('make_standin_checkpoint', [CFG, '--out', '/proc/s.pth'], 2,
+                             f"--out '/proc/s.pth': {no}"),
+        'make_tiny_ade20k/out-proc': ('dataset/make_tiny_ade20k', ['--out', '/proc/d'], 2,
+                                      f"--out '/proc/d': {no}"),
+        'make_longrange_ade20k/preview-proc': ('dataset/make_longrange_ade20k',
+                                               ['--preview', '/proc/p.png'], 2,
+                                               f"--preview '/proc/p.png': {no}"),
+    }
 
 
 def test_careless_input_every_tool(tools, careless):
@@ -738,7 +874,7 @@ def test_train_refuses_a_careless_schedule(tools, tmp_path, option, want):
 def test_dense_attn_choices_are_the_models():
     # spelt out in the parser (built without the stack): the modes the models have
     import argparse
-    from mita_seg.apis.mita_cfg import add_dense_attn_arg
+    from mita_seg.cli import add_dense_attn_arg
     from mita_seg.models import DENSE_ATTN_MODES
     parser = argparse.ArgumentParser()
     add_dense_attn_arg(parser)

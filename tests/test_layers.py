@@ -35,3 +35,55 @@ def test_light_modules_import_no_mm_stack(module):
         assert 'mita_seg' in loaded and 'torch' not in loaded
     assert not loaded & STACK, (f'import {module} loads {sorted(loaded & STACK)}: the '
                                 'operator layer must not depend on the mm stack')
+
+
+def test_library_imports_no_command_line():
+    """Library modules import neither ``argparse`` nor the tools' command line
+    (``mita_seg.cli``): argument types, shared arguments and the ``error:`` line are the
+    tools'; library code raises ``InputError`` (``mita_seg.utils.errors``) and its own
+    error classes."""
+    import ast
+    import os.path as osp
+    from pathlib import Path
+    root = Path(osp.dirname(osp.dirname(osp.abspath(__file__)))) / 'mita_seg'
+    found = []
+    for path in sorted(root.rglob('*.py')):
+        if (root / 'cli') in path.parents:
+            continue
+        package = '.'.join(path.relative_to(root.parent).with_suffix('').parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ''
+                if node.level:   # relative: resolved against the module's package
+                    parts = package.split('.')
+                    base = '.'.join(parts[:len(parts) - node.level + 1] + ([base] if base
+                                                                            else []))
+                names = [base] + [f'{base}.{a.name}' for a in node.names]
+            else:
+                continue
+            bad = [n for n in names if n.split('.')[0] == 'argparse'
+                   or n == 'mita_seg.cli' or n.startswith('mita_seg.cli.')]
+            found += [f'{path.relative_to(root.parent)}:{node.lineno}: {n}' for n in bad]
+    assert not found, '\n'.join(found)
+    # the command line itself is light: tools parse before importing the stack
+    assert not _top_level_modules_after('mita_seg.cli') & (STACK | {'torch'})
+
+
+def test_lazy_names_resolve_and_the_api_has_no_command_line():
+    """Every name of the lazy tables of ``mita_seg.apis`` and ``mita_seg.utils`` loads; the
+    command line's names are ``mita_seg.cli``'s, not the API's."""
+    import mita_seg.apis
+    import mita_seg.cli
+    import mita_seg.utils
+    for module in (mita_seg.apis, mita_seg.utils, mita_seg.cli):
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f'{module.__name__}.{name}'
+    plumbing = {'add_mita_args', 'swap_settings', 'add_dense_attn_arg', 'add_merge_args',
+                'merge_ratio', 'setting_arg', 'setting_or_dense_arg', 'run_tool'}
+    assert plumbing <= set(mita_seg.cli.__all__)
+    assert not plumbing & set(mita_seg.apis.__all__)
+    # InputError: one class, raised by library code, reported by the command line
+    from mita_seg.utils.errors import InputError
+    assert mita_seg.cli.InputError is mita_seg.utils.InputError is InputError

@@ -15,7 +15,8 @@ import torch
 from mmengine.config import Config
 
 from mita_seg import swap_attention
-from mita_seg.apis import add_mita_args, export_swapped, init_model, swap_settings
+from mita_seg.apis import export_swapped, init_model
+from mita_seg.cli import add_mita_args, swap_settings
 from mita_seg.models import (MITA_DEFAULTS, MiTAAttention, PlanError, SwapPlan,
                              attention_layers, current_plan)
 from mita_seg.models.plan import PLAN_FORMAT

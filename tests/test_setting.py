@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from mita_seg.setting import (MITA_DEFAULTS, MiTASetting, MiTASettingError, label,
-                              setting_arg)
+from mita_seg.cli import setting_arg
+from mita_seg.setting import MITA_DEFAULTS, MiTASetting, MiTASettingError, label
 
 
 def test_spelling_label_and_config():

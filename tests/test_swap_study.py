@@ -126,6 +126,23 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and '-1' in out
 
 
+def test_cfg_options_value_ends_the_study_in_one_line(tools, tmp_path):
+    # a --cfg-options value the model cannot be built with fails every stage alike: the
+    # study ends at the first, one error line naming the option, nothing trained
+    data = tmp_path / 'data'
+    tools('tools/dataset/make_tiny_ade20k.py', '--out', data, '--train', 2, '--val', 2,
+          '--size', 32)
+    code, out = tools('tools/swap_study.py', '--model', f'tiny={TINY_SEGMENTER}',
+                      '--native-models', 'tiny', '--data-root', data, '--work-dir',
+                      tmp_path / 'study', '--seeds', 1, '--train-iters', 2, '--threads', 1,
+                      '--cfg-options', 'model.backbone.embed_dims=abc', check=False)
+    assert code == 1 and 'Traceback' not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        "error: --cfg-options model.backbone.embed_dims='abc': the model cannot be built with "
+        'it (TypeError: not all arguments converted during string formatting); the config '
+        'has model.backbone.embed_dims=64: give an int'), out[-3000:]
+
+
 STUDY_ARGS = ['--seeds', 1, 2, '--head-settings', '4:8', '--train-iters', 2,
               '--finetune-iters', 2, '--pool-sizes', 2, 4, '--topks', 8,
               '--finetune', '4:8', '--selection', '4:8', '--selection-images', 1,

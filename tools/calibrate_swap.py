@@ -25,11 +25,10 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
-from mita_seg.setting import CALIBRATION_CANDIDATES, setting_or_dense_arg  # noqa: E402
-from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
-                                ensure_parent, float_range, int_range, output_file, python_command,
-                                run_tool)
+from mita_seg.cli import (KeyValueAction, add_dense_attn_arg, checkpoint_file,  # noqa: E402
+                          config_file, ensure_parent, float_range, int_range, output_file,
+                          python_command, run_tool, setting_or_dense_arg)
+from mita_seg.setting import CALIBRATION_CANDIDATES  # noqa: E402
 
 
 def parse_args(argv=None):

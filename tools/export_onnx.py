@@ -27,9 +27,9 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
-from mita_seg.utils.cli import (DeferredHelp, KeyValueAction, checkpoint_file,  # noqa: E402
-                                config_file, int_range, output_file, quiet_stack, run_tool)
+from mita_seg.cli import (DeferredHelp, KeyValueAction, add_mita_args,  # noqa: E402
+                          checkpoint_file, config_file, int_range, output_file, quiet_stack,
+                          run_tool, swap_settings)
 
 
 def min_opset() -> int:

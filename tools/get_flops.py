@@ -31,9 +31,9 @@ import time
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import add_merge_args, add_mita_args, swap_settings  # noqa: E402
-from mita_seg.utils.cli import (KeyValueAction, config_file, ensure_parent,  # noqa: E402
-                                int_range, output_file, quiet_stack, run_tool)
+from mita_seg.cli import (KeyValueAction, add_merge_args, add_mita_args, config_file,  # noqa: E402
+                          ensure_parent, int_range, output_file, quiet_stack, run_tool,
+                          swap_settings)
 
 
 def parse_args(argv=None):

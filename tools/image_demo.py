@@ -20,10 +20,9 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import add_mita_args, swap_settings  # noqa: E402
-from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
-                                device_name, ensure_parent, float_range, image_file, output_file,
-                                quiet_stack, run_tool)
+from mita_seg.cli import (KeyValueAction, add_mita_args, checkpoint_file, config_file,  # noqa: E402
+                          device_name, ensure_parent, float_range, image_file, output_file,
+                          quiet_stack, run_tool, swap_settings)
 
 
 def parse_args(argv=None):

@@ -37,12 +37,9 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mita_seg.utils.cli import (KeyValueAction, float_range, int_range,  # noqa: E402
-                               output_dir)
-from mita_seg.apis.mita_cfg import add_dense_attn_arg  # noqa: E402
-from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
-from mita_seg.setting import (MiTASetting, MiTASettingError, setting_arg,  # noqa: E402
-                              setting_or_dense_arg)
+from mita_seg.cli import (KeyValueAction, add_dense_attn_arg, float_range,  # noqa: E402
+                          int_range, merge_ratio, output_dir, setting_arg, setting_or_dense_arg)
+from mita_seg.setting import MiTASetting, MiTASettingError  # noqa: E402
 # the study's defaults (torch-free: parsed against before the stack is loaded)
 from projects.swap_study.settings import (DATA, DATA_ROOT, MODEL_TRAIN_ITERS,  # noqa: E402
                                           MODELS, WORK_DIR, StudySettings, default)
@@ -95,7 +92,7 @@ def build_parser():
         help='a further standard-attention model (config file or mmseg::)')
     add('--work-dir', type=output_dir('--work-dir'), default=WORK_DIR)
     add('--fig-dir', type=output_dir('--fig-dir'), help='figures (default: WORK_DIR/figures)')
-    add('--data-root', type=output_dir('--data-root'), default=DATA_ROOT,
+    add('--data-root', type=output_dir('--data-root', if_missing=True), default=DATA_ROOT,
         help='ADE20K-format data; written if missing (see --data-*)')
     add('--data-size', type=int_range(32), default=DATA['size'], help='image side if written')
     add('--data-train', type=int_range(1), default=DATA['train'], help='training images if written')
@@ -242,5 +239,5 @@ def main(argv=None):
 
 if __name__ == '__main__':
     ARGS = parse_args()   # a bad argument stops here, before anything is run
-    from mita_seg.utils.cli import run_tool
+    from mita_seg.cli import run_tool
     run_tool(lambda: main(ARGS))

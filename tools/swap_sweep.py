@@ -33,11 +33,11 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import add_merge_args, add_mita_args, check_mita_cfg  # noqa: E402
-from mita_seg.setting import MITA_KEYS, setting_arg  # noqa: E402
-from mita_seg.utils.cli import (KeyValueAction, checkpoint_file, config_file,  # noqa: E402
-                                ensure_parent, int_range, output_dir, output_file, quiet_stack,
-                                run_tool)
+from mita_seg.apis import check_mita_cfg  # noqa: E402
+from mita_seg.cli import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
+                          checkpoint_file, config_file, ensure_parent, int_range, output_dir,
+                          output_file, quiet_stack, run_tool, setting_arg)
+from mita_seg.setting import MITA_KEYS  # noqa: E402
 
 
 def parse_args(argv=None):

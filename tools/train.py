@@ -23,9 +23,8 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import add_dense_attn_arg  # noqa: E402
-from mita_seg.utils.cli import (KeyValueAction, config_file, output_dir,  # noqa: E402
-                                quiet_stack, run_tool)
+from mita_seg.cli import (KeyValueAction, add_dense_attn_arg, config_file, output_dir,  # noqa: E402
+                          quiet_stack, run_tool)
 
 
 def parse_args(argv=None):

@@ -65,14 +65,14 @@ def majority_miou(data_root: str) -> float:
 
 def main(argv=None):
     sys.path.insert(0, ROOT)
-    from mita_seg.utils.cli import int_range, output_dir
+    from mita_seg.cli import int_range, output_dir
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--iters', type=int_range(1), default=300,
                         help='training iterations (the config has 600; 300 keep the demo to '
                         'a few minutes on 2 cores)')
     parser.add_argument('--work-dir', type=output_dir('--work-dir'),
                         default=osp.join(ROOT, 'work_dirs', 'demo'))
-    parser.add_argument('--data-root', type=output_dir('--data-root'),
+    parser.add_argument('--data-root', type=output_dir('--data-root', if_missing=True),
                         default=osp.join(ROOT, 'data', 'ade', 'tiny_ade20k'))
     args = parser.parse_args(argv)
     py = sys.executable

@@ -5,20 +5,21 @@
   dense attention path ``dense_attn``, :func:`dense_attn_setting`), :func:`use_dense_attn`;
 - models: :func:`init_model` (strict weights-only checkpoint loading, optional swap to
   MiTA), :func:`swap_model`, :func:`inference_model`, :class:`MiTASegInferencer`;
-- ``--mita-cfg``: :func:`add_mita_args`, :func:`check_mita_cfg`, :func:`swap_settings`;
-  ``--dense-attn {fast,mmseg}``: :func:`add_dense_attn_arg` (in :func:`add_mita_args` too);
+- a swap's single keys (``--mita-cfg``): :func:`check_mita_cfg`;
 - runs: :func:`prepare_config`, :func:`check_schedule`, :func:`build_runner` (train/test);
-- token merging (ToMe): :func:`add_merge_args`, :func:`merge_model`;
+- token merging (ToMe): :func:`merge_model`;
 - swap workflows: :func:`swap_sweep` (of :func:`sweep_points`, :class:`SweepPoint`, one
   :class:`SweepRow` each), :func:`export_swapped`, :func:`calibrate_swap`
   (:class:`SwapCalibrator`: per-layer settings for a FLOP budget, a
   :class:`~mita_seg.models.SwapPlan`);
-- deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT).
+- deployment: :func:`export_onnx` (ONNX, MiTA as standard operators, checked in ORT);
+- offline: :func:`make_standin_checkpoint` (a config's model, seeded random weights, in the
+  model zoo's format: a stand-in for a released checkpoint).
 
-The tools' argument types and error handling are plumbing, not API:
-:mod:`mita_seg.utils.cli`. Names load on first use (``from mita_seg.apis import X`` imports
-X's module), so a tool imports ``mita_seg.apis.mita_cfg`` to parse its arguments without
-importing the mm stack.
+The tools' command line (argument types, ``--swap-attn``/``--mita-cfg``/``--merge-ratio``,
+the ``error:`` line) is not API: the ``cli`` package, which no library module imports. Names
+load on first use (``from mita_seg.apis import X`` imports X's module), so the command line
+checks ``--mita-cfg`` (:mod:`mita_seg.apis.mita_cfg`) without importing the mm stack.
 """
 import importlib
 
@@ -29,12 +30,14 @@ _SOURCES = {
                'use_slim_inference'),
     'export': ('export_swapped', 'mita_config'),
     'inference': ('MiTASegInferencer', 'inference_model', 'show_result_pyplot'),
-    'mita_cfg': ('add_dense_attn_arg', 'add_mita_args', 'check_mita_cfg', 'swap_settings'),
+    'mita_cfg': ('check_mita_cfg', ),
     'model': ('init_model', 'swap_model'),
     'onnx_export': ('MIN_OPSET', 'OnnxExportError', 'OnnxReport', 'check_onnx', 'export_onnx'),
-    'runner': ('QuietRunner', 'build_runner', 'check_schedule', 'prepare_config'),
+    'runner': ('CheckedRunner', 'QuietRunner', 'build_runner', 'check_schedule',
+               'prepare_config'),
+    'standin': ('make_standin_checkpoint', ),
     'sweep': ('SweepPoint', 'SweepRow', 'swap_sweep', 'sweep_points'),
-    'token_merge': ('add_merge_args', 'merge_model'),
+    'token_merge': ('merge_model', ),
 }
 _WHERE = {name: module for module, names in _SOURCES.items() for name in names}
 

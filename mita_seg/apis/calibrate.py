@@ -37,6 +37,7 @@ from mmengine.config import Config
 
 from mita_seg.models import PlanError, SwapPlan, attention_layers
 from mita_seg.setting import CALIBRATION_CANDIDATES, DENSE, MiTASetting
+from mita_seg.utils.cfg_options import merge_cfg_options
 from .config import load_config
 from .model import init_model, swap_model
 
@@ -207,8 +208,7 @@ class SwapCalibrator:
         self.num_images, self.batch_size, self.replay = images, batch_size, replay
         self.progress = progress or (lambda line: None)
         self.cfg = config if isinstance(config, Config) else load_config(config)
-        if cfg_options:
-            self.cfg.merge_from_dict(cfg_options)
+        merge_cfg_options(self.cfg, cfg_options)
         self.model = init_model(copy.deepcopy(self.cfg), checkpoint)
         self.layers = [name for name, _, _ in attention_layers(self.model)]
         if not self.layers:

@@ -8,7 +8,8 @@ import torch.nn as nn
 from mmengine.config import Config
 
 from mita_seg.models.fast_attention import check_dense_attn, set_dense_attn
-from mita_seg.utils.cli import InputError
+from mita_seg.utils.cfg_options import merge_cfg_options
+from mita_seg.utils.errors import InputError
 
 
 def config_name(config: str) -> str:
@@ -24,7 +25,10 @@ def load_config(config: str,
     Args:
         config (str): a config file, or ``'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'``
             (a config shipped with mmsegmentation).
-        cfg_options (dict, optional): ``--cfg-options``, merged into the config.
+        cfg_options (dict, optional): ``--cfg-options``, merged into the config and
+            remembered (:func:`~mita_seg.utils.cfg_options.merge_cfg_options`): a model,
+            dataloader... that cannot be built with one of them says which (a
+            ``CfgOptionsError``, an :class:`InputError`).
         work_dir (str, optional): the run's directory. Default: the config's ``work_dir``,
             else ``./work_dirs/<config name>`` (mmseg's rule).
 
@@ -62,8 +66,7 @@ def load_config(config: str,
     if not isinstance(cfg.get('model'), dict):
         raise InputError(f'config {config} defines no model (no `model = dict(...)`): give '
                          'an mmseg config, e.g. one of configs/')
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
+    merge_cfg_options(cfg, cfg_options)
     if work_dir is not None:
         cfg.work_dir = work_dir
     elif cfg.get('work_dir', None) is None:

@@ -1,30 +1,20 @@
-"""The one ``--mita-cfg`` of every tool: names and values checked at argument parsing.
-
-``--mita-cfg pool_size=7 topk=49 router_topk=1 with_shared_expert=True shared_scale=0.02
-layers=[0,1] include_head=True``: the MiTA settings of
-:class:`~mita_seg.models.MiTAAttention` (their defaults are its signature's,
-:data:`~mita_seg.models.MITA_DEFAULTS`) and the layer choice of
-:func:`~mita_seg.swap_attention`. An unknown name or a bad value ends the tool at once with
-exit status 2 and a message naming the setting and what it accepts, before anything is
-built or loaded; so does ``router_topk`` above the ``M`` landmarks of the ``pool_size``
+"""The checks of a ``--mita-cfg`` dict (a swap's single keys): :func:`check_mita_cfg` and
+the rules it applies (:func:`mita_cfg_rules`): the MiTA settings of
+:class:`~mita_seg.setting.MiTASetting` (their defaults, :data:`~mita_seg.models.MITA_DEFAULTS`)
+and the layer choice of :func:`~mita_seg.swap_attention` (``layers``, ``include_head``). An
+unknown name or a bad value is a ``MiTASettingError`` (a ``ValueError``) naming the setting
+and what it accepts; so is ``router_topk`` above the ``M`` landmarks of the ``pool_size``
 given (or of the default pool, or of each pool a tool sweeps).
 
-``--mita-plan PLAN.json`` (instead of ``--mita-cfg``): one setting per attention layer, dense
-allowed (:class:`~mita_seg.models.SwapPlan`, written by ``tools/calibrate_swap.py``); the file
-is read and checked at argument parsing too (exit status 2 naming the layer or setting), its
-fit to the model when the model is built (exit status 1). :func:`swap_settings` returns it as
-``{'plan': SwapPlan}``, which every path that takes ``--mita-cfg`` passes on to
-:func:`~mita_seg.swap_attention`.
+The command line around it (``--swap-attn``, ``--mita-cfg``, ``--mita-plan``,
+``--dense-attn``, checked while parsing) is the tools' (``cli/swap_args.py``).
 """
-import argparse
 from typing import Any, Dict, Optional, Sequence
 
-from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_KEYS, SETTING_RULES, MiTASetting,
-                              MiTASettingError, check_settings)
-from mita_seg.utils.cli import DeferredHelp, KeyValueAction
+from mita_seg.setting import MITA_DEFAULTS, SETTING_KEYS, SETTING_RULES, check_settings
 
-# mita_seg.models (the rules, the plans, the dense paths) is imported where it is used: a
-# tool builds its parser, and refuses a bad path or number, without importing the mm stack.
+# mita_seg.models (the rules of swap_attention) is imported where it is used: a tool builds
+# its parser, and refuses a bad setting, without importing the mm stack.
 
 
 def mita_cfg_rules(exclude: Sequence[str] = ()) -> Dict[str, tuple]:
@@ -59,137 +49,3 @@ def check_mita_cfg(mita_cfg: Dict[str, Any], exclude: Sequence[str] = (),
         for pool in pools:
             check_settings(dict(pool_size=pool, router_topk=mita_cfg['router_topk']))
     return mita_cfg
-
-
-class MiTACfgAction(KeyValueAction):
-    """mmengine's ``DictAction`` (``key=value`` pairs, values as Python literals) that
-    checks names and values; a bad one is a usage error (exit status 2)."""
-
-    exclude: Sequence[str] = ()
-    example = 'topk=49'
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        super().__call__(parser, namespace, values, option_string)
-        try:
-            check_mita_cfg(getattr(namespace, self.dest), self.exclude)
-        except ValueError as e:
-            parser.error(f'{option_string}: {e}')
-
-
-def swap_attn_arg(text: str):
-    """``--swap-attn``'s ``type``: ``'none'``, ``'mita'`` or a setting
-    (:meth:`~mita_seg.setting.MiTASetting.parse`: a bad one is a usage error)."""
-    if text in ('none', 'mita'):
-        return text
-    try:
-        return MiTASetting.parse(text)
-    except MiTASettingError as e:
-        raise argparse.ArgumentTypeError(f'{e}; or none, or mita (with --mita-cfg)') from None
-
-
-def read_plan_arg(path: str) -> 'SwapPlan':  # noqa: F821
-    """``--mita-plan``'s ``type``: the plan file, read and checked (a bad one is a usage
-    error naming the file and the layer or setting)."""
-    from mita_seg.models import PlanError, SwapPlan
-    try:
-        return SwapPlan.load(path)
-    except PlanError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-class DenseAttnAction(argparse.Action):
-    """``--dense-attn MODE``: ``--cfg-options dense_attn=MODE`` (merged into the tool's
-    ``cfg_options``, which every tool passes to its config), also kept as ``dense_attn``."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        options = dict(getattr(namespace, 'cfg_options', None) or {})
-        options['dense_attn'] = values
-        namespace.cfg_options = options
-
-
-def add_dense_attn_arg(parser: argparse.ArgumentParser) -> None:
-    """Add ``--dense-attn {fast,mmseg}`` to a tool with ``--cfg-options`` (the config's
-    ``dense_attn``, :func:`~mita_seg.apis.use_slim_inference`)."""
-    parser.add_argument(
-        # mita_seg.models.DENSE_ATTN_MODES, spelt out: the parser is built without the stack
-        # (tests/test_bad_input.py checks that they agree)
-        '--dense-attn', choices=('fast', 'mmseg'), default=None, action=DenseAttnAction,
-        help='path of the dense (standard) global attention: "fast" (default: PyTorch\'s '
-        'fused scaled_dot_product_attention, mmseg\'s results to float32 rounding) or '
-        '"mmseg" (mmseg\'s own, which materialises the N x N weights); same as '
-        '--cfg-options dense_attn=...')
-
-
-def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
-                  exclude: Sequence[str] = ()) -> None:
-    """Add ``--mita-cfg`` and ``--mita-plan`` (and ``--swap-attn {none,mita}`` with
-    ``swap_flag``) to a tool, and ``--dense-attn`` (:func:`add_dense_attn_arg`).
-
-    Args:
-        parser (ArgumentParser): the tool's parser.
-        swap_flag (bool): the tool swaps only on request (``--swap-attn mita``, implied by
-            ``--mita-cfg``). Default: True.
-        exclude (Sequence[str]): settings the tool sets by other means (refused here).
-    """
-    def mita_cfg_help() -> str:
-        rules = mita_cfg_rules(exclude)
-        defaults = ' '.join(f'{k}={MITA_DEFAULTS[k]}' for k in MITA_KEYS if k in rules)
-        return (f'MiTA settings: {", ".join(rules)}. Defaults for a model swapped now: '
-                f'{defaults}; a model already on MiTA keeps its values for the settings not '
-                'given.')
-
-    if swap_flag:
-        parser.add_argument(
-            '--swap-attn', type=swap_attn_arg, default=None, metavar='SETTING',
-            help='put the global attention of the model on this setting before running: '
-            '7:49 (MiTA, pool 7x7, top-k 49; 4x6:16, 7:49:route), agent:7 (compression '
-            'only), block:8:4 (block routing), topk:49 (per-query top-k), window:7 (a local '
-            'window); "mita": MiTA with --mita-cfg over the defaults (or reconfigure a '
-            'model already on MiTA), implied by --mita-cfg; "none": no swap')
-    action = type('MiTACfg', (MiTACfgAction, ), dict(exclude=tuple(exclude)))
-    parser.add_argument(
-        '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
-        help=DeferredHelp(mita_cfg_help))
-    parser.add_argument(
-        '--mita-plan', type=read_plan_arg, default=None, metavar='PLAN.json',
-        help='per-layer MiTA settings (dense allowed) from a swap plan, e.g. written by '
-        'tools/calibrate_swap.py; instead of --mita-cfg')
-    add_dense_attn_arg(parser)
-
-
-def swap_settings(parser: argparse.ArgumentParser,
-                  args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """The swap a tool's arguments ask for: None (no swap), the ``--mita-cfg`` dict (with
-    ``setting``, the :class:`~mita_seg.setting.MiTASetting` of ``--swap-attn 7:49`` and
-    the like, ``--mita-cfg``'s setting keys over it), or ``{'plan': SwapPlan}`` for
-    ``--mita-plan`` (arguments of :func:`~mita_seg.swap_attention`).
-
-    Raises:
-        SystemExit: ``--swap-attn none`` with ``--mita-cfg`` or ``--mita-plan``, or both of
-            these (a usage error, status 2).
-    """
-    swap = getattr(args, 'swap_attn', 'mita')
-    plan = getattr(args, 'mita_plan', None)
-    if plan is not None:
-        if args.mita_cfg:
-            parser.error('--mita-plan sets every layer: give --mita-plan or --mita-cfg, '
-                         'not both')
-        if swap == 'none':
-            parser.error('--mita-plan needs --swap-attn mita (not none)')
-        if isinstance(swap, MiTASetting):
-            parser.error(f'--mita-plan sets every layer: give --mita-plan or --swap-attn '
-                         f'{swap.text}, not both')
-        return dict(plan=plan)
-    if swap == 'none' and args.mita_cfg:
-        parser.error('--mita-cfg needs --swap-attn mita (not none)')
-    if isinstance(swap, MiTASetting):  # the whole setting, --mita-cfg keys over it
-        rest = dict(args.mita_cfg or {})
-        keys = {k: rest.pop(k) for k in list(rest) if k in SETTING_KEYS}
-        try:
-            return dict(rest, setting=swap.replace(**keys))
-        except MiTASettingError as e:
-            parser.error(f'--swap-attn {swap.text} with --mita-cfg: {e}')
-    if swap == 'mita' or args.mita_cfg is not None:
-        return dict(args.mita_cfg or {})
-    return None

@@ -9,8 +9,9 @@ from mmengine.config import Config
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 
 from mita_seg.models import check_dense_attn, guard_grids, swap_attention
+from mita_seg.utils.cfg_options import blame_cfg_options, merge_cfg_options
 from mita_seg.utils.checkpoint import load_checkpoint
-from mita_seg.utils.cli import InputError
+from mita_seg.utils.errors import InputError
 from .config import load_config, use_dense_attn, use_slim_inference
 
 
@@ -86,12 +87,13 @@ def init_model(config: Union[str, Config],
             UnsafeCheckpointError, CheckpointMismatchError: the checkpoint cannot be
             loaded, or does not fit the model exactly (nothing runs with random weights);
             InputError (a ValueError): a BEiT/MAE asked for a non-square size or one whose
-            position index buffers would not fit in memory.
+            position index buffers would not fit in memory; CfgOptionsError (an InputError):
+            the model cannot be built with a value of ``cfg_options`` (or of those
+            :func:`~mita_seg.apis.load_config` merged).
     """
     from mmseg.apis import init_model as mmseg_init_model
     cfg = config if isinstance(config, Config) else load_config(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
+    merge_cfg_options(cfg, cfg_options)
     if dense_attn is not None:
         cfg.dense_attn = check_dense_attn(dense_attn)
     use_slim_inference(cfg)
@@ -101,7 +103,8 @@ def init_model(config: Union[str, Config],
         check_fixed_grid_size(cfg, tuple(img_size))
         cfg.model.backbone.img_size = tuple(int(s) for s in img_size)
         adapt = lambda state: resize_position_tables(model, state)  # noqa: E731
-    model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
+    with blame_cfg_options(cfg, 'the model', ('model', )):   # a bad --cfg-options value
+        model = revert_sync_batchnorm(mmseg_init_model(cfg, None, device='cpu'))
     use_dense_attn(model, cfg)
     guard_grids(model)           # a BEiT/MAE at another grid: an error that says what to do
     if adapt is not None:

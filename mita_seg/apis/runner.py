@@ -11,7 +11,9 @@ from mmengine.runner import Runner
 from mita_seg.engine import use_amp, use_plain_param_groups, use_safe_checkpoint
 from mita_seg.models import guard_grids
 from mita_seg.utils import setup_cpu_distributed
-from mita_seg.utils.cli import InputError, is_stack_noise
+from mita_seg.utils.cfg_options import blame_cfg_options
+from mita_seg.utils.errors import InputError
+from mita_seg.utils.stack_noise import is_stack_noise
 from .config import use_dense_attn, use_slim_inference
 
 # The environment each launcher reads (mmengine's init_dist), and what sets it.
@@ -27,7 +29,7 @@ MAX_CONSOLE_LINES = 6
 
 def _short_record(record: logging.LogRecord) -> bool:
     """Console filter: drop long info records, the heading of the per-class table and the
-    stack's known noise (:func:`~mita_seg.utils.cli.is_stack_noise`)."""
+    stack's known noise (:func:`~mita_seg.utils.stack_noise.is_stack_noise`)."""
     if not is_stack_noise(record):
         return False
     if record.levelno > logging.INFO:
@@ -36,9 +38,43 @@ def _short_record(record: logging.LogRecord) -> bool:
     return msg.count('\n') < MAX_CONSOLE_LINES and msg.strip() != 'per class results:'
 
 
-class QuietRunner(Runner):
-    """mmengine's ``Runner`` whose console leaves out long info records (they stay in the
-    log file of ``work_dir``); everything else is the Runner's."""
+class CheckedRunner(Runner):
+    """mmengine's ``Runner`` on which a ``--cfg-options`` value the model, a loop (its
+    dataloader, dataset, evaluator), the optimizer or the schedulers cannot be built with is
+    a :class:`~mita_seg.utils.cfg_options.CfgOptionsError` naming the option (one ``error:``
+    line in the tools), not a traceback; only while those are built, never while they run
+    (:func:`~mita_seg.utils.cfg_options.blame_cfg_options`)."""
+
+    def build_model(self, model):
+        with blame_cfg_options(self.cfg, 'the model', ('model', 'data_preprocessor')):
+            return super().build_model(model)
+
+    def build_train_loop(self, loop):
+        with blame_cfg_options(self.cfg, 'the training loop', ('train_cfg', 'train_dataloader')):
+            return super().build_train_loop(loop)
+
+    def build_val_loop(self, loop):
+        with blame_cfg_options(self.cfg, 'the validation loop',
+                               ('val_cfg', 'val_dataloader', 'val_evaluator')):
+            return super().build_val_loop(loop)
+
+    def build_test_loop(self, loop):
+        with blame_cfg_options(self.cfg, 'the test loop',
+                               ('test_cfg', 'test_dataloader', 'test_evaluator')):
+            return super().build_test_loop(loop)
+
+    def build_optim_wrapper(self, optim_wrapper):
+        with blame_cfg_options(self.cfg, 'the optimizer', ('optim_wrapper', )):
+            return super().build_optim_wrapper(optim_wrapper)
+
+    def build_param_scheduler(self, scheduler):
+        with blame_cfg_options(self.cfg, 'the schedulers', ('param_scheduler', )):
+            return super().build_param_scheduler(scheduler)
+
+
+class QuietRunner(CheckedRunner):
+    """mmengine's ``Runner`` (a :class:`CheckedRunner`) whose console leaves out long info
+    records (they stay in the log file of ``work_dir``); everything else is the Runner's."""
 
     def build_logger(self, log_level='INFO', log_file: Optional[str] = None, **kwargs):
         """The Runner's logger, with :func:`_short_record` on its console handlers."""
@@ -138,7 +174,9 @@ def check_schedule(cfg: Config) -> Config:
 
 
 def build_runner(cfg: Config, verbose: bool = False) -> Runner:
-    """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default. A
+    """The Runner of ``cfg`` (``runner_type`` if set), :class:`QuietRunner` by default
+    (:class:`CheckedRunner` with ``verbose``: a bad ``--cfg-options`` value is one error
+    naming it, on both). A
     BEiT/MAE backbone's grid is checked on every forward
     (:func:`~mita_seg.models.guard_grids`); the model's dense attention is on the path
     ``cfg.dense_attn`` says (:func:`~mita_seg.apis.use_dense_attn`, any segmentor)."""
@@ -146,7 +184,7 @@ def build_runner(cfg: Config, verbose: bool = False) -> Runner:
         from mmseg.registry import RUNNERS
         runner = RUNNERS.build(cfg)
     else:
-        runner = (Runner if verbose else QuietRunner).from_cfg(cfg)
+        runner = (CheckedRunner if verbose else QuietRunner).from_cfg(cfg)
     guard_grids(runner.model)
     use_dense_attn(runner.model, cfg)
     return runner

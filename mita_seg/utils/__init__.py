@@ -1,8 +1,10 @@
 """Utilities of mita_seg: safe checkpoint loading, the checkpoint key report, distributed
-set-up for the tools (these depend on torch and mmengine), and the tools' argument parsing
-(:mod:`mita_seg.utils.cli`, no torch, no mm stack).
+set-up (these depend on torch and mmengine); ``--cfg-options`` remembered on a config and
+blamed when a part of it cannot be built (:mod:`.cfg_options`); the error a user fixes
+(:class:`InputError`, :mod:`.errors`) and the stack's noise (:mod:`.stack_noise`), light.
 
-Names load on first use, so ``import mita_seg.utils.cli`` stays light.
+Names load on first use, so ``import mita_seg.utils.errors`` stays light (no torch, no mm
+stack): the tools' command line (the ``cli`` package) imports it before parsing.
 """
 import importlib
 
@@ -11,8 +13,12 @@ _SOURCES = {
                    'UnsafeCheckpointError', 'check_checkpoint_keys', 'check_state_dict',
                    'load_checkpoint', 'load_local_checkpoint', 'mmengine_safe_globals',
                    'register_safe_globals'),
+    'cfg_options': ('CfgOptionsError', 'blame_cfg_options', 'cfg_options_of',
+                    'merge_cfg_options'),
     'dist': ('setup_cpu_distributed', ),
+    'errors': ('InputError', ),
     'modules': ('is_attention_module', ),
+    'stack_noise': ('is_stack_noise', 'quiet_stack'),
 }
 _WHERE = {name: module for module, names in _SOURCES.items() for name in names}
 

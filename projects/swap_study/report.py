@@ -216,6 +216,108 @@ def _error_bars(ax, rows: Sequence[dict], key: Optional[str] = None, xs=None) ->
                         elinewidth=0.8, capsize=2, zorder=3)
 
 
+GFLOPS_AXIS = 'model GFLOPs per image (1 MAC = 1 FLOP)'
+# The panels of a model's column: (row key, x axis label, zoomed on the swaps).
+STUDY_PANELS = (('model_GFLOPs', GFLOPS_AXIS, False),
+                ('model_GFLOPs', GFLOPS_AXIS + ', zoomed', True),
+                ('img_per_s', 'images/s measured (test mode, CPU)', False))
+
+
+def _plot_swaps(ax, rows: Sequence[dict], key: str, lines: bool) -> List[dict]:
+    """The unswapped model (star), the control (triangle), the sweep (a line per M when
+    ``lines``, k annotated), ToMe (with the head too; r annotated), MiTA with the mask head
+    and MiTA + ToMe on one panel; returns the sweep's rows."""
+    for r in rows:
+        if r['kind'] == 'baseline':
+            ax.scatter([r[key]], [r['mIoU']], marker='*', s=220, c='k', zorder=4,
+                       label='unswapped')
+        elif r['kind'] == 'control':
+            ax.scatter([r[key]], [r['mIoU']], marker='^', s=70, c='grey', zorder=4,
+                       label=r['setting'])
+    swaps = [r for r in rows if r['kind'] == 'swap']
+    for M in sorted({r['M'] for r in swaps}):
+        # FLOPs grow with k: a line per M; measured speed is noisy: markers only
+        sel = sorted((r for r in swaps if r['M'] == M), key=lambda r: r['topk'])
+        ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel],
+                'o-' if lines else 'o', ms=4, label=f'MiTA M={M}, no retraining')
+        for r in sel:
+            ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
+                        textcoords='offset points', xytext=(3, 3))
+    for kind, colour, what in (('tome', 'tab:purple', ''),
+                               ('tome-head', 'olive', ', with the head')):
+        tome = sorted((r for r in rows if r['kind'] == kind), key=lambda r: r['merge_ratio'])
+        if tome:
+            ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
+                    's--' if lines else 's', c=colour, ms=5,
+                    label=f'ToMe{what}, no retraining')
+        for r in tome:
+            ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
+                        textcoords='offset points', xytext=(3, -9), c=colour)
+    for kind, marker, colour in (('swap-head', 'v', 'tab:cyan'),
+                                 ('swap-head-routed', '1', 'tab:pink')):
+        for r in (r for r in rows if r['kind'] == kind):
+            ax.scatter([r[key]], [r['mIoU']], marker=marker, s=80, c=colour, zorder=5,
+                       label=r['setting'])
+    for r in (r for r in rows if r['kind'] == 'swap+tome'):
+        ax.scatter([r[key]], [r['mIoU']], marker='X', s=70, c='tab:brown', zorder=5,
+                   label=r['setting'])
+    return swaps
+
+
+def _plot_plans(ax, rows: Sequence[dict], key: str, lines: bool) -> None:
+    """The calibrated plans on one panel: those of the main image count (plus signs,
+    joined when ``lines``), the others apart with their image counts."""
+    plans = [r for r in rows if r['kind'] == 'plan']
+    if not plans:
+        return
+    main = max(p['plan']['images'] for p in plans)
+    line = sorted((r for r in plans if r['plan']['images'] == main), key=lambda r: r[key])
+    ax.plot([r[key] for r in line], [r['mIoU'] for r in line],
+            'P-' if lines else 'P', c='tab:green', ms=8, zorder=5,
+            label=f'calibrated per-layer plans ({main} images)')
+    other = [r for r in plans if r['plan']['images'] != main]
+    if other:
+        ax.scatter([r[key] for r in other], [r['mIoU'] for r in other], marker='P',
+                   s=50, c='yellowgreen', zorder=5, label='plans, fewer calibration images')
+        for r in other:
+            ax.annotate(f"{r['plan']['images']} img", (r[key], r['mIoU']),
+                        fontsize=7, textcoords='offset points', xytext=(3, 3))
+
+
+def _plot_finetuned(ax, rows: Sequence[dict], swaps: Sequence[dict], key: str,
+                    lines: bool) -> None:
+    """The fine-tuned swaps (diamonds), with an arrow from the same setting without
+    retraining when ``lines``."""
+    for r in (r for r in rows if r['kind'] == 'finetune'):
+        ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, c='tab:red', zorder=5,
+                   label=r['setting'])
+        src = [w for w in swaps if w['M'] == r['M'] and w['topk'] == r['topk']]
+        if src and lines:
+            ax.annotate('', (r[key], r['mIoU']), (src[0][key], src[0]['mIoU']),
+                        arrowprops=dict(arrowstyle='->', color='tab:red', lw=1))
+
+
+def _study_panel(ax, name: str, rows: Sequence[dict], key: str, label: str, zoom: bool,
+                 first: bool) -> None:
+    """One panel of :func:`plot_study`: every kind of row against ``key``, the spread over
+    the seeds, the axes; the ``first`` of a column has the model's name and the legend."""
+    lines = key == 'model_GFLOPs'   # joined on the FLOP panels (speed is noisy)
+    swaps = _plot_swaps(ax, rows, key, lines)
+    _plot_plans(ax, rows, key, lines)
+    _plot_finetuned(ax, rows, swaps, key, lines)
+    _error_bars(ax, rows, key)
+    if zoom and rows:
+        top = max(r['mIoU'] for r in rows)
+        base = next((r['mIoU'] for r in rows if r['kind'] == 'baseline'), top)
+        ax.set_ylim(base - 6, top + 0.8)
+    ax.set_xlabel(label)
+    ax.set_ylabel('mIoU (%)')
+    ax.grid(alpha=0.3)
+    if first:
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=7, loc='best', framealpha=0.7)
+
+
 def plot_study(models: Sequence[dict], out_png: str) -> str:
     """mIoU against model GFLOPs (top; below it the same zoomed on the 6 points under the
     unswapped model) and against measured images/s (bottom), one column per model: the
@@ -233,82 +335,8 @@ def plot_study(models: Sequence[dict], out_png: str) -> str:
     fig, axes = plt.subplots(3, n, figsize=(5.4 * n, 12.0), squeeze=False)
     for col, res in enumerate(models):
         rows = [r for r in res['rows'] if r.get('model_GFLOPs') is not None]
-        gflops = 'model GFLOPs per image (1 MAC = 1 FLOP)'
-        for row_i, (key, label, zoom) in enumerate(
-                (('model_GFLOPs', gflops, False),
-                 ('model_GFLOPs', gflops + ', zoomed', True),
-                 ('img_per_s', 'images/s measured (test mode, CPU)', False))):
-            ax = axes[row_i][col]
-            lines = key == 'model_GFLOPs'   # joined on the FLOP panels (speed is noisy)
-            for r in rows:
-                if r['kind'] == 'baseline':
-                    ax.scatter([r[key]], [r['mIoU']], marker='*', s=220, c='k', zorder=4,
-                               label='unswapped')
-                elif r['kind'] == 'control':
-                    ax.scatter([r[key]], [r['mIoU']], marker='^', s=70, c='grey', zorder=4,
-                               label=r['setting'])
-            swaps = [r for r in rows if r['kind'] == 'swap']
-            for M in sorted({r['M'] for r in swaps}):
-                # FLOPs grow with k: a line per M; measured speed is noisy: markers only
-                sel = sorted((r for r in swaps if r['M'] == M), key=lambda r: r['topk'])
-                ax.plot([r[key] for r in sel], [r['mIoU'] for r in sel],
-                        'o-' if lines else 'o', ms=4, label=f'MiTA M={M}, no retraining')
-                for r in sel:
-                    ax.annotate(f"k={r['topk']}", (r[key], r['mIoU']), fontsize=7,
-                                textcoords='offset points', xytext=(3, 3))
-            for kind, colour, what in (('tome', 'tab:purple', ''),
-                                       ('tome-head', 'olive', ', with the head')):
-                tome = sorted((r for r in rows if r['kind'] == kind),
-                              key=lambda r: r['merge_ratio'])
-                if tome:
-                    ax.plot([r[key] for r in tome], [r['mIoU'] for r in tome],
-                            's--' if lines else 's', c=colour, ms=5,
-                            label=f'ToMe{what}, no retraining')
-                for r in tome:
-                    ax.annotate(f"r={r['merge_ratio']:g}", (r[key], r['mIoU']), fontsize=7,
-                                textcoords='offset points', xytext=(3, -9), c=colour)
-            for kind, marker, colour in (('swap-head', 'v', 'tab:cyan'),
-                                         ('swap-head-routed', '1', 'tab:pink')):
-                for r in (r for r in rows if r['kind'] == kind):
-                    ax.scatter([r[key]], [r['mIoU']], marker=marker, s=80, c=colour, zorder=5,
-                               label=r['setting'])
-            for r in (r for r in rows if r['kind'] == 'swap+tome'):
-                ax.scatter([r[key]], [r['mIoU']], marker='X', s=70, c='tab:brown', zorder=5,
-                           label=r['setting'])
-            plans = [r for r in rows if r['kind'] == 'plan']
-            if plans:
-                main = max(p['plan']['images'] for p in plans)
-                line = sorted((r for r in plans if r['plan']['images'] == main),
-                              key=lambda r: r[key])
-                ax.plot([r[key] for r in line], [r['mIoU'] for r in line],
-                        'P-' if lines else 'P', c='tab:green', ms=8, zorder=5,
-                        label=f'calibrated per-layer plans ({main} images)')
-                other = [r for r in plans if r['plan']['images'] != main]
-                if other:
-                    ax.scatter([r[key] for r in other], [r['mIoU'] for r in other], marker='P',
-                               s=50, c='yellowgreen', zorder=5,
-                               label='plans, fewer calibration images')
-                    for r in other:
-                        ax.annotate(f"{r['plan']['images']} img", (r[key], r['mIoU']),
-                                    fontsize=7, textcoords='offset points', xytext=(3, 3))
-            for r in (r for r in rows if r['kind'] == 'finetune'):
-                ax.scatter([r[key]], [r['mIoU']], marker='D', s=60, c='tab:red', zorder=5,
-                           label=r['setting'])
-                src = [w for w in swaps if w['M'] == r['M'] and w['topk'] == r['topk']]
-                if src and lines:
-                    ax.annotate('', (r[key], r['mIoU']), (src[0][key], src[0]['mIoU']),
-                                arrowprops=dict(arrowstyle='->', color='tab:red', lw=1))
-            _error_bars(ax, rows, key)
-            if zoom and rows:
-                top = max(r['mIoU'] for r in rows)
-                base = next((r['mIoU'] for r in rows if r['kind'] == 'baseline'), top)
-                ax.set_ylim(base - 6, top + 0.8)
-            ax.set_xlabel(label)
-            ax.set_ylabel('mIoU (%)')
-            ax.grid(alpha=0.3)
-            if row_i == 0:
-                ax.set_title(res['name'], fontsize=10)
-                ax.legend(fontsize=7, loc='best', framealpha=0.7)
+        for row_i, (key, label, zoom) in enumerate(STUDY_PANELS):
+            _study_panel(axes[row_i][col], res['name'], rows, key, label, zoom, row_i == 0)
     fig.suptitle('MiTA swap on toy segmenters (generated data, CPU) beside ToMe and '
                  'calibrated plans: mIoU against cost', fontsize=10)
     fig.tight_layout()

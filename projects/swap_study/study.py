@@ -67,6 +67,7 @@ from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
 from mita_seg.setting import MiTASetting, label as label_of
+from mita_seg.utils.cfg_options import CfgOptionsError
 from .report import markdown, plot_native, plot_study
 from .settings import PAPER, STUDY_CANDIDATES, StudySettings  # noqa: F401 (STUDY_CANDIDATES)
 
@@ -385,7 +386,8 @@ class ModelStudy:
     to 6), a method per stage, each writing its rows, notes and errors into :attr:`result`
     (what :func:`study_model` returns). A stage that fails is recorded in
     ``result['errors']`` and the study goes on with the others, except after the training
-    or the sweep, which the others need.
+    or the sweep, which the others need; a ``--cfg-options`` value a model cannot be built
+    with (:class:`~mita_seg.utils.cfg_options.CfgOptionsError`) ends the study at once.
 
     Args:
         name (str): the model's name (in progress lines and file names).
@@ -457,6 +459,8 @@ class ModelStudy:
         t0 = time.time()
         try:
             out = fn()
+        except CfgOptionsError:   # a --cfg-options value fails every stage alike: one line
+            raise
         except Exception as e:  # noqa: BLE001  recorded, reported, exit status 1 at the end
             msg = f'{label}: {type(e).__name__}: {e}'
             self.result['errors'].append(msg)

@@ -89,6 +89,7 @@ Usage::
 import argparse
 import os
 import os.path as osp
+import sys
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -585,9 +586,15 @@ def parse_args(argv=None):
                         'FILE instead of the dataset')
     parser.add_argument('--preview-count', type=int, default=4, help='scenes in --preview')
     args = parser.parse_args(argv)
-    if args.preview is None and osp.exists(args.out) and not osp.isdir(args.out):
-        parser.error(f'--out {args.out!r} is a file, not a folder: give a folder (made if '
-                     'missing)')
+    sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+    from mita_seg.cli import output_dir, output_file   # what is written can be written
+    try:
+        if args.preview is None:
+            output_dir('--out')(args.out)
+        else:
+            output_file('--preview')(args.preview)
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
     if args.train < 1 or args.val < 1:
         parser.error(f'--train and --val must be >= 1, got {args.train} and {args.val}')
     if args.size < 64:

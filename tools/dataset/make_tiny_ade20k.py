@@ -18,6 +18,7 @@ Usage::
 import argparse
 import os
 import os.path as osp
+import sys
 
 import cv2
 import numpy as np
@@ -31,6 +32,7 @@ OBJECTS = {
     8: ('bed', (150, 60, 180), 'checker'),
 }
 CLASSES = {**BACKGROUND, **OBJECTS}
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 
 def _texture(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -121,16 +123,16 @@ def make_split(out: str, split: str, num: int, size: int, seed: int) -> None:
 
 
 def parse_args(argv=None):
+    sys.path.insert(0, ROOT)
+    from mita_seg.cli import output_dir   # a folder that can be written, checked while parsing
     parser = argparse.ArgumentParser(description='Write a tiny synthetic ADE20K-layout dataset')
-    parser.add_argument('--out', default='data/ade/tiny_ade20k', help='output folder')
+    parser.add_argument('--out', type=output_dir('--out'), default='data/ade/tiny_ade20k',
+                        help='output folder')
     parser.add_argument('--train', type=int, default=200, help='training images')
     parser.add_argument('--val', type=int, default=40, help='validation images')
     parser.add_argument('--size', type=int, default=128, help='image side in pixels')
     parser.add_argument('--seed', type=int, default=0, help='random seed')
     args = parser.parse_args(argv)
-    if osp.exists(args.out) and not osp.isdir(args.out):
-        parser.error(f'--out {args.out!r} is a file, not a folder: give a folder (made if '
-                     'missing)')
     if args.train < 1 or args.val < 1:
         parser.error(f'--train and --val must be >= 1, got {args.train} and {args.val}')
     if args.size < 32:

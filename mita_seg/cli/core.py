@@ -1,8 +1,6 @@
-"""What every tool shares around its ``main``: one way to refuse careless input.
-
-Not part of the public API (:mod:`mita_seg.apis`): the tools' plumbing. It imports no torch
-and no mm stack, so a tool parses its arguments, and refuses a bad one, before it imports
-what it runs (mmseg/mmengine/mmcv take seconds to import).
+"""The core of the tools' command line: the argument types, ``key=value`` options, and the
+one ``error:`` line of a user error (:func:`run_tool`). Imports no torch and no mm stack,
+so a tool parses its arguments, and refuses a bad one, before it imports what it runs.
 
 - Arguments wrong on their own are refused while parsing, with argparse's usage line and
   exit status 2, before anything is imported, built or loaded: the argument types below
@@ -13,18 +11,27 @@ what it runs (mmseg/mmengine/mmcv take seconds to import).
 - Errors a user fixes by changing the command line, the config or the checkpoint but that
   show only once a file is read or a model built (:func:`user_errors`: a config that does
   not parse, a file that is no image or no checkpoint, a checkpoint that does not fit, a
-  layer that does not exist...) end the tool through :func:`run_tool` with one
-  ``error: <message>`` line and exit status 1.
+  ``--cfg-options`` value the model cannot be built with, a layer that does not exist...)
+  end the tool through :func:`run_tool` with one ``error: <message>`` line and exit status
+  1. Library code raises them without importing this module
+  (:class:`~mita_seg.utils.errors.InputError` and the error classes of its modules).
 
-Output files are written after their folders are made (:func:`ensure_parent`), and only
-once everything they hold has been computed.
+Output paths are checked while parsing too (:func:`output_file`, :func:`output_dir`): a
+folder where a file should be, a file where a folder should be, a place that cannot be
+written (``/proc``, a read-only mount, no permission). Files are written after their
+folders are made (:func:`ensure_parent`), and only once everything they hold has been
+computed.
 """
 import argparse
 import os
 import os.path as osp
 import shlex
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence, Tuple
+
+from mita_seg.utils.errors import InputError
+from mita_seg.utils.stack_noise import is_stack_noise, quiet_stack
 
 __all__ = [
     'InputError', 'user_errors', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
@@ -33,20 +40,13 @@ __all__ = [
     'python_command'
 ]
 
-
-class InputError(ValueError):
-    """A file the user gave cannot be used as what it was given for (a config that does not
-    parse or defines no model, a file that is no image); the message names the file and
-    what to give instead."""
-
-
 # What a user fixes by changing the command line, the config or the checkpoint, by module.
 # Named rather than imported, so that this module loads no stack: an exception of a module
 # that is not imported yet cannot have been raised.
 _USER_ERRORS = {
     'builtins': ('FileNotFoundError', 'IsADirectoryError', 'NotADirectoryError',
                  'PermissionError'),
-    __name__: ('InputError', ),
+    'mita_seg.utils.errors': ('InputError', ),   # CfgOptionsError too
     'mita_seg.utils.checkpoint': ('UnreadableCheckpointError', 'UnsafeCheckpointError',
                                   'CheckpointMismatchError'),
     'mita_seg.models': ('NothingToSwapError', 'GridMismatchError', 'MiTASettingError',
@@ -58,10 +58,10 @@ _USER_ERRORS = {
 
 def user_errors() -> Tuple[type, ...]:
     """The exception classes :func:`run_tool` reports in one line: missing or unreadable
-    files, :class:`InputError`, unreadable, unsafe or non-fitting checkpoints, nothing to
-    swap or merge, a layer that does not exist, a BEiT/MAE run at a grid its bias tables do
-    not fit, a bad MiTA setting or swap plan, an ONNX export that fails its check; of the
-    modules imported so far."""
+    files, :class:`InputError` (a bad ``--cfg-options`` value too), unreadable, unsafe or
+    non-fitting checkpoints, nothing to swap or merge, a layer that does not exist, a
+    BEiT/MAE run at a grid its bias tables do not fit, a bad MiTA setting or swap plan, an
+    ONNX export that fails its check; of the modules imported so far."""
     found = []
     for module, names in _USER_ERRORS.items():
         module = sys.modules.get(module)
@@ -82,40 +82,6 @@ def run_tool(main: Callable[[], object]) -> None:
             msg = f'{e.filename}: {e.strerror}'     # not "[Errno 21] Is a directory: 'x'"
         print(f'error: {msg}', file=sys.stderr)
         sys.exit(1)
-
-
-# ------------------------------------------------------------------------------ noise
-# What the stack prints around a tool's one result line and a user can do nothing about:
-# warnings raised inside these packages (deprecations of the stack's own calls, mmengine's
-# "Failed to add LocalVisBackend"...) ...
-STACK_PACKAGES = ('mmcv', 'mmengine', 'mmseg')
-# ... warnings raised elsewhere on the stack's behalf (message starts) ...
-STACK_WARNINGS = ('pkg_resources is deprecated as an API', )
-# ... and mmengine log records (message starts).
-STACK_LOG_NOISE = ('Failed to search registry with scope', 'Distributed training is not used',
-                   'The prefix is not set in metric class')
-
-
-def is_stack_noise(record) -> bool:
-    """A ``logging`` filter: False for a record of :data:`STACK_LOG_NOISE`."""
-    return not str(record.msg).lstrip().startswith(STACK_LOG_NOISE)
-
-
-def quiet_stack() -> None:
-    """Silence the stack's known noise in this process (:data:`STACK_PACKAGES`,
-    :data:`STACK_WARNINGS`, :data:`STACK_LOG_NOISE`), not mita_seg's own warnings nor those
-    of a user's code. A tool calls it once its arguments are parsed; the log file of a run
-    keeps mmengine's records (:class:`~mita_seg.apis.QuietRunner` filters its console
-    only). Imports mmengine's logging."""
-    import warnings
-    for package in STACK_PACKAGES:
-        warnings.filterwarnings('ignore', module=rf'{package}(\.|$)')
-    for message in STACK_WARNINGS:
-        warnings.filterwarnings('ignore', message=message)
-    from mmengine.logging import MMLogger
-    logger = MMLogger.get_instance('mmengine')
-    if is_stack_noise not in logger.filters:
-        logger.addFilter(is_stack_noise)
 
 
 # --------------------------------------------------------------------------- paths in
@@ -205,10 +171,36 @@ def _existing_file_above(path: str) -> Optional[str]:
     return parent if parent and not osp.isdir(parent) else None
 
 
+def _cannot_write(folder: str) -> Optional[str]:
+    """Why no file can be written in ``folder`` (made if missing), or None if one can: the
+    nearest existing folder at or above it is tried with a file created and removed at
+    once (permission bits alone do not tell: root may write anywhere but ``/proc``)."""
+    existing = osp.abspath(folder)
+    while not osp.exists(existing):
+        existing = osp.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f'cannot create a file in {existing} (permissions)'
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.write-check-', dir=existing)
+    except OSError as e:
+        return f'cannot create a file in {existing} ({e.strerror or e})'
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def _refuse_unwritable(kind: str, path: str, folder: str) -> None:
+    why = _cannot_write(folder)
+    if why:
+        raise argparse.ArgumentTypeError(
+            f'{kind} {path!r}: {why}: give a path in a folder you can write to')
+
+
 def output_file(kind: str = 'output', suffixes: Sequence[str] = ()) -> Callable[[str], str]:
     """An argparse ``type``: a file to write (its folders are made when it is written,
-    :func:`ensure_parent`): not a directory, no file where a folder of it should be,
-    optionally ending with one of ``suffixes``.
+    :func:`ensure_parent`): not a directory, no file where a folder of it should be, in a
+    place that can be written (its folder, or the nearest existing one above it; an
+    existing file writable), optionally ending with one of ``suffixes``.
 
     Args:
         kind (str): what the file is, for the messages (``'--json file'``).
@@ -226,14 +218,24 @@ def output_file(kind: str = 'output', suffixes: Sequence[str] = ()) -> Callable[
         if suffixes and not path.lower().endswith(tuple(suffixes)):
             raise argparse.ArgumentTypeError(
                 f'{kind} {path!r} must end with {" or ".join(suffixes)}')
+        if osp.exists(path) and not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(
+                f'{kind} {path!r} exists and is not writable (permissions)')
+        _refuse_unwritable(kind, path, osp.dirname(osp.abspath(path)))
         return path
     check.__name__ = kind
     return check
 
 
-def output_dir(kind: str = 'output folder') -> Callable[[str], str]:
+def output_dir(kind: str = 'output folder', if_missing: bool = False) -> Callable[[str], str]:
     """An argparse ``type``: a folder to write into (made when written): not an existing
-    file, no file where a folder above it should be."""
+    file, no file where a folder above it should be, in a place that can be written.
+
+    Args:
+        kind (str): what the folder is, for the messages (``'--work-dir'``).
+        if_missing (bool): the folder is read if it exists and written only if it does not
+            (a dataset made when missing): an existing one need not be writable.
+    """
     def check(path: str) -> str:
         if osp.exists(path) and not osp.isdir(path):
             raise argparse.ArgumentTypeError(
@@ -242,6 +244,8 @@ def output_dir(kind: str = 'output folder') -> Callable[[str], str]:
         if blocker:
             raise argparse.ArgumentTypeError(
                 f'{kind} {path!r}: {blocker} is a file, not a folder')
+        if not (if_missing and osp.isdir(path)):
+            _refuse_unwritable(kind, path, path)
         return path
     check.__name__ = kind
     return check
