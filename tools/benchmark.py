@@ -4,7 +4,8 @@ The levels (``--level``): ``op``, the operator against SDPA and the path mmseg's
 (``--bias``: with BEiT's relative position bias); ``threads``, thread scaling; ``model``,
 images per second of mmseg segmenters, mmseg as released, the fast dense model, MiTA and
 the bound (attention mixing removed); ``onnx``, a segmenter's ONNX files in ONNX Runtime;
-``onnx-op``, one attention layer in ONNX Runtime. What each measures, and how, is in
+``onnx-op``, one attention layer in ONNX Runtime; ``kinds``, SDPA and each ``--settings``
+(MiTA and the taxonomy's other kinds) at the operator level. What each measures, and how, is in
 :mod:`mita_seg.benchmark` (a module per level); this script parses the arguments, calls
 the level and prints its table. The script re-executes itself with glibc's mmap threshold
 lowered, so that freed buffers go back to the OS and the memory peaks are exact.
@@ -15,10 +16,7 @@ Examples::
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level model --models segmenter-vit-b --images 1024 2048
-    python tools/benchmark.py --level model --models segmenter-vit-t --merge-ratio 0.3
-    python tools/benchmark.py --level op --threads 1
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
-    python tools/benchmark.py --level model --profile         # + the kernel's share
     python tools/benchmark.py --level model --models segmenter-vit-b --dtype bfloat16
     python tools/benchmark.py --level model --models segmenter-vit-t --compile
     python tools/benchmark.py --level threads --tokens 1025 4097 --dtypes float32
@@ -28,6 +26,7 @@ Examples::
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-settings 7:49 4:16
     python tools/benchmark.py --level onnx-op --tokens 1025 4097
     python tools/benchmark.py --level onnx-op --tokens 1025 --profile   # + per operator type
+    python tools/benchmark.py --level kinds --tokens 1025 4097 --settings 7:49 agent:7 topk:49
 """
 import argparse
 import os
@@ -43,14 +42,14 @@ if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mita_seg.apis.token_merge import merge_ratio  # noqa: E402
-from mita_seg.benchmark import model, onnx, onnx_op, op, threads  # noqa: E402
+from mita_seg.cli import merge_ratio  # noqa: E402
+from mita_seg.benchmark import kinds, model, onnx, onnx_op, op, threads  # noqa: E402
 from mita_seg.benchmark.common import MODELS, TokenCountError, grid_side  # noqa: E402
 
 
 def token_count(text):
     """An argparse ``type``: a token count ``N = 1 + s*s``, ``s >= 1``."""
-    from mita_seg.utils.cli import int_range
+    from mita_seg.cli import int_range
     n = int_range(2)(text)
     try:
         grid_side(n)
@@ -76,10 +75,10 @@ def image_size(text):
 
 
 def parse_args():
-    from mita_seg.setting import setting_arg
-    from mita_seg.utils.cli import float_range, int_range
+    from mita_seg.cli import float_range, int_range, setting_arg
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'onnx-op', 'all'],
+    p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'onnx-op', 'kinds',
+                                       'all'],
                    default='op',
                    help='threads: MiTA against SDPA on 1 and --threads threads, timed in turn; '
                    'onnx-op: one attention layer in ONNX Runtime')
@@ -128,6 +127,9 @@ def parse_args():
                    metavar='P:K[:route]',
                    help='--level onnx: MiTA settings, each a row (default: --pool-size and '
                    '--topk), e.g. 7:49 4:16 5:16:route')
+    p.add_argument('--settings', type=setting_arg, nargs='+', metavar='SETTING',
+                   default=kinds.DEFAULT_SETTINGS, help='--level kinds: the settings, each '
+                   f'a column (default: {" ".join(kinds.DEFAULT_SETTINGS)})')
     p.add_argument('--threads', type=int_range(1), default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--bias', action='store_true',
@@ -213,7 +215,7 @@ def main():
             args.memory, args.min_run_time, args.max_mmcv_gib, args.profile)
         show(level.header(), level.rows(), level.format_row)
     if args.level in ('onnx', 'onnx-op', 'threads') and cuda:
-        raise SystemExit(CPU_ONLY[args.level])
+        raise SystemExit(f'--level {args.level} {CPU_ONLY[args.level]} the CPU: use --device cpu')
     if args.level == 'onnx':
         from mita_seg.setting import MiTASetting
         level = onnx.OnnxLevel(
@@ -228,6 +230,10 @@ def main():
                                   min_run_time=args.min_run_time,
                                   max_onnx_gib=args.max_onnx_gib, profile=args.profile),
              onnx_op.format_onnx_op_row)
+    if args.level == 'kinds':
+        level = kinds.KindsLevel(args.settings, args.heads, args.head_dim, args.device)
+        show(level.header(), level.rows(args.tokens, args.dtypes, args.passes,
+                                        args.min_run_time), kinds.format_kinds_row)
     if args.level == 'threads':
         show(threads.thread_header(**shape, device=args.device, threads=args.threads),
              threads.thread_rows(**cases, threads=args.threads),
@@ -235,10 +241,8 @@ def main():
     print(f'# done in {time.time() - t0:.0f} s')
 
 
-CPU_ONLY = {
-    'onnx': '--level onnx times ONNX Runtime on the CPU: use --device cpu',
-    'onnx-op': '--level onnx-op times ONNX Runtime on the CPU: use --device cpu',
-    'threads': '--level threads compares CPU thread counts: use --device cpu'}
+CPU_ONLY = dict(onnx='times ONNX Runtime on', threads='compares thread counts of')
+CPU_ONLY['onnx-op'] = CPU_ONLY['onnx']
 
 
 if __name__ == '__main__':

@@ -107,7 +107,8 @@ def format_comparison(c: 'FlopComparison', settings: str) -> str:  # noqa: F821
                      'N^2 per head for the dense bias, mita_seg.ops.bias_flops_per_head in '
                      'MiTA.')
     if c.mita is not None and c.num_swapped:
-        lines.append(f'MiTA: {c.num_swapped} attention modules swapped, {settings}')
+        lines.append(f'{c.label.split("+")[0]}: {c.num_swapped} attention modules swapped, '
+                     f'{settings}')
     if c.merge_ratio is not None:
         lines.append(f'ToMe: tokens merged at ratio {c.merge_ratio:g} in {c.num_merged} '
                      'encoder layers (before each attention and MLP, unmerged after); the '
@@ -159,4 +160,6 @@ def mita_settings(counter: 'SegmentorFlops') -> str:  # noqa: F821
     attn = next((m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin)), None)
     if attn is None:
         return ''
+    if attn.kind != 'mita':
+        return ', '.join(f'{k}={v}' for k, v in attn.setting.cfg().items())
     return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from mita_seg.ops.routing import pair
+from mita_seg.utils.cfg_options import blame_cfg_options
 from .flop_count import FlopBreakdown, count_flops
 from .flop_handles import CONVENTION
 
@@ -96,7 +97,8 @@ def build_segmentor(cfg, seed: int = 0) -> nn.Module:
     import mita_seg.models  # noqa: F401  (registers MiTA types for MiTA configs)
     init_default_scope(cfg.get('default_scope', 'mmseg'))
     torch.manual_seed(seed)
-    model = MODELS.build(copy.deepcopy(cfg.model))  # building edits the config
+    with blame_cfg_options(cfg, 'the model', ('model', )):   # a bad --cfg-options value
+        model = MODELS.build(copy.deepcopy(cfg.model))  # building edits the config
     if getattr(model, 'auxiliary_head', None) is not None:
         model.auxiliary_head = None
     return revert_sync_batchnorm(model).eval()
@@ -160,11 +162,14 @@ class FlopComparison:
 
     @property
     def label(self) -> str:
-        """What the second column ran: ``'MiTA'``, ``'ToMe r=0.3'`` or both."""
+        """What the second column ran: ``'MiTA'`` (or the kind of attention swapped in:
+        ``'agent'``, ``'block'``...), ``'ToMe r=0.3'`` or both."""
+        setting = (self.mita_cfg or {}).get('setting')
+        swap = 'MiTA' if setting is None or setting.kind == 'mita' else setting.kind
         tome = None if self.merge_ratio is None else f'ToMe r={self.merge_ratio:g}'
         if tome is None:
-            return 'MiTA'
-        return f'MiTA+{tome}' if self.num_swapped else tome
+            return swap
+        return f'{swap}+{tome}' if self.num_swapped else tome
 
     def reduction(self, key: str) -> Optional[float]:
         """Percent fewer FLOPs of MiTA in ``key`` (``'total'``, ``'backbone'``...)."""

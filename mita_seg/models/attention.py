@@ -12,8 +12,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
-from mita_seg.ops import (agent_attention, block_attention, mita_attention, topk_attention,
-                          window_attention)
+from mita_seg.ops import attend_kind, mita_attention
 from mita_seg.ops.routing import pair
 from mita_seg.setting import (DEFAULT_SETTING, KINDS, MITA_DEFAULTS, MITA_KEYS,  # noqa: F401
                               SETTING_DEFAULTS,
@@ -220,23 +219,6 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             2, 0, 3, 1, 4).unbind(0)                                    # [B, H, N, d]
         return q, k, v, (h, w), p
 
-    def attend_kind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    hw_shape: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
-        """The attention of a kind other than MiTA (:attr:`kind`) over ``q, k, v``
-        (``[B, H, N, d]``; the ``h x w`` grid after ``num_prefix_tokens`` tokens, every
-        token off the grid global); a pool larger than the grid runs on the grid."""
-        h, w = hw_shape
-        if self.kind == 'agent':
-            ph, pw = pair(self.pool_size, 'pool_size')
-            return agent_attention(q, k, v, hw_shape, (min(ph, h), min(pw, w)),
-                                   num_prefix_tokens, self.shared_scale)
-        if self.kind == 'block':
-            return block_attention(q, k, v, hw_shape, self.block_size, self.num_blocks,
-                                   num_prefix_tokens)
-        if self.kind == 'topk':
-            return topk_attention(q, k, v, hw_shape, self.topk, num_prefix_tokens)
-        return window_attention(q, k, v, hw_shape, self.window, num_prefix_tokens)
-
     def forward(self,
                 query: torch.Tensor,
                 key: Optional[torch.Tensor] = None,
@@ -280,7 +262,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
         if self.kind != 'mita':
-            x = self.attend_kind(q, k, v, (h, w), p)
+            x = attend_kind(self.setting, q, k, v, (h, w), p)
         else:
             if global_tokens is None:
                 global_tokens = ((0, 0) if self.grid is None

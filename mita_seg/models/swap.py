@@ -203,7 +203,16 @@ def swap_attention(model: nn.Module,
         raise NothingToSwapError(
             f'swap_attention found no global attention to swap to MiTA in '
             f'{type(model).__name__}. Attention modules found:\n{found}')
-    if verbose and plan is not None:
+    if verbose:
+        _log_swap(model, swapped, skipped, plan, left_by_choice)
+    return len(swapped)
+
+
+def _log_swap(model: nn.Module, swapped: List[str], skipped: List[Tuple[str, str]],
+              plan: Optional[SwapPlan], left_by_choice: dict) -> None:
+    """Log what :func:`swap_attention` swapped (with a plan: how many layers on each
+    setting, how many dense) and what it left alone, and why."""
+    if plan is not None:
         chosen = {}
         for name in swapped:
             label = model.get_submodule(name).setting.label
@@ -211,13 +220,10 @@ def swap_attention(model: nn.Module,
         print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on MiTA ('
                   + ', '.join(f'{n} x {label}' for label, n in chosen.items())
                   + f'), {len(left_by_choice)} dense', logger='current')
-        for name, why in skipped:
-            if name not in left_by_choice:
-                print_log(f'swap_attention: left {name} alone: {why}', logger='current')
-    elif verbose:
+        skipped = [(name, why) for name, why in skipped if name not in left_by_choice]
+    else:
         settings = model.get_submodule(swapped[0]).setting.cfg()
         print_log(f'swap_attention: {len(swapped)} attention modules on MiTA ({settings})',
                   logger='current')
-        for name, why in skipped:
-            print_log(f'swap_attention: left {name} alone: {why}', logger='current')
-    return len(swapped)
+    for name, why in skipped:
+        print_log(f'swap_attention: left {name} alone: {why}', logger='current')

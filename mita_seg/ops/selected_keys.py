@@ -4,6 +4,7 @@ the tokens off the grid are keys in every grid query's softmax and attend to eve
 attention of each query over its own set of keys, in chunks of queries
 (:func:`attend_selected`: never ``N x N`` at once).
 """
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -72,8 +73,11 @@ def attend_grid(q: Tensor, k: Tensor, v: Tensor, hw_shape: Tuple[int, int],
     p = num_prefix_tokens
     s = q.shape[2] - p - h * w
     dt = routing_dtype(q.dtype)
-    # The kinds pick their own precision: autocast must not push their matmuls into bf16.
-    with torch.autocast(q.device.type, enabled=False):
+    # The kinds pick their own precision: autocast must not push their matmuls into bf16
+    # (the meta device of FLOP counting has no autocast to turn off).
+    no_autocast = (contextlib.nullcontext() if q.device.type == 'meta' else
+                   torch.autocast(q.device.type, enabled=False))
+    with no_autocast:
         qf, kf, vf = (t.to(dt) for t in (q, k, v))
         (q_o, q_g), (k_o, k_g), (v_o, v_g) = (split_tokens(t, (p, s)) for t in (qf, kf, vf))
         out, lse = grid_fn(q_o, k_o, v_o)                              # [B, H, h*w, d]
