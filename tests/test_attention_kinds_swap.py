@@ -172,3 +172,36 @@ def test_swap_sweep_sets_the_kinds_side_by_side(segmenter_ckpt, tools, tmp_path)
             assert saved_formula == pytest.approx(0, abs=1e-9), name
         elif name != 'baseline':
             assert saved_formula > 0, name
+
+
+SWAPPING_TOOLS = ['test.py', 'image_demo.py', 'get_flops.py', 'export_onnx.py',
+                  'export_swapped.py', 'analyze_token_selection.py', 'swap_sweep.py']
+
+
+@pytest.mark.parametrize('tool', SWAPPING_TOOLS)
+def test_every_tool_that_swaps_takes_a_setting(tool):
+    """One spelling: --swap-attn SETTING in every tool that swaps (issue 41); a tool that
+    always swaps refuses none."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, osp.join(ROOT, 'tools', tool), '--help'],
+                         capture_output=True, text=True, check=True).stdout
+    assert '--swap-attn SETTING' in out and 'agent:7' in out, out
+
+
+def test_swap_settings_of_a_tool_that_always_swaps():
+    import argparse
+    from mita_seg.cli import add_mita_args, swap_settings
+
+    def parse(argv, swap_flag):
+        parser = argparse.ArgumentParser()
+        add_mita_args(parser, swap_flag=swap_flag)
+        return swap_settings(parser, parser.parse_args(argv))
+
+    assert parse([], swap_flag=False) == {}                       # MiTA's defaults
+    assert parse([], swap_flag=True) is None                      # no swap asked
+    got = parse(['--swap-attn', 'agent:7', '--mita-cfg', 'pool_size=5', 'include_head=True'],
+                swap_flag=False)
+    assert got == dict(include_head=True, setting=MiTASetting.parse('agent:5'))
+    with pytest.raises(SystemExit):
+        parse(['--swap-attn', 'none'], swap_flag=False)

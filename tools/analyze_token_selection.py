@@ -43,6 +43,10 @@ def parse_args(argv=None):
                         help='override config settings, key=value')
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
+    setting = (args.mita or {}).get('setting')
+    if setting is not None and setting.kind != 'mita':
+        parser.error(f'--swap-attn {setting.text}: token selection maps MiTA\'s experts; '
+                     f'{setting.kind} attention has none: give a MiTA setting such as 7:49')
     return args
 
 

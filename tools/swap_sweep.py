@@ -76,6 +76,8 @@ def parse_args(argv=None):
                         help="print the config dump and mmseg's per-class tables")
     args = parser.parse_args(argv)
     quiet_stack()
+    if not isinstance(args.swap_attn, str):   # a whole setting: one more row
+        args.settings.insert(0, args.swap_attn)
     if args.mita_cfg:     # router_topk at most the M = P*P landmarks of every pool swept
         try:
             check_mita_cfg(args.mita_cfg, ('pool_size', 'topk'), pool_sizes=args.pool_sizes)

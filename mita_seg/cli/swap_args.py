@@ -74,6 +74,14 @@ def swap_attn_arg(text: str):
         raise argparse.ArgumentTypeError(f'{e}; or none, or mita (with --mita-cfg)') from None
 
 
+def always_swap_attn_arg(text: str):
+    """``--swap-attn``'s ``type`` in a tool that always swaps: ``'mita'`` or a setting."""
+    if text == 'none':
+        raise argparse.ArgumentTypeError('this tool always swaps: give a setting (e.g. 7:49, '
+                                         'agent:7) or mita (with --mita-cfg)')
+    return swap_attn_arg(text)
+
+
 def read_plan_arg(path: str) -> 'SwapPlan':  # noqa: F821
     """``--mita-plan``'s ``type``: the plan file, read and checked (a bad one is a usage
     error naming the file and the layer or setting)."""
@@ -110,13 +118,14 @@ def add_dense_attn_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
                   exclude: Sequence[str] = ()) -> None:
-    """Add ``--mita-cfg`` and ``--mita-plan`` (and ``--swap-attn {none,mita}`` with
-    ``swap_flag``) to a tool, and ``--dense-attn`` (:func:`add_dense_attn_arg`).
+    """Add ``--swap-attn SETTING``, ``--mita-cfg`` and ``--mita-plan`` to a tool, and
+    ``--dense-attn`` (:func:`add_dense_attn_arg`).
 
     Args:
         parser (ArgumentParser): the tool's parser.
-        swap_flag (bool): the tool swaps only on request (``--swap-attn mita``, implied by
-            ``--mita-cfg``). Default: True.
+        swap_flag (bool): the tool swaps only on request (``--swap-attn SETTING`` or
+            ``mita``, implied by ``--mita-cfg``; ``none`` for no swap); False: it always
+            swaps (``--swap-attn`` defaults to ``mita``, ``none`` is refused). Default: True.
         exclude (Sequence[str]): settings the tool sets by other means (refused here).
     """
     def mita_cfg_help() -> str:
@@ -126,14 +135,15 @@ def add_mita_args(parser: argparse.ArgumentParser, swap_flag: bool = True,
                 f'{defaults}; a model already on MiTA keeps its values for the settings not '
                 'given.')
 
-    if swap_flag:
-        parser.add_argument(
-            '--swap-attn', type=swap_attn_arg, default=None, metavar='SETTING',
-            help='put the global attention of the model on this setting before running: '
-            '7:49 (MiTA, pool 7x7, top-k 49; 4x6:16, 7:49:route), agent:7 (compression '
-            'only), block:8:4 (block routing), topk:49 (per-query top-k), window:7 (a local '
-            'window); "mita": MiTA with --mita-cfg over the defaults (or reconfigure a '
-            'model already on MiTA), implied by --mita-cfg; "none": no swap')
+    parser.add_argument(
+        '--swap-attn', type=swap_attn_arg if swap_flag else always_swap_attn_arg,
+        default=None if swap_flag else 'mita', metavar='SETTING',
+        help='put the global attention of the model on this setting before running: '
+        '7:49 (MiTA, pool 7x7, top-k 49; 4x6:16, 7:49:route), agent:7 (compression '
+        'only), block:8:4 (block routing), topk:49 (per-query top-k), window:7 (a local '
+        'window); "mita": MiTA with --mita-cfg over the defaults (or reconfigure a '
+        'model already on MiTA)' + (', implied by --mita-cfg; "none": no swap' if swap_flag
+                                    else ' (default)'))
     action = type('MiTACfg', (MiTACfgAction, ), dict(exclude=tuple(exclude)))
     parser.add_argument(
         '--mita-cfg', nargs='+', action=action, default=None, metavar='KEY=VALUE',
