@@ -313,3 +313,19 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert 'Iter(train)' not in out
     with open(work / 'swap_study.json') as f:
         assert json.load(f)['models'][0]['rows'] == res['rows']
+
+
+@pytest.mark.slow
+def test_check_discrimination_trains_the_global_and_the_local_model(tmp_path, tools):
+    """The long-range check (issue 43) end to end on a few scenes and 2 iterations: both
+    configs train through the Runner and are evaluated; the tool's line names both mIoUs."""
+    from projects.swap_study.discrimination import check_discrimination, format_check
+    data = tmp_path / 'longrange'
+    tools('tools/dataset/make_longrange_ade20k.py', '--out', data, '--train', 4, '--val', 2)
+    res = check_discrimination(2031, str(tmp_path / 'work'), str(data), iters=2)
+    line = format_check(res)
+    assert res['iters'] == 2 and 'unswapped ' in line and 'local window ' in line, line
+    for name in ('unswapped', 'local window'):
+        assert 0 <= res[name]['mIoU'] <= 100 and res[name]['model_GFLOPs'] > 0
+    # the window model's attention costs less than softmax attention's
+    assert res['local window']['attn_GMACs'] < res['unswapped']['attn_GMACs']

@@ -17,17 +17,13 @@ swap-study`` runs it as in docs/swap_study.md.
 Usage (``--help`` lists every option; the defaults are the study's,
 :mod:`projects.swap_study.settings`)::
 
-    python tools/swap_study.py [--models segmenter beit] [--model NAME=CONFIG ...]
-        [--seeds S ...] [--work-dir DIR] [--fig-dir DIR] [--data-root DIR] [--reuse]
-        [--train-iters N] [--pool-sizes P ...] [--topks K ...] [--finetune P:K ...] ...
+    python tools/swap_study.py [--models segmenter beit] [--seeds S ...] [--work-dir DIR] ...
+    python tools/swap_study.py --dataset longrange --check-discrimination --seeds S --work-dir W
 
 A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
 is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
 schedule and that ``randomness.seed``).
-
-A MiTA setting is spelled as everywhere (:mod:`mita_seg.setting`): ``7:49`` (pool 7 x 7, top-k
-49), ``4x6:16`` (a 4 x 6 pool), ``7:49:route`` (route-only); MiTA with ToMe as
-``7:49+tome0.5``.
+Settings are spelled as everywhere (``7:49``, ``4x6:16``, ``7:49:route``; ``7:49+tome0.5``).
 """
 import argparse
 import os.path as osp
@@ -94,6 +90,10 @@ def build_parser():
     add('--fig-dir', type=output_dir('--fig-dir'), help='figures (default: WORK_DIR/figures)')
     add('--data-root', type=output_dir('--data-root', if_missing=True), default=DATA_ROOT,
         help='ADE20K-format data; written if missing (see --data-*)')
+    add('--dataset', choices=['local', 'longrange'], default='local', help='the scenes: local '
+        '(labels decided by a region\'s own pixels) or longrange (docs/longrange_data.md)')
+    add('--check-discrimination', action='store_true', help='longrange: only train and '
+        'evaluate the global and the 3x3-window model per seed, one line each')
     add('--data-size', type=int_range(32), default=DATA['size'], help='image side if written')
     add('--data-train', type=int_range(1), default=DATA['train'], help='training images if written')
     add('--data-val', type=int_range(1), default=DATA['val'], help='validation images if written')
@@ -192,6 +192,9 @@ def parse_args(argv=None):
         parser.error(f'config(s) not found: {missing}')
     args.models = [(n, c if osp.isfile(c) or '::' in c else osp.join(ROOT, c))
                    for n, c in models]
+    if (args.dataset == 'longrange') != args.check_discrimination:
+        parser.error('--check-discrimination goes with --dataset longrange: on the long-range '
+                     'scenes the study runs only that check for now')
     per_model = {}
     for item in args.model_train_iters:
         name, sep, iters = item.partition('=')
@@ -211,6 +214,10 @@ def main(argv=None):
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.check_discrimination:
+        from projects.swap_study.discrimination import LONGRANGE_ROOT, run_check
+        root = LONGRANGE_ROOT if args.data_root == DATA_ROOT else args.data_root
+        return run_check(args.seeds, args.work_dir, root, args.reuse, args.verbose)
     from projects.swap_study import run_swap_study
     skipped = sorted(set(MODELS) - {n for n, _ in args.models})
     if skipped:

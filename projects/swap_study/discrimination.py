@@ -1,0 +1,88 @@
+"""Does a dataset need distance? The long-range benchmark's check (issue 43): the same
+Segmenter trained identically twice for one seed, once with softmax attention and once with
+its encoder's attention restricted to a 3x3 window (``configs/longrange/``: no cls token, no
+attention in the mask head, so the window model is local), both evaluated with the test loop
+of ``tools/test.py``. A dataset discriminates swaps if the first is learnable but not
+saturated and the second clearly below it."""
+import os.path as osp
+import time
+from typing import Callable, Dict, Optional
+
+from mita_seg.apis import load_config
+
+from .settings import StudySettings
+from .study import data_options, evaluate, schedule, train
+
+__all__ = ['LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination', 'format_check']
+
+LONGRANGE_ROOT = 'data/ade/longrange_ade20k'
+LONGRANGE_CONFIGS = {
+    'unswapped': 'configs/longrange/segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py',
+    'local window':
+    'configs/longrange/segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-256x256.py',
+}
+
+
+def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_ROOT,
+                         reuse: bool = False, verbose: bool = False,
+                         progress: Optional[Callable[[str], None]] = None,
+                         iters: Optional[int] = None) -> Dict:
+    """Train and evaluate the pair of :data:`LONGRANGE_CONFIGS` for ``seed`` (their own
+    schedule, or ``iters`` iterations of the study's), in ``WORK_DIR/<model>/seed<seed>``;
+    with ``reuse`` a finished checkpoint is evaluated as it is.
+
+    Returns:
+        dict: ``seed``, ``iters``, and per model (``unswapped``, ``local window``) the
+        test row of :func:`~projects.swap_study.study.evaluate` with ``train_seconds``.
+    """
+    progress = progress or (lambda line: print(f'[check] {line}', flush=True))
+    out = dict(seed=seed)
+    opts = {**data_options(data_root), 'randomness.seed': seed}
+    for name, config in LONGRANGE_CONFIGS.items():
+        mdir = osp.join(work_dir, name.replace(' ', '_'), f'seed{seed}')
+        cfg = load_config(config, opts)
+        if iters is not None:
+            schedule(cfg, iters)
+        out['iters'] = cfg.train_cfg.max_iters
+        progress(f'{name}: training {config} for {out["iters"]} iterations, seed {seed}')
+        t0 = time.time()
+        ckpt, seconds, reused = train(cfg, osp.join(mdir, 'train'), verbose, reuse)
+        progress(f'{name}: {"reused" if reused else "trained in"} {seconds:.0f} s; evaluating')
+        row = evaluate(load_config(config, opts), ckpt, osp.join(mdir, 'test'),
+                       StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2))
+        out[name] = dict(row, train_seconds=round(seconds, 1), checkpoint=ckpt,
+                         seconds=round(time.time() - t0, 1))
+    return out
+
+
+def format_check(res: Dict) -> str:
+    """The check's one line: ``unswapped <mIoU>`` and ``local window <mIoU>``, the gap."""
+    a, b = res['unswapped']['mIoU'], res['local window']['mIoU']
+    seconds = sum(res[k]['seconds'] for k in LONGRANGE_CONFIGS)
+    return (f'seed {res["seed"]}, {res["iters"]} iterations each, long-range scenes: '
+            f'unswapped {a:.2f} mIoU, local window {b:.2f} mIoU, gap {a - b:+.2f} '
+            f'({seconds / 60:.0f} min)')
+
+
+def run_check(seeds, work_dir: str, data_root: str = LONGRANGE_ROOT, reuse: bool = False,
+              verbose: bool = False) -> list:
+    """:func:`check_discrimination` for each seed, the long-range scenes written first if
+    missing (``tools/dataset/make_longrange_ade20k.py``'s defaults), each seed's line
+    printed and its result written to ``WORK_DIR/check_seed<seed>.json``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    if not osp.isdir(osp.join(data_root, 'images')):
+        tool = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))), 'tools',
+                        'dataset', 'make_longrange_ade20k.py')
+        subprocess.run([sys.executable, tool, '--out', data_root], check=True)
+    os.makedirs(work_dir, exist_ok=True)
+    results = []
+    for seed in seeds:
+        res = check_discrimination(seed, work_dir, data_root, reuse, verbose)
+        with open(osp.join(work_dir, f'check_seed{seed}.json'), 'w') as f:
+            json.dump(res, f, indent=1)
+        print(format_check(res), flush=True)
+        results.append(res)
+    return results
