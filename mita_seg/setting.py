@@ -307,8 +307,7 @@ class MiTASetting:
         h, w = hw_shape
         if self.kind == 'mita':
             T = num_global_tokens
-            (ph, pw), M = self.pool, None
-            M = min(ph, h) * min(pw, w)
+            M = min(self.pool[0], h) * min(self.pool[1], w)
             return (flops.mita_flops_per_head(num_tokens - T, head_dim, M,
                                               min(self.topk, num_tokens - T),
                                               min(self.router_topk, M),
