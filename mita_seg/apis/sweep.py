@@ -14,7 +14,7 @@ from mmengine.runner import Runner
 
 from mita_seg.analysis.attention_macs import attention_gmacs
 from mita_seg.models import MiTASettingsMixin, SwapPlan
-from mita_seg.setting import MiTASetting, MiTASettingError
+from mita_seg.setting import KINDS, MiTASetting, MiTASettingError
 from .model import swap_model
 from .token_merge import merge_label, merge_model
 
@@ -144,8 +144,11 @@ class SweepRow:
 
     @property
     def topk(self) -> Optional[int]:
-        """The ``k`` asked, for ``swap`` and ``swap+tome``; else None."""
-        return self.point.setting.topk if self.point.setting is not None else None
+        """The ``k`` asked, for ``swap`` and ``swap+tome`` of a kind that has one (MiTA,
+        top-k); else None."""
+        setting = self.point.setting
+        return setting.topk if setting is not None and 'topk' in KINDS[setting.kind].keys \
+            else None
 
     @property
     def merge_ratio(self) -> Optional[float]:
