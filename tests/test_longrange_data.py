@@ -1,10 +1,9 @@
-"""``tools/dataset/make_longrange_ade20k.py``: scenes whose labels need long-range evidence
+"""``tools/dataset/make_longrange_ade20k.py`` (:mod:`mita_seg.datasets.longrange_scenes`): scenes whose labels need long-range evidence
 (issue 43). Seeded determinism (arrays and the CLI's files, byte for byte), ADE20K's layout and
 label range, and that labels truly depend on distant evidence: re-drawing a scene with the
 other cue changes the labels far from the cue and no pixel there; changing the texture of a
 plain object's distant partner changes the plain object's label and none of its pixels.
 """
-import importlib.util
 import os
 import os.path as osp
 import subprocess
@@ -15,13 +14,10 @@ import cv2
 import numpy as np
 import pytest
 
+import mita_seg.datasets.longrange_scenes as gen
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SCRIPT = osp.join(ROOT, 'tools', 'dataset', 'make_longrange_ade20k.py')
-# tools/ is a plain folder, not a package: load the generator from its file
-_spec = importlib.util.spec_from_file_location('make_longrange_ade20k', SCRIPT)
-gen = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gen
-_spec.loader.exec_module(gen)
 
 SIZE = 256            # the study's input: a 32 x 32 grid of 8-pixel patches
 CELL = SIZE // gen.GRID
