@@ -141,3 +141,14 @@ class LogRecords(logging.Handler):
 def log_records():
     """:class:`LogRecords`, the context manager that collects mmengine's log messages."""
     return LogRecords
+
+
+@pytest.fixture(scope='module')
+def one_thread():
+    """Small tensors: one thread (two threads on a loaded host wait on each other); a module
+    takes it with ``pytestmark = pytest.mark.usefixtures('one_thread')``."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

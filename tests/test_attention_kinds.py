@@ -25,13 +25,7 @@ LAYOUTS = {
 SPARSE_LAYOUTS = ['cls-5x7-suffix3', 'prefix2-6x5-d5']
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """Small tensors: one thread (two threads on a loaded host wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def qkv(layout, seed=0):

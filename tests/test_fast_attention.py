@@ -30,13 +30,7 @@ VIT_T = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
 UPERNET = 'mmseg::vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py'
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """Small tensors: one thread (two threads on a loaded host wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def model_cfg(config, crop=64, stride=48):

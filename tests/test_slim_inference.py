@@ -87,13 +87,7 @@ def check_equal(ref, slim, inputs, data_samples):
     return want
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    """Small tensors: one thread (two threads on a loaded host wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 @pytest.fixture(scope='module')
