@@ -124,6 +124,14 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and "--native-models ['segmentr']: not a model of this study" in out
     code, out = tools('tools/swap_study.py', '--seeds', '-1', check=False)
     assert code == 2 and '-1' in out
+    # the taxonomy's budgets are MiTA settings; a model of the other scenes is named
+    code, out = tools('tools/swap_study.py', '--kind-budgets', 'agent:7', check=False)
+    assert code == 2 and "'agent:7': a budget is a MiTA setting (7:49)" in out
+    code, out = tools('tools/swap_study.py', '--dataset', 'longrange', '--models', 'beit',
+                      check=False)
+    assert code == 2 and "--models ['beit']: not a model of the longrange scenes" in out
+    code, out = tools('tools/swap_study.py', '--check-discrimination', check=False)
+    assert code == 2 and '--check-discrimination goes with --dataset longrange' in out
 
 
 def test_cfg_options_value_ends_the_study_in_one_line(tools, tmp_path):
@@ -149,7 +157,8 @@ STUDY_ARGS = ['--seeds', 1, 2, '--head-settings', '4:8', '--train-iters', 2,
               '--speed-time', 0.02, '--threads', 1, '--merge-ratios', 0.4,
               '--merged-swaps', '4:8+tome0.4', '--plan-budgets', '4:8', 'tome',
               '--calibration-images', 2, '--calibration-counts', 1, '--candidates', 'dense',
-              '2:8', '4:8', '4:8:route', '--native', '2:8', '--native-models', 'tiny']
+              '2:8', '4:8', '4:8:route', '--native', '2:8', '--native-models', 'tiny',
+              '--kind-budgets', '4:8']
 
 
 @pytest.mark.slow
@@ -173,7 +182,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert [r['seed'] for r in runs] == [1, 2]
     assert [r['kind'] for r in res['rows']] == [
         'baseline', 'swap', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head',
-        'swap+tome', 'check', 'plan', 'plan', 'plan', 'finetune', 'control']
+        'swap+tome', 'check'] + ['equal-cost'] * 6 + ['plan', 'plan', 'plan', 'finetune',
+                                                       'control']
     for r in res['rows']:
         by_seed = [next(x for x in run['rows'] if x['setting'] == r['setting'])
                    for run in runs]
@@ -205,6 +215,21 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert base['model_GFLOPs'] > tome['model_GFLOPs'] and tome['merge_ratio'] == 0.4
     assert both['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
     assert both['model_GFLOPs'] != pytest.approx(m16['model_GFLOPs'])
+
+    # the taxonomy at the cost of MiTA M=4x4 k=8 (issue 42): each kind at the nearest
+    # attention MACs, ToMe at the nearest GFLOPs; MiTA at its own budget is the sweep's row
+    eq = [r for r in res['rows'] if r['kind'] == 'equal-cost']
+    assert [r['attention'] for r in eq] == ['mita', 'agent', 'block', 'topk', 'window', 'tome']
+    assert all(r['budget'] == '4:8' and r['seeds'] == 2 for r in eq)
+    assert eq[0]['cost_ratio'] == 1 and eq[0]['mIoU'] == m16['mIoU']
+    assert eq[0]['attn_GMACs'] == pytest.approx(m16['attn_GMACs'])
+    assert not eq[3]['within'] and eq[3]['cost_ratio'] > 1.1   # top-k scores every key
+    tome_eq = eq[5]
+    assert tome_eq['within'] == (abs(tome_eq['model_GFLOPs'] / m16['model_GFLOPs'] - 1) <= 0.1)
+    assert 0 < tome_eq['merge_ratio'] <= 0.5
+    for run in runs:
+        (budget, ) = run['equal_cost']
+        assert budget['budget'] == '4:8' and len(budget['kinds']) == 6
 
     # the mask head too: with its class tokens global it costs more than routed, and less
     # than the encoder-only swap (the head's attention on MiTA too); ToMe with the head merges
@@ -264,7 +289,7 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
 
     # the markdown tables hold the JSON's numbers: mean ± std, the deltas by seed
     md = (work / 'swap_study.md').read_text()
-    for r in res['rows'] + native['rows']:
+    for r in [r for r in res['rows'] if r['kind'] != 'equal-cost'] + native['rows']:
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| {r['setting']} |"))
         assert f"| {r['mIoU']:.2f} ± {r['std']['mIoU']:.2f} |" in line
         assert ' / '.join(f'{v:+.2f}' for v in r['per_seed']['delta_mIoU'].values()) in line
@@ -284,11 +309,15 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert len(sel['figures']) == 1
     # (the encoder's layers: the swap's default, the paper's)
     assert set(sel['layers']) == {f'backbone.layers.{i}.attn' for i in range(4)}
-    assert len(study['figures']) == 4
+    assert len(study['figures']) == 5
+    for r in eq:
+        assert any(ln.startswith(f"| 4:8 | {r['attention']} | ") and f"{r['delta_mIoU']:+.2f} ±"
+                   in ln for ln in md.splitlines())
     for png in study['figures']:
         with open(png, 'rb') as f:
             assert f.read(8) == b'\x89PNG\r\n\x1a\n'
-    assert study['figures'][:2] == [str(work / 'figures' / 'swap_study.png'),
+    assert study['figures'][:3] == [str(work / 'figures' / 'swap_study.png'),
+                                    str(work / 'figures' / 'swap_study_kinds.png'),
                                     str(work / 'figures' / 'tiny_native.png')]
 
     # the MiTA-trained checkpoint through tools/test.py: at its own setting it gives the
@@ -329,3 +358,9 @@ def test_check_discrimination_trains_the_global_and_the_local_model(tmp_path, to
         assert 0 <= res[name]['mIoU'] <= 100 and res[name]['model_GFLOPs'] > 0
     # the window model's attention costs less than softmax attention's
     assert res['local window']['attn_GMACs'] < res['unswapped']['attn_GMACs']
+    # the unswapped model without token mixing, no retraining: each token alone, one key
+    assert list(res['no mixing']) == ['window:1', '1:1:route']
+    for spec, row in res['no mixing'].items():
+        assert f"swapped to {spec} (no retraining) {row['mIoU'] - res['unswapped']['mIoU']:+.2f}" \
+            in line
+        assert row['model_GFLOPs'] < res['unswapped']['model_GFLOPs']

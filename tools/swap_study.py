@@ -33,46 +33,12 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mita_seg.cli import (KeyValueAction, add_dense_attn_arg, float_range,  # noqa: E402
-                          int_range, merge_ratio, output_dir, setting_arg, setting_or_dense_arg)
-from mita_seg.setting import MiTASetting, MiTASettingError  # noqa: E402
+from mita_seg.cli import KeyValueAction, add_dense_attn_arg, int_range, output_dir  # noqa: E402
 # the study's defaults (torch-free: parsed against before the stack is loaded)
-from projects.swap_study.settings import (DATA, DATA_ROOT, MODEL_TRAIN_ITERS,  # noqa: E402
-                                          MODELS, WORK_DIR, StudySettings, default)
+from projects.swap_study.cli import add_study_args  # noqa: E402
+from projects.swap_study.settings import DATA, DATASETS, StudySettings, default  # noqa: E402
 
-
-def merged_swap(text):
-    """``'7:49+tome0.5'`` -> ``(MiTASetting 7:49, 0.5)``: MiTA with ToMe at ratio 0.5."""
-    setting, sep, ratio = text.partition('+tome')
-    try:
-        value = MiTASetting.parse(setting), merge_ratio(ratio)
-        if not sep:
-            raise ValueError
-    except (ValueError, argparse.ArgumentTypeError):
-        old = text.split(',')
-        hint = (f' ({text!r} is the old spelling: write {old[0]}:{old[1]}+tome{old[2]})'
-                if len(old) == 3 else '')
-        raise argparse.ArgumentTypeError(
-            f'{text!r}: give SETTING+tomeRATIO, e.g. 7:49+tome0.5 (a MiTA setting, ToMe at a '
-            f'ratio in [0, 0.5]){hint}') from None
-    return value
-
-
-def spelled(text):
-    """A candidate: ``dense`` or a MiTA setting, as its spelling."""
-    setting = setting_or_dense_arg(text)
-    return 'dense' if setting is None else setting.text
-
-
-def plan_budget(text):
-    """A MiTA setting (the FLOPs of every layer on it, e.g. ``7:49``) or ``'tome'``."""
-    if text == 'tome':
-        return text
-    try:
-        return MiTASetting.parse(text).text
-    except MiTASettingError as e:
-        raise argparse.ArgumentTypeError(
-            f"{e}; or 'tome' (the FLOPs of the largest --merge-ratios)") from None
+MODEL_NAMES = sorted({n for d in DATASETS.values() for n in d.models})
 
 
 def build_parser():
@@ -81,22 +47,28 @@ def build_parser():
     p = argparse.ArgumentParser(
         description='MiTA swap study: train, swap without retraining, fine-tune, measure')
     add = p.add_argument
-    add('--models', nargs='+', choices=sorted(MODELS), help='models of the study (default '
-        'without --model: every one whose config exists; '
-        f"{', '.join(f'{k}: {v}' for k, v in MODELS.items())})")
-    add('--model', action='append', default=[], metavar='NAME=CONFIG',
-        help='a further standard-attention model (config file or mmseg::)')
-    add('--work-dir', type=output_dir('--work-dir'), default=WORK_DIR)
-    add('--fig-dir', type=output_dir('--fig-dir'), help='figures (default: WORK_DIR/figures)')
-    add('--data-root', type=output_dir('--data-root', if_missing=True), default=DATA_ROOT,
-        help='ADE20K-format data; written if missing (see --data-*)')
-    add('--dataset', choices=['local', 'longrange'], default='local', help='the scenes: local '
-        '(labels decided by a region\'s own pixels) or longrange (docs/longrange_data.md)')
+    add('--dataset', choices=sorted(DATASETS), default='local', help='the scenes: local '
+        "(labels decided by a region's own pixels) or longrange (labels need distant evidence: "
+        'docs/longrange_data.md); it sets the models, data, iterations and work dir below')
     add('--check-discrimination', action='store_true', help='longrange: only train and '
         'evaluate the global and the 3x3-window model per seed, one line each')
+    add('--models', nargs='+', choices=MODEL_NAMES, help="models of the study (default "
+        "without --model: every one of the dataset's whose config exists; "
+        + '; '.join(f"{name}: {', '.join(f'{k}: {v}' for k, v in d.models.items())}"
+                    for name, d in DATASETS.items()) + ')')
+    add('--model', action='append', default=[], metavar='NAME=CONFIG',
+        help='a further standard-attention model (config file or mmseg::)')
+    add('--work-dir', type=output_dir('--work-dir'),
+        help='default: ' + ', '.join(f'{k}: {d.work_dir}' for k, d in DATASETS.items()))
+    add('--fig-dir', type=output_dir('--fig-dir'), help='figures (default: WORK_DIR/figures)')
+    add('--data-root', type=output_dir('--data-root', if_missing=True),
+        help='ADE20K-format data, written if missing (see --data-*); default: '
+        + ', '.join(f'{k}: {d.data_root}' for k, d in DATASETS.items()))
     add('--data-size', type=int_range(32), default=DATA['size'], help='image side if written')
-    add('--data-train', type=int_range(1), default=DATA['train'], help='training images if written')
-    add('--data-val', type=int_range(1), default=DATA['val'], help='validation images if written')
+    add('--data-train', type=int_range(1), help='training images if written (default: '
+        f"local {DATA['train']}, longrange the tool's)")
+    add('--data-val', type=int_range(1), help='validation images if written (default: '
+        f"local {DATA['val']}, longrange the tool's)")
     add_study_args(add)
     add('--threads', type=int_range(1), help="torch's intra-op threads (default: torch's choice)")
     add('--workers', type=int_range(0), default=default('workers'),
@@ -111,76 +83,26 @@ def build_parser():
     return p
 
 
-def add_study_args(add):
-    """What the study runs: ``StudySettings``' fields, their defaults the settings'."""
-    D = default
-    add('--seeds', type=int_range(0), nargs='+', default=list(D('seeds')),
-        help='training seeds: every model is trained and studied once per seed '
-        '(randomness.seed); rows are mean and spread over them')
-    add('--train-iters', type=int_range(1), default=D('train_iters'))
-    iters = [f'{k}={v}' for k, v in MODEL_TRAIN_ITERS.items()]
-    add('--model-train-iters', nargs='*', default=iters, metavar='NAME=ITERS',
-        help='training iterations of some models instead of --train-iters (default: '
-        f"{' '.join(iters)}, the tiny BEiT barely uses its attention after 120; see "
-        'docs/swap_study.md)')
-    add('--finetune-iters', type=int_range(1), default=D('finetune_iters'))
-    add('--finetune-lr-mult', type=float_range(0, low_open=True), default=D('finetune_lr_mult'),
-        help="fine-tune learning rate as a multiple of the config's")
-    add('--pool-sizes', type=int_range(1), nargs='+', default=list(D('pool_sizes')),
-        help='landmark grid sides P of the sweep (M = P*P)')
-    add('--topks', type=int_range(1), nargs='+', default=list(D('topks')),
-        help='keys per routed expert of the sweep')
-    add('--finetune', type=setting_arg, nargs='*', default=list(D('finetune')), metavar='P:K',
-        help='settings to export and fine-tune (none: no fine-tune)')
-    add('--selection', type=setting_arg, default=D('selection'), metavar='P:K',
-        help='setting of the token-selection maps')
-    add('--selection-images', type=int_range(0), default=D('selection_images'),
-        help='validation images of the token-selection maps (0: no maps)')
-    add('--merge-ratios', type=merge_ratio, nargs='*', default=list(D('merge_ratios')),
-        metavar='R', help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
-    add('--head-settings', type=setting_arg, nargs='*', default=list(D('head_settings')),
-        metavar='P:K', help="settings at which Segmenter's mask head is swapped too, its "
-        'class tokens global and, as a second row, routed like patches (none: no such rows)')
-    add('--no-merge-head', dest='merge_head', action='store_false',
-        help="no ToMe rows with Segmenter's mask head merged (only the encoder's)")
-    add('--merged-swaps', type=merged_swap, nargs='*', default=list(D('merged_swaps')),
-        metavar='P:K+tomeR', help='MiTA at a setting with ToMe at ratio R together, e.g. '
-        '7:49+tome0.5')
-    add('--plan-budgets', type=plan_budget, nargs='*', default=list(D('plan_budgets')),
-        metavar='P:K|tome', help='FLOP budgets of the calibrated per-layer plans (none: no '
-        'plans)')
-    add('--calibration-images', type=int_range(1), default=D('calibration_images'),
-        help='training images each plan is calibrated on')
-    add('--calibration-counts', type=int_range(1), nargs='*',
-        default=list(D('calibration_counts')), metavar='N',
-        help='also calibrate the first budget on N images')
-    add('--candidates', dest='calibration_candidates', nargs='+', type=spelled, metavar='C',
-        default=None, help='per-layer candidates of the calibration (dense, P:K, P:K:route; '
-        "default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: a finer grid than "
-        "tools/calibrate_swap.py's default, see docs/swap_study.md)")
-    add('--native', type=setting_arg, nargs='*', default=list(D('native')), metavar='P:K',
-        help='also train the model from scratch with MiTA at each setting and evaluate it '
-        'over the grid (none: no such runs)')
-    add('--native-models', nargs='+', default=list(D('native_models')), metavar='NAME',
-        help='the models that get the --native runs')
-    add('--no-control', dest='control', action='store_false',
-        help='skip training the unswapped model as long as the fine-tune')
-    add('--no-check', dest='exact_check', action='store_false',
-        help='skip the route-only every-key row (must equal unswapped)')
-    add('--speed-time', dest='speed_min_run_time', metavar='SPEED_TIME',
-        type=float_range(0, low_open=True), default=D('speed_min_run_time'),
-        help='seconds of timing per row for images/s')
-
-
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    data = DATASETS[args.dataset]
+    for key in ('work_dir', 'data_root', 'train_iters', 'finetune_iters'):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(data, key))
+    if args.dataset == 'local':
+        args.data_train = args.data_train or DATA['train']
+        args.data_val = args.data_val or DATA['val']
+    unknown = sorted(set(args.models or ()) - set(data.models))
+    if unknown:
+        parser.error(f'--models {unknown}: not a model of the {args.dataset} scenes '
+                     f"({', '.join(data.models)}); give --model NAME=CONFIG for another")
     if args.models:
-        models = [(n, MODELS[n]) for n in args.models]
+        models = [(n, data.models[n]) for n in args.models]
     elif args.model:
         models = []
-    else:   # the default study: every model whose config exists
-        models = [(n, c) for n, c in MODELS.items() if osp.isfile(osp.join(ROOT, c))]
+    else:   # the default study: every model of the dataset whose config exists
+        models = [(n, c) for n, c in data.models.items() if osp.isfile(osp.join(ROOT, c))]
     for item in args.model:
         name, sep, config = item.partition('=')
         if not sep or not name or not config:
@@ -192,9 +114,11 @@ def parse_args(argv=None):
         parser.error(f'config(s) not found: {missing}')
     args.models = [(n, c if osp.isfile(c) or '::' in c else osp.join(ROOT, c))
                    for n, c in models]
-    if (args.dataset == 'longrange') != args.check_discrimination:
-        parser.error('--check-discrimination goes with --dataset longrange: on the long-range '
-                     'scenes the study runs only that check for now')
+    if args.check_discrimination and args.dataset != 'longrange':
+        parser.error('--check-discrimination goes with --dataset longrange (the long-range '
+                     'scenes are what it checks)')
+    if args.model_train_iters is None:
+        args.model_train_iters = [f'{k}={v}' for k, v in data.model_train_iters.items()]
     per_model = {}
     for item in args.model_train_iters:
         name, sep, iters = item.partition('=')
@@ -209,26 +133,32 @@ def parse_args(argv=None):
     return args
 
 
+def write_data(args):
+    """The dataset's scenes, with its tool (``tools/dataset/``), unless already there."""
+    if osp.isdir(osp.join(args.data_root, 'images')):
+        return
+    cmd = [sys.executable, osp.join(ROOT, 'tools', 'dataset', DATASETS[args.dataset].tool),
+           '--out', args.data_root, '--size', str(args.data_size)]
+    cmd += [a for k, v in (('--train', args.data_train), ('--val', args.data_val)) if v
+            for a in (k, str(v))]
+    print('[swap_study] $ ' + ' '.join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
+    write_data(args)
     if args.check_discrimination:
-        from projects.swap_study.discrimination import LONGRANGE_ROOT, run_check
-        root = LONGRANGE_ROOT if args.data_root == DATA_ROOT else args.data_root
-        return run_check(args.seeds, args.work_dir, root, args.reuse, args.verbose)
+        from projects.swap_study.discrimination import run_check
+        return run_check(args.seeds, args.work_dir, args.data_root, args.reuse, args.verbose)
     from projects.swap_study import run_swap_study
-    skipped = sorted(set(MODELS) - {n for n, _ in args.models})
+    skipped = sorted(set(DATASETS[args.dataset].models) - {n for n, _ in args.models})
     if skipped:
         print(f'[swap_study] not in this study: {", ".join(skipped)} '
               f'(config missing or not asked for)', flush=True)
-    if not osp.isdir(osp.join(args.data_root, 'images')):
-        cmd = [sys.executable, osp.join(ROOT, 'tools', 'dataset', 'make_tiny_ade20k.py'),
-               '--out', args.data_root, '--train', str(args.data_train), '--val',
-               str(args.data_val), '--size', str(args.data_size)]
-        print('[swap_study] $ ' + ' '.join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
     settings = StudySettings.from_values(vars(args))   # the arguments named as its fields
     try:
         study = run_swap_study(args.models, args.work_dir, settings, args.fig_dir)

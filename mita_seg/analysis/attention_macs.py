@@ -28,6 +28,9 @@ class AttentionMacCounter:
         self.macs = 0
         # what the MiTA calls ran with: {(pool (h, w), topk, router_topk, N)}
         self.ran = set()
+        # each call of a swapped module (any kind): (grid (h, w), N, head_dim, global
+        # tokens, batch x heads), what :func:`mita_seg.analysis.equal_cost.cost_of` prices
+        self.calls = []
         self._handles = []
 
     def __enter__(self):
@@ -52,6 +55,7 @@ class AttentionMacCounter:
         with_bias = getattr(module, 'relative_position_bias_table', None) is not None
         if isinstance(module, MiTASettingsMixin) and module.kind != 'mita':
             grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
+            self.calls.append((tuple(grid), N, d, N - grid[0] * grid[1], B * H))
             self.macs += B * H * module.setting.attention_macs(grid, N, d)
         elif isinstance(module, MiTASettingsMixin):
             T = 0   # global tokens (a swapped Segmenter head's class tokens): exact both ways
@@ -64,6 +68,7 @@ class AttentionMacCounter:
                 T = sum(glob)
             (ph, pw), topk, router_topk = module.effective_settings(N - T, grid)
             self.ran.add(((ph, pw), topk, router_topk, N))
+            self.calls.append((tuple(grid), N, d, T, B * H))
             self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
                                     module.with_shared_expert, with_bias=with_bias,
                                     num_global_tokens=T)
@@ -72,10 +77,11 @@ class AttentionMacCounter:
 
 
 def attention_gmacs(model: nn.Module, batches: Sequence[dict],
-                    ran: Optional[set] = None) -> float:
+                    ran: Optional[set] = None, calls: Optional[list] = None) -> float:
     """Per-image attention GMACs of ``model`` on ``batches`` (test-mode forward);
     ``ran``, if given, receives the settings the MiTA calls ran with
-    (:attr:`AttentionMacCounter.ran`)."""
+    (:attr:`AttentionMacCounter.ran`), ``calls`` the calls of its swapped modules
+    (:attr:`AttentionMacCounter.calls`)."""
     images = 0
     model.eval()                          # a test-mode forward (BatchNorm, dropout)
     with AttentionMacCounter(model) as counter, torch.no_grad():
@@ -84,4 +90,6 @@ def attention_gmacs(model: nn.Module, batches: Sequence[dict],
             images += len(batch['inputs'])
     if ran is not None:
         ran.update(counter.ran)
+    if calls is not None:
+        calls.extend(counter.calls)
     return counter.macs / images / 1e9

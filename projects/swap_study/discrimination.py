@@ -8,19 +8,31 @@ import os.path as osp
 import time
 from typing import Callable, Dict, Optional
 
-from mita_seg.apis import load_config
+from mita_seg.apis import load_config, mita_config
+from mita_seg.setting import MiTASetting
 
-from .settings import StudySettings
+from .settings import DATASETS, LONGRANGE_SEGMENTER, StudySettings
 from .study import data_options, evaluate, schedule, train
 
-__all__ = ['LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination', 'format_check']
+__all__ = ['NO_MIXING', 'LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination', 'format_check']
 
-LONGRANGE_ROOT = 'data/ade/longrange_ade20k'
+LONGRANGE_ROOT = DATASETS['longrange'].data_root
+# the pair: (the model's directory under WORK_DIR, its config); the unswapped model's is the
+# study's (``WORK_DIR/segmenter/seed<seed>/train``), so that the study on the long-range
+# scenes with ``--reuse`` takes the check's checkpoints
 LONGRANGE_CONFIGS = {
-    'unswapped': 'configs/longrange/segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py',
-    'local window':
-    'configs/longrange/segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-256x256.py',
+    'unswapped': ('segmenter', LONGRANGE_SEGMENTER),
+    'local window': ('segmenter_window3',
+                     'configs/longrange/segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-'
+                     '256x256.py'),
 }
+
+
+# swaps of the unswapped model (no retraining) that leave its encoder no token mixing: each
+# token reads itself alone (``window:1``); and every token reads the one key that a single
+# landmark (the mean query) routes to (``1:1:route``: pool 1, k 1, no shared expert), which
+# mixes nothing of a token's neighbours but broadcasts one token to all
+NO_MIXING = ('window:1', '1:1:route')
 
 
 def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_ROOT,
@@ -33,13 +45,15 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
 
     Returns:
         dict: ``seed``, ``iters``, and per model (``unswapped``, ``local window``) the
-        test row of :func:`~projects.swap_study.study.evaluate` with ``train_seconds``.
+        test row of :func:`~projects.swap_study.study.evaluate` with ``train_seconds``;
+        ``no mixing``: the unswapped model swapped to each of :data:`NO_MIXING` without
+        retraining, ``{spelling: test row}``.
     """
     progress = progress or (lambda line: print(f'[check] {line}', flush=True))
     out = dict(seed=seed)
     opts = {**data_options(data_root), 'randomness.seed': seed}
-    for name, config in LONGRANGE_CONFIGS.items():
-        mdir = osp.join(work_dir, name.replace(' ', '_'), f'seed{seed}')
+    for name, (dirname, config) in LONGRANGE_CONFIGS.items():
+        mdir = osp.join(work_dir, dirname, f'seed{seed}')
         cfg = load_config(config, opts)
         if iters is not None:
             schedule(cfg, iters)
@@ -52,6 +66,14 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
                        StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2))
         out[name] = dict(row, train_seconds=round(seconds, 1), checkpoint=ckpt,
                          seconds=round(time.time() - t0, 1))
+    ckpt, (_, config) = out['unswapped']['checkpoint'], LONGRANGE_CONFIGS['unswapped']
+    out['no mixing'] = {}
+    for spec in NO_MIXING:
+        progress(f'unswapped, swapped to {spec} without retraining: evaluating')
+        cfg = mita_config(load_config(config, opts), dict(setting=MiTASetting.parse(spec)))
+        out['no mixing'][spec] = evaluate(
+            cfg, ckpt, osp.join(work_dir, 'segmenter', f'seed{seed}', f'test_{spec}'),
+            StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2))
     return out
 
 
@@ -60,23 +82,19 @@ def format_check(res: Dict) -> str:
     a, b = res['unswapped']['mIoU'], res['local window']['mIoU']
     seconds = sum(res[k]['seconds'] for k in LONGRANGE_CONFIGS)
     return (f'seed {res["seed"]}, {res["iters"]} iterations each, long-range scenes: '
-            f'unswapped {a:.2f} mIoU, local window {b:.2f} mIoU, gap {a - b:+.2f} '
-            f'({seconds / 60:.0f} min)')
+            f'unswapped {a:.2f} mIoU, local window {b:.2f} mIoU, gap {a - b:+.2f}; '
+            + ', '.join(f"swapped to {k} (no retraining) {v['mIoU'] - a:+.2f}"
+                        for k, v in res.get('no mixing', {}).items())
+            + f' ({seconds / 60:.0f} min)')
 
 
 def run_check(seeds, work_dir: str, data_root: str = LONGRANGE_ROOT, reuse: bool = False,
               verbose: bool = False) -> list:
-    """:func:`check_discrimination` for each seed, the long-range scenes written first if
-    missing (``tools/dataset/make_longrange_ade20k.py``'s defaults), each seed's line
-    printed and its result written to ``WORK_DIR/check_seed<seed>.json``."""
+    """:func:`check_discrimination` for each seed (the scenes must be in ``data_root``:
+    ``tools/dataset/make_longrange_ade20k.py``), each seed's line printed and its result
+    written to ``WORK_DIR/check_seed<seed>.json``."""
     import json
     import os
-    import subprocess
-    import sys
-    if not osp.isdir(osp.join(data_root, 'images')):
-        tool = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))), 'tools',
-                        'dataset', 'make_longrange_ade20k.py')
-        subprocess.run([sys.executable, tool, '--out', data_root], check=True)
     os.makedirs(work_dir, exist_ok=True)
     results = []
     for seed in seeds:

@@ -3,6 +3,7 @@ of ``swap_study.md`` and the figures, read from the study's results (the JSON it
 from typing import List, Optional, Sequence
 
 from mita_seg.apis.sweep import FLOP_NOTE
+from .kinds import kinds_markdown
 
 # what the paper reports for the swap without retraining (Wen et al., arXiv 2602.01219)
 PAPER_CLAIMS = ('about 1 mIoU point lost, up to 42% fewer FLOPs, swapping the attention of '
@@ -182,8 +183,9 @@ def markdown(study: dict) -> str:
                        f"{shape[0] if shape else '?'}x{shape[1] if shape else '?'}{grid}; "
                        f"this model's study took {res.get('seconds', 0):.0f} s.")
             out.append('')
-        out += _table(res['rows'])
+        out += _table([r for r in res['rows'] if r['kind'] != 'equal-cost'])
         out += _equal_flops(res['rows'])
+        out += kinds_markdown(res['rows'])
         sel = res.get('selection')
         if sel:
             out += ['', f"Tokens no routed expert selects (never read by one; seed "

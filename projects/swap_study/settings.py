@@ -7,7 +7,7 @@ import os.path as osp
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from mita_seg.setting import CALIBRATION_CANDIDATES, MiTASetting
+from mita_seg.setting import CALIBRATION_CANDIDATES, KINDS, MiTASetting
 
 # the calibration's per-layer candidates in the study: finer steps of cost than
 # calibrate_swap's default (P 4/5/7 x k 16/49/100), so that the knapsack has settings to trade
@@ -32,6 +32,34 @@ WORK_DIR = 'work_dirs/swap_study'
 # models trained longer than train_iters (the tiny BEiT barely uses its attention after 120;
 # see docs/swap_study.md).
 MODEL_TRAIN_ITERS = {'beit': 400}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset of the study (``tools/swap_study.py --dataset``): its scenes, the tool
+    that writes them when missing (``tools/dataset/<tool>``), its models (standard-attention
+    configs), their training iterations, the fine-tune's, and the study's work dir."""
+    data_root: str
+    tool: str
+    models: Dict[str, str]
+    train_iters: int
+    model_train_iters: Dict[str, int]
+    finetune_iters: int
+    work_dir: str
+
+
+LONGRANGE_SEGMENTER = \
+    'configs/longrange/segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py'
+DATASETS = {
+    # the local scenes: a region's own pixels decide its label
+    'local': Dataset(DATA_ROOT, 'make_tiny_ade20k.py', MODELS, 120, MODEL_TRAIN_ITERS, 40,
+                     WORK_DIR),
+    # the long-range scenes (docs/longrange_data.md): the Segmenter without cls token or head
+    # attention, trained on its config's schedule (1000 iterations: 45-85 mIoU)
+    'longrange': Dataset('data/ade/longrange_ade20k', 'make_longrange_ade20k.py',
+                         {'segmenter': LONGRANGE_SEGMENTER}, 1000, {}, 100,
+                         'work_dirs/swap_study_longrange'),
+}
 
 
 @dataclass
@@ -71,6 +99,12 @@ class StudySettings:
             encoder only). Default: True.
         merged_swaps (tuple[tuple[MiTASetting, float]]): ``(setting, ratio)``: MiTA with
             ToMe (the MLPs of MiTA layers merged). Default: ((``7:49``, 0.5), ).
+        kind_budgets (tuple[MiTASetting]): the budgets of the taxonomy's comparison: each
+            attention kind of ``kinds`` (and MiTA, and ToMe) at the encoder's attention MACs
+            of each of these MiTA settings (:mod:`projects.swap_study.kinds`); none for no
+            comparison. Default: (``7:49``, ``7:16``, ``4:16``).
+        kinds (tuple[str]): the attention kinds compared with MiTA.
+            Default: ('agent', 'block', 'topk', 'window').
         plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: a setting (``7:49``)
             the FLOPs of every layer on it, ``'tome'`` the reduction of the largest ToMe
             ratio. Default: ('7:49', '7:16', '4:16', 'tome').
@@ -113,6 +147,9 @@ class StudySettings:
     head_settings: Tuple[MiTASetting, ...] = (PAPER, )
     merge_head: bool = True
     merged_swaps: Tuple[Tuple[MiTASetting, float], ...] = ((PAPER, 0.5), )
+    kind_budgets: Tuple[MiTASetting, ...] = tuple(MiTASetting.parse(b)
+                                                  for b in ('7:49', '7:16', '4:16'))
+    kinds: Tuple[str, ...] = ('agent', 'block', 'topk', 'window')
     plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
     calibration_images: int = 16
     calibration_counts: Tuple[int, ...] = (4, 8)
@@ -152,7 +189,7 @@ class StudySettings:
             raise ValueError('pool sizes and top-k values must be >= 1, got '
                              f'pool_sizes={self.pool_sizes}, topks={self.topks}')
         settings = dict(finetune=self.finetune, native=self.native,
-                        head_settings=self.head_settings,
+                        head_settings=self.head_settings, kind_budgets=self.kind_budgets,
                         selection=() if self.selection is None else (self.selection, ),
                         merged_swaps=tuple(m for m, _ in self.merged_swaps))
         for name, values in settings.items():
@@ -160,6 +197,13 @@ class StudySettings:
             if bad:
                 raise ValueError(f'{name}: {bad[0]!r} is not a MiTASetting; give e.g. '
                                  "MiTASetting.parse('7:49')")
+        if any(b.kind != 'mita' for b in self.kind_budgets):
+            raise ValueError(f'kind_budgets: give MiTA settings (7:49), got '
+                             f"{' '.join(b.text for b in self.kind_budgets)}")
+        bad = sorted(set(self.kinds) - set(KINDS) | {'mita'} & set(self.kinds))
+        if bad:
+            raise ValueError(f'kinds: {bad}: give some of '
+                             f"{', '.join(k for k in KINDS if k != 'mita')} (MiTA is always in)")
         if self.finetune_lr_mult <= 0 or self.speed_min_run_time <= 0:
             raise ValueError('finetune_lr_mult and speed_min_run_time must be > 0, got '
                              f'{self.finetune_lr_mult} and {self.speed_min_run_time}')

@@ -68,6 +68,7 @@ from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
 from mita_seg.setting import MiTASetting, label as label_of
 from mita_seg.utils.cfg_options import CfgOptionsError
+from .kinds import kind_points, kind_rows, match_budgets, plot_kinds
 from .report import markdown, plot_native, plot_study
 from .settings import PAPER, STUDY_CANDIDATES, StudySettings  # noqa: F401 (STUDY_CANDIDATES)
 
@@ -77,7 +78,7 @@ EXACT = dict(with_shared_expert=False, topk=10**6)
 # the row kinds in the order of the tables (the paper's row, MiTA M = k = 49 in the encoder
 # only, goes first: :func:`aggregate`)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
-         'check', 'plan', 'finetune', 'control')
+         'check', 'equal-cost', 'plan', 'finetune', 'control')
 # the numbers of a row that are averaged over the seeds
 NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
            'model_reduction_%', 'speedup')
@@ -429,6 +430,8 @@ class ModelStudy:
         if not self.train_model() or not self.sweep():
             return self.result
         self.head()
+        if s.kind_budgets:
+            self.kinds()
         if s.plan_budgets:
             self.plans()
         for setting in s.finetune:
@@ -638,6 +641,35 @@ class ModelStudy:
         grid_context(model.decode_head).global_suffix = not routed
         points = sweep_points(merge_ratios=() if routed else head_ratios)
         return points + [SweepPoint('swap', h) for h in self.s.head_settings]
+
+    # --- 2c. the attention kinds of the taxonomy and ToMe at equal cost
+
+    def kinds(self) -> None:
+        """Each attention kind at the MACs of each budget, ToMe at its GFLOPs
+        (:mod:`projects.swap_study.kinds`), evaluated without retraining."""
+        s = self.s
+        matched: List[dict] = []
+
+        def points(runner: Runner, model: nn.Module) -> List[SweepPoint]:
+            batch = next(iter(runner.test_dataloader))
+            try:
+                merge_model(copy.deepcopy(model), 0.5, verbose=False, **ENCODER_ONLY)
+                merge: Optional[dict] = ENCODER_ONLY
+            except NothingToMergeError:
+                merge = None
+            matched.extend(match_budgets(model, batch, s.kind_budgets, s.kinds, merge))
+            return kind_points(matched)
+
+        swept = self.stage(f"{', '.join(('mita', ) + s.kinds)} and ToMe at the cost of MiTA "
+                           f"{', '.join(b.text for b in s.kind_budgets)}, no retraining",
+                           lambda: self.sweep_with(self.ckpt, osp.join(self.work_dir, 'kinds'),
+                                                   points, 'kinds ', merge_cfg=ENCODER_ONLY))
+        if swept is not None:
+            rows, _ = swept
+            self.check_base(rows[0], 'kinds', ' before the kinds')
+            self.result['equal_cost'] = matched
+            self.result['rows'] += kind_rows(matched, rows,
+                                             lambda r, label: _sweep_row(r, self.base, label))
 
     # --- 3. calibrated per-layer plans at several budgets, then evaluated
 
@@ -936,6 +968,9 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
     study['load_range'] = [min(loads), max(loads)] if loads else [0.0, 0.0]
     study['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
     study['figures'] = [plot_study(study['models'], osp.join(fig_dir, 'swap_study.png'))]
+    study['figures'] += [plot_kinds(study['models'], osp.join(fig_dir, 'swap_study_kinds.png'))
+                         ] if any(r['kind'] == 'equal-cost' for res in study['models']
+                                  for r in res['rows']) else []
     study['figures'] += [plot_native(res, osp.join(fig_dir, f"{res['name']}_native.png"))
                          for res in study['models'] if any(
                              n.get('rows') for n in res.get('native', []))]

@@ -1,0 +1,118 @@
+"""The command line of ``tools/swap_study.py``: the argument types of its settings
+(``7:49+tome0.5``, plan budgets, calibration candidates) and the arguments of
+:class:`~projects.swap_study.settings.StudySettings`' fields, their defaults the settings'."""
+import argparse
+
+from mita_seg.cli import float_range, int_range, merge_ratio, setting_arg, setting_or_dense_arg
+from mita_seg.setting import KINDS, MiTASetting, MiTASettingError
+from .settings import MODEL_TRAIN_ITERS, default
+
+def merged_swap(text):
+    """``'7:49+tome0.5'`` -> ``(MiTASetting 7:49, 0.5)``: MiTA with ToMe at ratio 0.5."""
+    setting, sep, ratio = text.partition('+tome')
+    try:
+        value = MiTASetting.parse(setting), merge_ratio(ratio)
+        if not sep:
+            raise ValueError
+    except (ValueError, argparse.ArgumentTypeError):
+        old = text.split(',')
+        hint = (f' ({text!r} is the old spelling: write {old[0]}:{old[1]}+tome{old[2]})'
+                if len(old) == 3 else '')
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give SETTING+tomeRATIO, e.g. 7:49+tome0.5 (a MiTA setting, ToMe at a '
+            f'ratio in [0, 0.5]){hint}') from None
+    return value
+
+
+def spelled(text):
+    """A candidate: ``dense`` or a MiTA setting, as its spelling."""
+    setting = setting_or_dense_arg(text)
+    return 'dense' if setting is None else setting.text
+
+
+def plan_budget(text):
+    """A MiTA setting (the FLOPs of every layer on it, e.g. ``7:49``) or ``'tome'``."""
+    if text == 'tome':
+        return text
+    try:
+        return MiTASetting.parse(text).text
+    except MiTASettingError as e:
+        raise argparse.ArgumentTypeError(
+            f"{e}; or 'tome' (the FLOPs of the largest --merge-ratios)") from None
+
+
+def mita_budget(text):
+    """A MiTA setting (``7:49``) whose attention MACs are a budget of the taxonomy."""
+    setting = setting_arg(text)
+    if setting.kind != 'mita':
+        raise argparse.ArgumentTypeError(f'{text!r}: a budget is a MiTA setting (7:49), the '
+                                         'other kinds are matched to its cost')
+    return setting
+
+
+def add_study_args(add):
+    """What the study runs: ``StudySettings``' fields, their defaults the settings'."""
+    D = default
+    add('--seeds', type=int_range(0), nargs='+', default=list(D('seeds')),
+        help='training seeds: every model is trained and studied once per seed '
+        '(randomness.seed); rows are mean and spread over them')
+    add('--train-iters', type=int_range(1), help='training iterations (default: the '
+        "dataset's: local 120, longrange 1000)")
+    iters = [f'{k}={v}' for k, v in MODEL_TRAIN_ITERS.items()]
+    add('--model-train-iters', nargs='*', metavar='NAME=ITERS',
+        help='training iterations of some models instead of --train-iters (default on the '
+        f"local scenes: {' '.join(iters)}, the tiny BEiT barely uses its attention after 120; "
+        'see docs/swap_study.md)')
+    add('--finetune-iters', type=int_range(1), help="fine-tune and control iterations "
+        "(default: the dataset's: local 40, longrange 100)")
+    add('--finetune-lr-mult', type=float_range(0, low_open=True), default=D('finetune_lr_mult'),
+        help="fine-tune learning rate as a multiple of the config's")
+    add('--pool-sizes', type=int_range(1), nargs='+', default=list(D('pool_sizes')),
+        help='landmark grid sides P of the sweep (M = P*P)')
+    add('--topks', type=int_range(1), nargs='+', default=list(D('topks')),
+        help='keys per routed expert of the sweep')
+    add('--finetune', type=setting_arg, nargs='*', default=list(D('finetune')), metavar='P:K',
+        help='settings to export and fine-tune (none: no fine-tune)')
+    add('--selection', type=setting_arg, default=D('selection'), metavar='P:K',
+        help='setting of the token-selection maps')
+    add('--selection-images', type=int_range(0), default=D('selection_images'),
+        help='validation images of the token-selection maps (0: no maps)')
+    add('--merge-ratios', type=merge_ratio, nargs='*', default=list(D('merge_ratios')),
+        metavar='R', help='ToMe (token merging) ratios beside the sweep (none: no ToMe rows)')
+    add('--head-settings', type=setting_arg, nargs='*', default=list(D('head_settings')),
+        metavar='P:K', help="settings at which Segmenter's mask head is swapped too, its "
+        'class tokens global and, as a second row, routed like patches (none: no such rows)')
+    add('--no-merge-head', dest='merge_head', action='store_false',
+        help="no ToMe rows with Segmenter's mask head merged (only the encoder's)")
+    add('--merged-swaps', type=merged_swap, nargs='*', default=list(D('merged_swaps')),
+        metavar='P:K+tomeR', help='MiTA at a setting with ToMe at ratio R together, e.g. '
+        '7:49+tome0.5')
+    add('--kind-budgets', type=mita_budget, nargs='*', default=list(D('kind_budgets')),
+        metavar='P:K', help='budgets of the taxonomy: each of --kinds, MiTA and ToMe at the '
+        "encoder attention MACs of each of these MiTA settings (none: no such rows)")
+    add('--kinds', nargs='+', default=list(D('kinds')),
+        choices=[k for k in KINDS if k != 'mita'], help='attention kinds set beside MiTA')
+    add('--plan-budgets', type=plan_budget, nargs='*', default=list(D('plan_budgets')),
+        metavar='P:K|tome', help='FLOP budgets of the calibrated per-layer plans (none: no '
+        'plans)')
+    add('--calibration-images', type=int_range(1), default=D('calibration_images'),
+        help='training images each plan is calibrated on')
+    add('--calibration-counts', type=int_range(1), nargs='*',
+        default=list(D('calibration_counts')), metavar='N',
+        help='also calibrate the first budget on N images')
+    add('--candidates', dest='calibration_candidates', nargs='+', type=spelled, metavar='C',
+        default=None, help='per-layer candidates of the calibration (dense, P:K, P:K:route; '
+        "default: P 4 to 10 x k 8/16, 7:49, two route-only, dense: a finer grid than "
+        "tools/calibrate_swap.py's default, see docs/swap_study.md)")
+    add('--native', type=setting_arg, nargs='*', default=list(D('native')), metavar='P:K',
+        help='also train the model from scratch with MiTA at each setting and evaluate it '
+        'over the grid (none: no such runs)')
+    add('--native-models', nargs='+', default=list(D('native_models')), metavar='NAME',
+        help='the models that get the --native runs')
+    add('--no-control', dest='control', action='store_false',
+        help='skip training the unswapped model as long as the fine-tune')
+    add('--no-check', dest='exact_check', action='store_false',
+        help='skip the route-only every-key row (must equal unswapped)')
+    add('--speed-time', dest='speed_min_run_time', metavar='SPEED_TIME',
+        type=float_range(0, low_open=True), default=D('speed_min_run_time'),
+        help='seconds of timing per row for images/s')
