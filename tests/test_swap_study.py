@@ -130,6 +130,8 @@ def test_cli_bad_arguments(tools):
     code, out = tools('tools/swap_study.py', '--dataset', 'longrange', '--models', 'beit',
                       check=False)
     assert code == 2 and "--models ['beit']: not a model of the longrange scenes" in out
+    code, out = tools('tools/swap_study.py', '--train-iters', 'half', check=False)
+    assert code == 2 and "--train-iters: 'half'" in out
     code, out = tools('tools/swap_study.py', '--check-discrimination', check=False)
     assert code == 2 and '--check-discrimination goes with --dataset longrange' in out
 

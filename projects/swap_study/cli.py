@@ -41,6 +41,17 @@ def plan_budget(text):
             f"{e}; or 'tome' (the FLOPs of the largest --merge-ratios)") from None
 
 
+def train_iters(text):
+    """A number of iterations (>= 1), or ``'config'`` (each config's own schedule)."""
+    if text == 'config':
+        return text
+    try:
+        return int_range(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of iterations (>= 1) or "
+                                         "'config' (each config's own schedule)") from None
+
+
 def mita_budget(text):
     """A MiTA setting (``7:49``) whose attention MACs are a budget of the taxonomy."""
     setting = setting_arg(text)
@@ -56,8 +67,9 @@ def add_study_args(add):
     add('--seeds', type=int_range(0), nargs='+', default=list(D('seeds')),
         help='training seeds: every model is trained and studied once per seed '
         '(randomness.seed); rows are mean and spread over them')
-    add('--train-iters', type=int_range(1), help='training iterations (default: the '
-        "dataset's: local 120, longrange 1000)")
+    add('--train-iters', type=train_iters, help="training iterations on the study's "
+        "schedule (warm-up, poly decay), or 'config': each config's own schedule (default: "
+        "the dataset's: local 120, longrange 'config')")
     iters = [f'{k}={v}' for k, v in MODEL_TRAIN_ITERS.items()]
     add('--model-train-iters', nargs='*', metavar='NAME=ITERS',
         help='training iterations of some models instead of --train-iters (default on the '

@@ -152,7 +152,9 @@ def markdown(study: dict) -> str:
            f"{m['mmengine']}, mmcv {m['mmcv']}. Load average (1 min) over the run: "
            f"{study['load_range'][0]:.1f} to {study['load_range'][1]:.1f} "
            f"({m['cores']} cores: above {m['cores']} the cores were shared).", '',
-           f"Data: {s['data_root']}. Training {s['train_iters']} iterations"
+           f"Data: {s['data_root']}. Training "
+           + ("on each config's own schedule" if s['train_iters'] == 'config' else
+              f"{s['train_iters']} iterations")
            + ''.join(f' ({k}: {v})' for k, v in (s.get('model_train_iters') or {}).items()) +
            f"; fine-tune and "
            f"control {s['finetune_iters']} iterations at {s['finetune_lr_mult']}x the "

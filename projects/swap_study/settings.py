@@ -5,7 +5,7 @@ the study as ``make swap-study`` runs it (its models, data and work dir)."""
 import json
 import os.path as osp
 from dataclasses import MISSING, dataclass, fields, replace
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from mita_seg.setting import CALIBRATION_CANDIDATES, KINDS, MiTASetting
 
@@ -42,7 +42,7 @@ class Dataset:
     data_root: str
     tool: str
     models: Dict[str, str]
-    train_iters: int
+    train_iters: Union[int, str]
     model_train_iters: Dict[str, int]
     finetune_iters: int
     work_dir: str
@@ -55,9 +55,9 @@ DATASETS = {
     'local': Dataset(DATA_ROOT, 'make_tiny_ade20k.py', MODELS, 120, MODEL_TRAIN_ITERS, 40,
                      WORK_DIR),
     # the long-range scenes (docs/longrange_data.md): the Segmenter without cls token or head
-    # attention, trained on its config's schedule (1000 iterations: 45-85 mIoU)
+    # attention, trained on its config's schedule (1500 iterations, a constant rate first)
     'longrange': Dataset('data/ade/longrange_ade20k', 'make_longrange_ade20k.py',
-                         {'segmenter': LONGRANGE_SEGMENTER}, 1000, {}, 100,
+                         {'segmenter': LONGRANGE_SEGMENTER}, 'config', {}, 100,
                          'work_dirs/swap_study_longrange'),
 }
 
@@ -71,7 +71,10 @@ class StudySettings:
             as ``data_root`` of the three dataloaders of every config.
         seeds (tuple[int]): training seeds (``randomness.seed`` of every training of a run):
             every model is trained, and studied, once per seed. Default: (2027, 2028, 2029).
-        train_iters (int): iterations of the standard-attention training. Default: 120.
+        train_iters (int | str): iterations of the standard-attention training (and of
+            the MiTA-trained runs) on the study's schedule (warm-up, poly decay), or
+            ``'config'``: each config's own schedule (a task whose learning is a jump after a
+            plateau needs a constant rate first: configs/longrange). Default: 120.
         model_train_iters (dict, optional): training iterations of some models, by name,
             instead of ``train_iters`` (a model that needs longer to use its attention).
             Default: None.
@@ -132,7 +135,7 @@ class StudySettings:
     """
     data_root: str
     seeds: Tuple[int, ...] = (2027, 2028, 2029)
-    train_iters: int = 120
+    train_iters: Union[int, str] = 120
     model_train_iters: Optional[Dict[str, int]] = None
     finetune_iters: int = 40
     finetune_lr_mult: float = 0.1
@@ -177,7 +180,11 @@ class StudySettings:
             raise FileNotFoundError(
                 f'data_root {self.data_root!r} has no images/ folder: write the data with '
                 f'tools/dataset/make_tiny_ade20k.py --out {self.data_root} --size 256')
-        iters = dict(train_iters=self.train_iters, finetune_iters=self.finetune_iters)
+        if isinstance(self.train_iters, str) and self.train_iters != 'config':
+            raise ValueError(f"train_iters must be a number or 'config', got {self.train_iters!r}")
+        iters = dict(finetune_iters=self.finetune_iters)
+        if self.train_iters != 'config':
+            iters['train_iters'] = self.train_iters
         iters.update({f'model_train_iters[{k!r}]': v
                       for k, v in (self.model_train_iters or {}).items()})
         for name, value in iters.items():

@@ -151,6 +151,13 @@ def schedule(cfg: Config, iters: int, lr_mult: float = 1.0) -> Config:
     return cfg
 
 
+def training_schedule(cfg: Config, iters) -> Config:
+    """``cfg`` on the study's schedule of ``iters`` iterations (:func:`schedule`), or on
+    its own (its iterations, learning-rate schedule and validation) when ``iters`` is
+    ``'config'``."""
+    return cfg if iters == 'config' else schedule(cfg, iters)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if is_model_wrapper(model) else model
 
@@ -178,6 +185,16 @@ def train(cfg: Config, work_dir: str, verbose: bool = False,
     del runner
     gc.collect()
     return ckpt, seconds, False
+
+
+def _iters(iters) -> str:
+    """``iters`` (a study setting) in a progress line."""
+    return "on the config's schedule" if iters == 'config' else f'{iters} iterations'
+
+
+def _iters_of(checkpoint: str) -> int:
+    """The iterations a checkpoint ``iter_<n>.pth`` was trained for."""
+    return int(osp.basename(checkpoint)[len('iter_'):-len('.pth')])
 
 
 def logged_training_seconds(work_dir: str, iters: int) -> float:
@@ -527,15 +544,15 @@ class ModelStudy:
         s = self.s
 
         def do_train():
-            cfg = schedule(load_config(self.config, self.opts), s.train_iters)
+            cfg = training_schedule(load_config(self.config, self.opts), s.train_iters)
             return train(cfg, osp.join(self.work_dir, 'train'), s.verbose, s.reuse)
 
-        trained = self.stage(f'training {s.train_iters} iterations (standard attention)',
+        trained = self.stage(f'training {_iters(s.train_iters)} (standard attention)',
                              do_train)
         if trained is None:
             return False
         self.ckpt, seconds, reused = trained
-        self.result['train'] = dict(iters=s.train_iters, seconds=round(seconds, 1),
+        self.result['train'] = dict(iters=_iters_of(self.ckpt), seconds=round(seconds, 1),
                                     checkpoint=self.ckpt, reused=reused)
         return True
 
@@ -777,15 +794,15 @@ class ModelStudy:
             cfg = mita_config(load_config(self.config, self.opts), mita)
             os.makedirs(ndir, exist_ok=True)
             cfg.dump(osp.join(ndir, 'config.py'))   # for tools/test.py --mita-cfg ...
-            return train(schedule(cfg, s.train_iters), osp.join(ndir, 'train'), s.verbose,
+            return train(training_schedule(cfg, s.train_iters), osp.join(ndir, 'train'), s.verbose,
                          s.reuse)
 
-        trained = self.stage(f'training {s.train_iters} iterations with MiTA {setting.label} '
+        trained = self.stage(f'training {_iters(s.train_iters)} with MiTA {setting.label} '
                              'from scratch', do_native_train)
         if trained is None:
             return
         n_ckpt, n_s, n_reused = trained
-        native['train'] = dict(iters=s.train_iters, seconds=round(n_s, 1), checkpoint=n_ckpt,
+        native['train'] = dict(iters=_iters_of(n_ckpt), seconds=round(n_s, 1), checkpoint=n_ckpt,
                                reused=n_reused, config=osp.join(ndir, 'config.py'))
         every_key = (lambda runner, model, _: _every_key_miou(runner, model,
                                                               min(s.pool_sizes)))
