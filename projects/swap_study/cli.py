@@ -47,9 +47,9 @@ def train_iters(text):
         return text
     try:
         return int_range(1)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of iterations (>= 1) or "
-                                         "'config' (each config's own schedule)") from None
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or 'config' (each config's own "
+                                         'schedule)') from None
 
 
 def mita_budget(text):
