@@ -136,15 +136,25 @@ def _pm(r: dict, key: str) -> str:
     return text if std is None or r.get('seeds', 1) < 2 else f'{text} ± {std:.2f}'
 
 
+def _paired(a: dict, b: dict) -> str:
+    """Row ``a``'s mIoU minus row ``b``'s, seed by seed: mean ± sample std, and on how many
+    seeds ``a`` is ahead."""
+    sa, sb = (r.get('per_seed', {}).get('mIoU', {}) for r in (a, b))
+    diffs = [sa[k] - sb[k] for k in sa if k in sb] or [a['mIoU'] - b['mIoU']]
+    mean = sum(diffs) / len(diffs)
+    std = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5 if len(diffs) > 1 \
+        else 0.0
+    return (f'{mean:+.2f} ± {std:.2f} (ahead on {sum(d > 0 for d in diffs)} of '
+            f'{len(diffs)} seeds)')
+
+
 def kinds_markdown(rows: Sequence[dict]) -> List[str]:
     """The equal-cost table of one model (its rows over seeds), and per budget which kind
-    loses least, by how much against the next and against the unswapped model's spread
-    over the seeds."""
+    loses least and MiTA's difference from each other kind within the budget, paired by
+    seed (the seeds' own spread cancels)."""
     budgets = _budgets(rows)
     if not budgets:
         return []
-    base = next(r for r in rows if r['kind'] == 'baseline')
-    spread = base.get('std', {}).get('mIoU', 0.0)
     out = ['', f'Attention kinds at equal cost, no retraining (each kind at the setting whose '
            f'encoder attention MACs come nearest the budget; ToMe at the nearest model '
            f'GFLOPs; "cost" is that over the budget, * where it is off by more than '
@@ -161,30 +171,33 @@ def kinds_markdown(rows: Sequence[dict]) -> List[str]:
                        + ' / '.join(f'{v:+.2f}' for v in by_seed.values())
                        + f" | {r['img_per_s']:.2f} |")
         fair = sorted((r for r in brows if r['within']), key=lambda r: -r['mIoU'])
-        if len(fair) > 1:
-            a, b = fair[:2]
-            verdicts.append(f"at the cost of MiTA {budget}: {a['attention']} loses least "
-                            f"({a['delta_mIoU']:+.2f}), {a['mIoU'] - b['mIoU']:.2f} points "
-                            f"above {b['attention']} ({b['delta_mIoU']:+.2f}); the unswapped "
-                            f"model's spread over the seeds is {spread:.2f}")
+        mita = next((r for r in brows if r['attention'] == 'mita'), None)
+        if len(fair) > 1 and mita is not None:
+            versus = [f"{r['attention']} {_paired(mita, r)}" for r in brows
+                      if r is not mita and r['within']]
+            verdicts.append(f"at the cost of MiTA {budget}: {fair[0]['attention']} loses "
+                            f"least ({fair[0]['delta_mIoU']:+.2f}); MiTA minus each kind "
+                            f"within the budget, paired by seed: {'; '.join(versus)}")
     return out + [''] + [f'- {v}' for v in verdicts]
 
 
 def plot_kinds(models: Sequence[dict], out_png: str, title: str = '') -> str:
-    """mIoU against model GFLOPs, one curve per attention kind over the budgets (± the
-    seeds' sample standard deviation; hollow where the kind is off its budget by more than
-    the tolerance), the unswapped model a star; a panel per model."""
+    """mIoU change against model GFLOPs, one curve per attention kind over the budgets (each
+    point the mean over the seeds of the change against the same seed's unswapped model,
+    ± its sample standard deviation: the seeds' own spread cancels; hollow where the kind is
+    off its budget by more than the tolerance), the unswapped model a star at 0; a panel
+    per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     n = max(1, len(models))
-    fig, axes = plt.subplots(1, n, figsize=(6.0 * n, 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(6.4 * n, 5.0), squeeze=False)
     colours = dict(zip(ATTENTION_KINDS, ('tab:red', 'tab:blue', 'tab:green', 'tab:orange',
                                          'tab:gray', 'tab:purple')))
     for ax, res in zip(axes[0], models):
         base = next(r for r in res['rows'] if r['kind'] == 'baseline')
-        ax.scatter([base['model_GFLOPs']], [base['mIoU']], marker='*', s=200, c='k',
-                   zorder=4, label='unswapped')
+        ax.scatter([base['model_GFLOPs']], [0.0], marker='*', s=200, c='k', zorder=4,
+                   label=f"unswapped ({base['mIoU']:.2f} mIoU)")
         rows = [r for r in res['rows'] if r['kind'] == 'equal-cost']
         for kind in ATTENTION_KINDS:
             sel = sorted((r for r in rows if r['attention'] == kind),
@@ -192,21 +205,21 @@ def plot_kinds(models: Sequence[dict], out_png: str, title: str = '') -> str:
             if not sel:
                 continue
             c = colours[kind]
-            xs, ys = [r['model_GFLOPs'] for r in sel], [r['mIoU'] for r in sel]
+            xs, ys = [r['model_GFLOPs'] for r in sel], [r['delta_mIoU'] for r in sel]
             ax.plot(xs, ys, '-', c=c, lw=1.2, label=KIND_NAMES[kind])
             for r, x, y in zip(sel, xs, ys):
                 ax.plot([x], [y], 'o', c=c, mfc=c if r['within'] else 'white', ms=6)
-                std = r.get('std', {}).get('mIoU')
+                std = r.get('std', {}).get('delta_mIoU')
                 if std and r.get('seeds', 1) > 1:
                     ax.errorbar([x], [y], yerr=[std], fmt='none', ecolor=c, capsize=2)
         ax.set_xlabel('model GFLOPs per image (1 MAC = 1 FLOP)')
-        ax.set_ylabel('mIoU (%)')
-        ax.set_title(f"{res['name']}: {len(res.get('seeds', [1]))} seed(s)", fontsize=10)
+        ax.set_ylabel('mIoU change against the unswapped model (points)')
+        ax.set_title(f"{res['name']}, {len(res.get('seeds', [1]))} seed(s)", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc='best', framealpha=0.7)
-    fig.suptitle(title or 'Attention kinds swapped in without retraining, at the attention '
-                 'MACs of MiTA settings (hollow: off the budget by more than 10%)',
-                 fontsize=9)
+    fig.suptitle(title or 'Attention kinds swapped in without retraining at the attention '
+                 'MACs of MiTA settings\n(mean ± std over seeds; hollow: off the budget by '
+                 f'more than {TOLERANCE:.0%})', fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
