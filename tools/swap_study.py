@@ -18,7 +18,13 @@ Usage (``--help`` lists every option; the defaults are the study's,
 :mod:`projects.swap_study.settings`)::
 
     python tools/swap_study.py [--models segmenter beit] [--seeds S ...] [--work-dir DIR] ...
+    python tools/swap_study.py --dataset longrange [--seeds S ...] [--reuse] ...
     python tools/swap_study.py --dataset longrange --check-discrimination --seeds S --work-dir W
+
+``--dataset`` picks the scenes (local: a region's own pixels decide its label; longrange:
+labels need distant evidence) and with them the models, data, schedule and work dir
+(:data:`projects.swap_study.settings.DATASETS`); ``--kind-budgets`` the taxonomy's
+comparison at equal cost (:mod:`projects.swap_study.kinds`).
 
 A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
 is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
