@@ -166,6 +166,21 @@ class SweepRow:
                     delta_mIoU=self.delta_mIoU, **self.extra)
 
 
+def _check_order(points: Sequence[SweepPoint]) -> None:
+    """Raise ``ValueError`` unless the baseline comes first and every ``tome`` point before
+    the first point that swaps (a swap is not undone: a later merge would merge the
+    swapped model)."""
+    if not points or points[0].kind != 'baseline':
+        raise ValueError('swap_sweep: the first point must be the baseline (the reductions '
+                         'and deltas are against it); use sweep_points()')
+    swapped = [i for i, p in enumerate(points) if p.kind in ('swap', 'swap+tome', 'plan')]
+    late = [p for p in points[swapped[0]:] if p.kind == 'tome'] if swapped else []
+    if late:
+        raise ValueError(f'swap_sweep: ToMe point r={late[0].merge_ratio} comes after a swap, '
+                         'which is not undone: put every tome point before the swaps '
+                         '(sweep_points() does)')
+
+
 def swap_sweep(runner: Runner,
                points: Sequence[SweepPoint],
                swap_cfg: Optional[dict] = None,
@@ -202,15 +217,7 @@ def swap_sweep(runner: Runner,
         ValueError: the first point is not the baseline, or a ``tome`` point follows a
             point that swaps (a swap is not undone: it would merge the swapped model).
     """
-    if not points or points[0].kind != 'baseline':
-        raise ValueError('swap_sweep: the first point must be the baseline (the reductions '
-                         'and deltas are against it); use sweep_points()')
-    swapped = [i for i, p in enumerate(points) if p.kind in ('swap', 'swap+tome', 'plan')]
-    late = [p for p in points[swapped[0]:] if p.kind == 'tome'] if swapped else []
-    if late:
-        raise ValueError(f'swap_sweep: ToMe point r={late[0].merge_ratio} comes after a swap, '
-                         'which is not undone: put every tome point before the swaps '
-                         '(sweep_points() does)')
+    _check_order(points)
     progress = progress or (lambda line: None)
     merge_cfg, swap_cfg = dict(merge_cfg or {}), dict(swap_cfg or {})
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
