@@ -52,6 +52,7 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
     progress = progress or (lambda line: print(f'[check] {line}', flush=True))
     out = dict(seed=seed)
     opts = {**data_options(data_root), 'randomness.seed': seed}
+    settings = StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2)
     for name, (dirname, config) in LONGRANGE_CONFIGS.items():
         mdir = osp.join(work_dir, dirname, f'seed{seed}')
         cfg = load_config(config, opts)
@@ -63,7 +64,7 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
         ckpt, seconds, reused = train(cfg, osp.join(mdir, 'train'), verbose, reuse)
         progress(f'{name}: {"reused" if reused else "trained in"} {seconds:.0f} s; evaluating')
         row = evaluate(load_config(config, opts), ckpt, osp.join(mdir, 'test'),
-                       StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2))
+                       settings)
         out[name] = dict(row, train_seconds=round(seconds, 1), checkpoint=ckpt,
                          seconds=round(time.time() - t0, 1))
     ckpt, (_, config) = out['unswapped']['checkpoint'], LONGRANGE_CONFIGS['unswapped']
@@ -73,7 +74,7 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
         cfg = mita_config(load_config(config, opts), dict(setting=MiTASetting.parse(spec)))
         out['no mixing'][spec] = evaluate(
             cfg, ckpt, osp.join(work_dir, 'segmenter', f'seed{seed}', f'test_{spec}'),
-            StudySettings(data_root, verbose=verbose, speed_min_run_time=0.2))
+            settings)
     return out
 
 

@@ -130,20 +130,13 @@ def _budgets(rows: Sequence[dict]) -> Dict[str, List[dict]]:
     return out
 
 
-def _pm(r: dict, key: str) -> str:
-    std = r.get('std', {}).get(key)
-    text = f'{r[key]:+.2f}'
-    return text if std is None or r.get('seeds', 1) < 2 else f'{text} ± {std:.2f}'
-
-
 def _paired(a: dict, b: dict) -> str:
     """Row ``a``'s mIoU minus row ``b``'s, seed by seed: mean ± sample std, and on how many
     seeds ``a`` is ahead."""
+    from .study import _mean_std   # (study imports this module)
     sa, sb = (r.get('per_seed', {}).get('mIoU', {}) for r in (a, b))
     diffs = [sa[k] - sb[k] for k in sa if k in sb] or [a['mIoU'] - b['mIoU']]
-    mean = sum(diffs) / len(diffs)
-    std = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5 if len(diffs) > 1 \
-        else 0.0
+    mean, std = _mean_std(diffs)
     return (f'{mean:+.2f} ± {std:.2f} (ahead on {sum(d > 0 for d in diffs)} of '
             f'{len(diffs)} seeds)')
 
@@ -152,6 +145,7 @@ def kinds_markdown(rows: Sequence[dict]) -> List[str]:
     """The equal-cost table of one model (its rows over seeds), and per budget which kind
     loses least and MiTA's difference from each other kind within the budget, paired by
     seed (the seeds' own spread cancels)."""
+    from .report import _pm   # (report imports this module)
     budgets = _budgets(rows)
     if not budgets:
         return []
@@ -167,7 +161,7 @@ def kinds_markdown(rows: Sequence[dict]) -> List[str]:
             by_seed = r.get('per_seed', {}).get('delta_mIoU', {})
             out.append(f"| {budget} | {r['attention']} | {r['setting'].split(' at the cost')[0]}"
                        f" | {r['cost_ratio']:.2f}{'' if r['within'] else ' *'} | "
-                       f"{r['model_GFLOPs']:.4f} | {_pm(r, 'delta_mIoU')} | "
+                       f"{r['model_GFLOPs']:.4f} | {_pm(r, 'delta_mIoU', '+')} | "
                        + ' / '.join(f'{v:+.2f}' for v in by_seed.values())
                        + f" | {r['img_per_s']:.2f} |")
         fair = sorted((r for r in brows if r['within']), key=lambda r: -r['mIoU'])

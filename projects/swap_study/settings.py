@@ -207,7 +207,7 @@ class StudySettings:
         if any(b.kind != 'mita' for b in self.kind_budgets):
             raise ValueError(f'kind_budgets: give MiTA settings (7:49), got '
                              f"{' '.join(b.text for b in self.kind_budgets)}")
-        bad = sorted(set(self.kinds) - set(KINDS) | {'mita'} & set(self.kinds))
+        bad = sorted(k for k in self.kinds if k not in KINDS or k == 'mita')
         if bad:
             raise ValueError(f'kinds: {bad}: give some of '
                              f"{', '.join(k for k in KINDS if k != 'mita')} (MiTA is always in)")

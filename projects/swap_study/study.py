@@ -328,6 +328,15 @@ def _test_runner(config, opts: dict, checkpoint: str, work_dir: str, s: StudySet
     return runner, _unwrap(runner.model)
 
 
+def _merge_error(model: nn.Module) -> Optional[NothingToMergeError]:
+    """Why ToMe cannot merge ``model``'s encoder (tried on a copy); None if it can."""
+    try:
+        merge_model(copy.deepcopy(model), 0.5, verbose=False, **ENCODER_ONLY)
+    except NothingToMergeError as e:
+        return e
+    return None
+
+
 def _every_key_miou(runner: Runner, model: nn.Module, pool: int) -> float:
     """The test mIoU of ``model`` on route-only MiTA with every key in every expert: exactly
     softmax attention."""
@@ -586,11 +595,10 @@ class ModelStudy:
         swap_model(copy.deepcopy(model), {}, verbose=False)  # nothing to swap: error now
         ratios, merged = s.merge_ratios, s.merged_swaps
         if ratios or merged:
-            try:
-                merge_model(copy.deepcopy(model), 0.5, verbose=False, **ENCODER_ONLY)
-            except NothingToMergeError as e:
-                self.result['notes'].append(f'no ToMe rows: {e}')
-                self.progress(f'{self.name}: no ToMe rows: {e}')
+            error = _merge_error(model)
+            if error is not None:
+                self.result['notes'].append(f'no ToMe rows: {error}')
+                self.progress(f'{self.name}: no ToMe rows: {error}')
                 ratios, merged = (), ()
         return sweep_points(s.pool_sizes, s.topks, merge_ratios=ratios, merged_swaps=merged)
 
@@ -669,11 +677,7 @@ class ModelStudy:
 
         def points(runner: Runner, model: nn.Module) -> List[SweepPoint]:
             batch = next(iter(runner.test_dataloader))
-            try:
-                merge_model(copy.deepcopy(model), 0.5, verbose=False, **ENCODER_ONLY)
-                merge: Optional[dict] = ENCODER_ONLY
-            except NothingToMergeError:
-                merge = None
+            merge = ENCODER_ONLY if _merge_error(model) is None else None
             matched.extend(match_budgets(model, batch, s.kind_budgets, s.kinds, merge))
             return kind_points(matched)
 
