@@ -29,8 +29,9 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
 ``global`` -- global context. The background (about 85 % of the pixels) is a patchwork of 4-7
     large regions (a warped Voronoi partition), each a grey-ish tone (random, carrying no class
     information) times one of three textures: horizontal stripes, vertical stripes, checker
-    (period 6 or 8 px, so an 8 x 8 patch shows it). One small *cue*, 3 x 3 cells (24 x 24 px)
-    anywhere in the image (clear of the objects), decides what every texture means:
+    (period 6 or 8 px, so an 8 x 8 patch shows it). One small *cue*, 6 x 6 cells (48 x 48 px;
+    3 x 3 in layout ``v1``) anywhere in the image (clear of the objects), decides what every
+    texture means:
 
     ==========  ======================  ======================  =====================
     texture     cue 0: cyan square      cue 1: magenta disc     cue 2: black diamond
@@ -41,15 +42,16 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
     ==========  ======================  ======================  =====================
 
     (``--cues 2``, the default, uses the first two cues; ``--cues 3`` all three.) A region's
-    label depends on its own texture *and* on 9 tokens somewhere else: a labelled pixel is on
-    average 15 cells (120 px at 256 x 256) from the cue, 80 % of them more than 8 cells and
-    64 % more than 12. The cue itself is labelled 0 (ignored). Nothing else in the scene
+    label depends on its own texture *and* on 36 tokens somewhere else: a labelled pixel is on
+    average 14 cells (110 px at 256 x 256) from the cue, 75 % of them more than 8 cells and
+    57 % more than 12 (``v1``: 9 tokens; 15 cells, 80 %, 64 %). The cue itself is labelled 0 (ignored). Nothing else in the scene
     depends on the cue: re-drawing a scene with another cue changes the cue's pixels and the
     label of every background pixel, and nothing else. Without ``global`` there is no cue and
     each texture has its cue-0 class.
 
-``retrieval`` -- query-specific retrieval. 2-3 pairs of objects (irregular polygons, radius
-    3-5 cells) in saturated hues (red, yellow, green, blue; each hue for one pair at most): a
+``retrieval`` -- query-specific retrieval. 3 pairs of objects (2 where a third does not fit;
+    irregular polygons, radius 2.5-4 cells textured, 3.5-5.5 plain; ``v1``: 2-3 pairs, radius
+    3-5) in saturated hues (red, yellow, green, blue; each hue for one pair at most): a
     *textured* object, whose texture gives its class (hstripes car (21),
     vstripes person (13), checker bed (8), whatever the cue), and a *plain* object, a flat patch
     of the same hue, which takes the class of the textured object of its hue. A plain object is
@@ -67,13 +69,18 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
     decidable locally. Without ``detail``: no poles, straight Voronoi boundaries.
 
 With all kinds and ``--cues 2`` the labels are 1, 2, 4, 5, 7, 19 (background, 13-16 % of the
-labelled pixels each), 8, 13, 21 (objects, 3.5-4.5 % each, close to half of it plain
+labelled pixels each), 8, 13, 21 (objects, 3.5-4.5 % each, more than half of it plain
 objects) and 94 (poles, 2.5 %). A model that recognises every texture but cannot see
 the cue gets a background pixel far from the cue right one time in two, and a plain object
-one time in three; ideal predictors score (mIoU over the 10 classes, 200 validation scenes):
-perfect 100, cue but no retrieval 86, no token mixing (a token sees its own patch) 42-46,
-3 x 3-patch attention windows in 4 (6) layers, which reach the cue from 4 (6) cells away,
-46-49 (49-51).
+one time in three; ideal predictors score (:mod:`mita_seg.analysis.longrange_ceiling`; mIoU
+over the 10 classes, 200 validation scenes, fixed and random guesses): perfect 100, cue but
+no retrieval 82.5-82.7, no token mixing (a token sees its own patch) 37.0-43.1, 3 x 3-patch
+attention windows in 4 (6) layers, which reach the cue from 4 (6) cells away, 42.6-47.1
+(45.7-49.4).
+
+Layouts (``--layout``, :data:`LAYOUTS`): ``v2``, the default, as above; ``v1``, the first
+scenes, byte for byte (a 3 x 3 cue that a Segmenter ViT-T found only after a plateau whose
+length the training seed decided; docs/longrange_data.md).
 
 Training-time note: mmseg's ``RandomResize`` + ``RandomCrop`` (the 256 x 256 configs resize by
 0.75-1.5 and crop 256) crops the cue wholly out of about 1 training crop in 7 (and more than
@@ -83,8 +90,9 @@ labels are then noise. Validation and test images are whole.
 Usage::
 
     python tools/dataset/make_longrange_ade20k.py --out data/ade/longrange_ade20k \\
-        --train 600 --val 100 --size 256
+        --train 600 --val 200 --size 256
     python tools/dataset/make_longrange_ade20k.py --kinds global,detail   # cue only
+    python tools/dataset/make_longrange_ade20k.py --layout v1   # the first scenes
     python tools/dataset/make_longrange_ade20k.py --preview docs/figures/longrange_scenes.png
 """
 import os
@@ -118,9 +126,29 @@ HUES = ((210, 45, 45), (215, 195, 40), (45, 165, 70), (50, 90, 215))
 HUE_NAMES = ('red', 'yellow', 'green', 'blue')
 POLE_RGB = (235, 235, 235)
 DARK = 0.55                    # the dark half of a texture, times the tone
-CUE_CELLS = 3                  # the cue's side, in cells
 MIN_PAIR_GAP = 8.0             # plain object to its textured partner, edge to edge, in cells
 NOISE_SD = 4.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes and counts of a scene's evidence: the cue's side (cells), how many
+    plain/textured pairs (``(lo, hi)``, inclusive), and the radii (cells) of textured and plain
+    objects (``(lo, hi)``, uniform)."""
+    cue_cells: int
+    pairs: Tuple[int, int]
+    textured_radius: Tuple[float, float]
+    plain_radius: Tuple[float, float]
+
+
+LAYOUTS = {
+    # the first scenes: a 3 x 3 cue (9 of 1024 tokens) is found after a plateau whose length
+    # the training seed decides (iteration 460-980), 2-3 pairs of equal objects
+    'v1': Layout(3, (2, 3), (3.0, 5.0), (3.0, 5.0)),
+    # the default: a 6 x 6 cue (36 tokens, 3.5 % of the image) is found at iteration ~300;
+    # 3 pairs, the plain objects larger than their partners, so that retrieval decides more
+    'v2': Layout(6, (3, 3), (2.5, 4.0), (3.5, 5.5)),
+}
 
 
 @dataclass(eq=False)
@@ -323,8 +351,8 @@ def _polygon(rng: np.random.Generator, centre, radius: float) -> np.ndarray:
     return np.round(pts).astype(np.int32)
 
 
-def _place_objects(rng: np.random.Generator, size: int, kinds) -> List[Tuple[int, bool, tuple,
-                                                                            float]]:
+def _place_objects(rng: np.random.Generator, size: int, kinds,
+                   layout: Layout) -> List[Tuple[int, bool, tuple, float]]:
     """``(hue, textured, centre, radius)`` of every object: pairs far apart (retrieval) or
     textured objects alone; no two objects closer than a cell."""
     cell = size / GRID
@@ -343,9 +371,10 @@ def _place_objects(rng: np.random.Generator, size: int, kinds) -> List[Tuple[int
     hues = [int(h) for h in rng.permutation(len(HUES))]
     out = []
     if 'retrieval' in kinds:
-        pairs = int(rng.integers(2, 4))
+        pairs = int(rng.integers(layout.pairs[0], layout.pairs[1] + 1))
         for hue in hues[:pairs]:
-            r1, r2 = rng.uniform(3, 5, 2) * cell
+            r1 = rng.uniform(*layout.textured_radius) * cell
+            r2 = rng.uniform(*layout.plain_radius) * cell
             for _ in range(300):
                 c1, c2 = sample(r1), sample(r2)
                 gap = np.hypot(c1[0] - c2[0], c1[1] - c2[1]) - r1 - r2
@@ -371,11 +400,12 @@ def _place_objects(rng: np.random.Generator, size: int, kinds) -> List[Tuple[int
 
 
 def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str] = KINDS,
-                 cues: int = 2) -> Scene:
+                 cues: int = 2, layout: str = 'v2') -> Scene:
     """Draw the description of one scene (see the module docstring for the kinds)."""
     kinds = tuple(k for k in KINDS if k in kinds)
     if not 1 <= cues <= len(CUES):
         raise ValueError(f'cues must be in 1..{len(CUES)}, got {cues}')
+    layout = LAYOUTS[layout]
     cell = size / GRID
     # background: 4-7 warped Voronoi regions, every texture at least once
     k = int(rng.integers(4, 8))
@@ -401,7 +431,7 @@ def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str]
                             (int(round(cx + dx)), int(round(cy + dy))), width,
                             _jitter(POLE_RGB, rng)))
     objects = []
-    for hue, textured, c, r in _place_objects(rng, size, kinds):
+    for hue, textured, c, r in _place_objects(rng, size, kinds, layout):
         points = _polygon(rng, c, r)
         rgb = _jitter(HUES[hue], rng)
         if textured:
@@ -412,7 +442,7 @@ def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str]
             objects.append(Obj(points, c, r, hue, rgb))
     # the cue: anywhere, a cell clear of every object
     cue = int(rng.integers(cues)) if 'global' in kinds else None
-    side = max(4, int(round(CUE_CELLS * cell)))
+    side = max(4, int(round(layout.cue_cells * cell)))
     cue_xy = (0, 0)
     for _ in range(500):
         x, y = (int(v) for v in rng.integers(0, size - side + 1, 2))
@@ -433,9 +463,9 @@ def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str]
 
 
 def make_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str] = KINDS,
-               cues: int = 2) -> Tuple[np.ndarray, np.ndarray]:
+               cues: int = 2, layout: str = 'v2') -> Tuple[np.ndarray, np.ndarray]:
     """One ``(image RGB uint8 [size, size, 3], label uint8 [size, size])`` pair."""
-    return render_scene(sample_scene(rng, size, kinds, cues))
+    return render_scene(sample_scene(rng, size, kinds, cues, layout))
 
 
 def scene_rng(seed: int, split: str, index: int) -> np.random.Generator:
@@ -455,7 +485,7 @@ def _write(path: str, ext: str, array: np.ndarray, params=()) -> None:
 
 
 def make_split(out: str, split: str, num: int, size: int, seed: int,
-               kinds: Sequence[str] = KINDS, cues: int = 2) -> None:
+               kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = 'v2') -> None:
     """Write ``num`` scenes of one split (``training`` or ``validation``)."""
     tag = 'train' if split == 'training' else 'val'
     img_dir = osp.join(out, 'images', split)
@@ -463,7 +493,7 @@ def make_split(out: str, split: str, num: int, size: int, seed: int,
     os.makedirs(img_dir, exist_ok=True)
     os.makedirs(ann_dir, exist_ok=True)
     for i in range(num):
-        img, label = make_scene(scene_rng(seed, split, i), size, kinds, cues)
+        img, label = make_scene(scene_rng(seed, split, i), size, kinds, cues, layout)
         name = f'ADE_{tag}_{i + 1:08d}'
         _write(osp.join(img_dir, name + '.jpg'), '.jpg', img[..., ::-1],
                (cv2.IMWRITE_JPEG_QUALITY, 95))
@@ -489,7 +519,7 @@ def colour_labels(label: np.ndarray) -> np.ndarray:
 
 
 def preview(path: str, num: int = 4, size: int = 256, seed: int = 0,
-            kinds: Sequence[str] = KINDS, cues: int = 2) -> None:
+            kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = 'v2') -> None:
     """Write a PNG grid: for the first ``num`` validation scenes of ``seed`` (the first one
     also re-drawn with the next cue: the same pixels but the cue's, other labels), the image,
     the labels, and the labels with the evidence marked on the 32 x 32 grid (the cue boxed, an
@@ -499,7 +529,7 @@ def preview(path: str, num: int = 4, size: int = 256, seed: int = 0,
     font = cv2.FONT_HERSHEY_SIMPLEX
     shown = []
     for i in range(num):
-        scene = sample_scene(scene_rng(seed, 'validation', i), size, kinds, cues)
+        scene = sample_scene(scene_rng(seed, 'validation', i), size, kinds, cues, layout)
         cue = 'no cue' if scene.cue is None else f'cue {scene.cue}: {CUES[scene.cue][0]}'
         shown.append((f'val {i + 1}, {cue}', scene))
         if i == 0 and scene.cue is not None:

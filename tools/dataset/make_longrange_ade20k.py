@@ -4,8 +4,9 @@ evidence 8-30 patches away) in ADE20K's layout; docs/longrange_data.md.
 Usage::
 
     python tools/dataset/make_longrange_ade20k.py --out data/ade/longrange_ade20k \\
-        --train 600 --val 100 --size 256
+        --train 600 --val 200 --size 256
     python tools/dataset/make_longrange_ade20k.py --kinds global,detail   # cue only
+    python tools/dataset/make_longrange_ade20k.py --layout v1   # the first scenes (3x3 cue)
     python tools/dataset/make_longrange_ade20k.py --preview docs/figures/longrange_scenes.png
 """
 import argparse
@@ -14,8 +15,8 @@ import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, KINDS, classes,  # noqa: E402
-                                                make_split, preview)
+from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, KINDS, LAYOUTS,  # noqa: E402
+                                                classes, make_split, preview)
 
 
 def parse_kinds(text: str) -> Tuple[str, ...]:
@@ -33,7 +34,7 @@ def parse_args(argv=None):
         'evidence (a global cue, retrieval of a distant object, fine detail)')
     parser.add_argument('--out', default='data/ade/longrange_ade20k', help='output folder')
     parser.add_argument('--train', type=int, default=600, help='training images')
-    parser.add_argument('--val', type=int, default=100, help='validation images')
+    parser.add_argument('--val', type=int, default=200, help='validation images')
     parser.add_argument('--size', type=int, default=256,
                         help='image side in pixels (256: the study\'s 32x32 grid of 8-px '
                         'patches)')
@@ -43,6 +44,9 @@ def parse_args(argv=None):
                         f'{",".join(KINDS)})')
     parser.add_argument('--cues', type=int, default=2, choices=(2, 3),
                         help='how many cues (classes per texture) the global kind uses')
+    parser.add_argument('--layout', default='v2', choices=sorted(LAYOUTS),
+                        help='sizes of the evidence: v2 (default) a 6x6-cell cue and 3 pairs '
+                        'with large plain objects; v1 the first scenes (3x3 cue, 2-3 pairs)')
     parser.add_argument('--preview', metavar='FILE',
                         help='write a PNG of the first validation scenes and their labels to '
                         'FILE instead of the dataset')
@@ -69,15 +73,18 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.preview:
-        preview(args.preview, args.preview_count, args.size, args.seed, args.kinds, args.cues)
+        preview(args.preview, args.preview_count, args.size, args.seed, args.kinds, args.cues,
+                args.layout)
         print(f'wrote {args.preview}: {args.preview_count} validation scenes of seed '
               f'{args.seed} ({args.size}x{args.size}, kinds {",".join(args.kinds)})')
         return
-    make_split(args.out, 'training', args.train, args.size, args.seed, args.kinds, args.cues)
-    make_split(args.out, 'validation', args.val, args.size, args.seed, args.kinds, args.cues)
+    for split, num in (('training', args.train), ('validation', args.val)):
+        make_split(args.out, split, num, args.size, args.seed, args.kinds, args.cues,
+                   args.layout)
     names = ', '.join(f'{c}={CLASS_NAMES[c]}' for c in classes(args.kinds, args.cues))
     print(f'wrote {args.train} training and {args.val} validation images '
-          f'({args.size}x{args.size}, kinds {",".join(args.kinds)}, {args.cues} cues) to '
+          f'({args.size}x{args.size}, kinds {",".join(args.kinds)}, {args.cues} cues, layout '
+          f'{args.layout}) to '
           f'{args.out}; labels: 0=other (the cue), {names}')
 
 
