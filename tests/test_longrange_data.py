@@ -69,9 +69,11 @@ def test_cli_layout_and_bytes(tmp_path):
         {osp.join('annotations', 'training', f'ADE_train_{i:08d}.png') for i in (1, 2, 3)} | \
         {osp.join('images', 'validation', f'ADE_val_{i:08d}.jpg') for i in (1, 2)} | \
         {osp.join('annotations', 'validation', f'ADE_val_{i:08d}.png') for i in (1, 2)}
-    assert set(a) == expect                      # ADE20K's layout, nothing else (no .tmp)
+    assert set(a) == expect | {'scenes.json'}    # ADE20K's layout, its arguments, no .tmp
+    assert gen.scenes_layout(str(tmp_path / 'a')) == 'v2'
+    assert gen.scenes_layout(str(tmp_path)) is None      # no file: written before it existed
     assert a == b                                # same arguments, same bytes
-    assert set(c) == expect and all(a[k] != c[k] for k in expect)   # another seed
+    assert set(c) == set(a) and all(a[k] != c[k] for k in expect)   # another seed
     allowed = {0, *gen.classes()}
     for split, tag, n in (('training', 'train', 3), ('validation', 'val', 2)):
         for i in range(n):
@@ -88,7 +90,7 @@ def test_cli_layout_and_bytes(tmp_path):
     # a longer run starts with the same images
     _run('--out', tmp_path / 'd', '--train', 4, '--val', 1)
     d = _files(tmp_path / 'd')
-    assert all(d[k] == a[k] for k in a if 'ADE_val_00000002' not in k)
+    assert all(d[k] == a[k] for k in expect if 'ADE_val_00000002' not in k)
 
 
 @pytest.mark.parametrize('layout', sorted(gen.LAYOUTS))

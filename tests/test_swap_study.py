@@ -136,6 +136,26 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and '--check-discrimination goes with --dataset longrange' in out
 
 
+def test_old_longrange_scenes_are_named(tmp_path, capsys):
+    """A long-range data folder written before the v2 layout (no scenes.json), or of layout
+    v1, is used but named in a warning; v2 scenes pass quietly."""
+    import argparse
+    import importlib.util
+    from mita_seg.datasets.longrange_scenes import write_scenes_file
+    spec = importlib.util.spec_from_file_location('swap_study_tool',
+                                                  osp.join(ROOT, 'tools', 'swap_study.py'))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (tmp_path / 'images').mkdir()
+    args = argparse.Namespace(dataset='longrange', data_root=str(tmp_path))
+    for layout, warned in ((None, 'v1 (no scenes.json)'), ('v1', 'layout v1;'), ('v2', None)):
+        if layout:
+            write_scenes_file(str(tmp_path), layout=layout)
+        tool.write_data(args)
+        out = capsys.readouterr().out
+        assert (warned in out and 'delete the folder' in out) if warned else out == '', out
+
+
 def test_cfg_options_value_ends_the_study_in_one_line(tools, tmp_path):
     # a --cfg-options value the model cannot be built with fails every stage alike: the
     # study ends at the first, one error line naming the option, nothing trained

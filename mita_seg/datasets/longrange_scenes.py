@@ -95,6 +95,7 @@ Usage::
     python tools/dataset/make_longrange_ade20k.py --layout v1   # the first scenes
     python tools/dataset/make_longrange_ade20k.py --preview docs/figures/longrange_scenes.png
 """
+import json
 import os
 import os.path as osp
 from dataclasses import dataclass, field, replace
@@ -498,6 +499,28 @@ def make_split(out: str, split: str, num: int, size: int, seed: int,
         _write(osp.join(img_dir, name + '.jpg'), '.jpg', img[..., ::-1],
                (cv2.IMWRITE_JPEG_QUALITY, 95))
         _write(osp.join(ann_dir, name + '.png'), '.png', label)
+
+
+SCENES_FILE = 'scenes.json'   # beside images/ and annotations/: the arguments they came from
+
+
+def write_scenes_file(out: str, **arguments) -> None:
+    """Record the generator's arguments in ``OUT/scenes.json`` (whole: a temporary file, then
+    renamed), so that a reader can tell which scenes a folder holds."""
+    tmp = osp.join(out, SCENES_FILE + '.tmp')
+    with open(tmp, 'w') as f:
+        json.dump(arguments, f, indent=1)
+    os.replace(tmp, osp.join(out, SCENES_FILE))
+
+
+def scenes_layout(out: str) -> Optional[str]:
+    """The layout a folder's scenes were written with (``OUT/scenes.json``); None when the
+    folder has no such file (written before the file existed: layout ``v1``)."""
+    path = osp.join(out, SCENES_FILE)
+    if not osp.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get('layout')
 
 
 # ----------------------------------------------------------------------------- preview figure

@@ -16,7 +16,8 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
 from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, KINDS, LAYOUTS,  # noqa: E402
-                                                classes, make_split, preview)
+                                                classes, make_split, preview,
+                                                write_scenes_file)
 
 
 def parse_kinds(text: str) -> Tuple[str, ...]:
@@ -81,6 +82,8 @@ def main(argv=None):
     for split, num in (('training', args.train), ('validation', args.val)):
         make_split(args.out, split, num, args.size, args.seed, args.kinds, args.cues,
                    args.layout)
+    write_scenes_file(args.out, layout=args.layout, seed=args.seed, size=args.size,
+                      kinds=list(args.kinds), cues=args.cues, train=args.train, val=args.val)
     names = ', '.join(f'{c}={CLASS_NAMES[c]}' for c in classes(args.kinds, args.cues))
     print(f'wrote {args.train} training and {args.val} validation images '
           f'({args.size}x{args.size}, kinds {",".join(args.kinds)}, {args.cues} cues, layout '
