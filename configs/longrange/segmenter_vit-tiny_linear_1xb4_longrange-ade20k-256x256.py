@@ -10,16 +10,15 @@
 #   patches and class tokens would mix globally);
 # and the whole image in every training crop (a random crop can cut the cue or a partner
 # object off: its labels would be wrong). Data: python tools/dataset/make_longrange_ade20k.py.
-# Schedule: 1500 iterations of batch 4 at a constant learning rate after the warm-up, decaying
-# to 0 over the last 500. Learning the cue is a jump after a plateau (loss ~0.8, ~36 mIoU)
-# whose time varies with the seed (iteration ~610 for seed 2030); a schedule that decays from
-# the start (1000 iterations, poly) left seeds 2027 and 2028 on the plateau (35.2 and 35.3):
-# docs/longrange_data.md.
+# Schedule: 800 iterations of batch 4 at a constant learning rate after the warm-up, decaying
+# to 0 over the last 300. Learning the cue is a jump after a plateau (loss ~0.9): on the
+# scenes' default layout (a 6x6-cell cue) at iteration ~300 (290 and 330 for seeds 2027 and
+# 2028); the first layout's 3x3 cue was found at 460-980, by seed (docs/longrange_data.md).
 _base_ = ['../baselines/segmenter_vit-tiny_mask_1xb4_tiny-ade20k-256x256.py']
 
-max_iters = 1500
-decay = 500     # the last iterations, poly decay to 0
-interval = 500  # validation and checkpoint interval
+max_iters = 800
+decay = 300     # the last iterations, poly decay to 0
+interval = 400  # validation and checkpoint interval
 param_scheduler = [
     dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=50),
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=max_iters - decay, end=max_iters,
