@@ -114,22 +114,24 @@ def test_traced_macs_match_each_kinds_formula(spec):
 
 
 def test_longrange_configs_build_a_global_and_a_local_model():
-    """The long-range benchmark's pair: the same Segmenter without a cls token or head
-    attention, once with softmax attention and once with a 3x3 window (trained from
-    scratch through the config's mita_cfg)."""
+    """The long-range benchmark's models: the same Segmenter without a cls token or head
+    attention, with softmax attention, with a 3x3 window and with MiTA 4:16 (both trained
+    from scratch through the config's mita_cfg, with the same parameters)."""
     from mmseg.registry import MODELS
     from mita_seg.apis import load_config
     import mita_seg.models  # noqa: F401
     cfgs = [load_config(osp.join(ROOT, 'configs', 'longrange', name)) for name in (
         'segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py',
-        'segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-256x256.py')]
-    dense, local = (MODELS.build(c.model).eval() for c in cfgs)
+        'segmenter_vit-tiny_linear_window3_1xb4_longrange-ade20k-256x256.py',
+        'segmenter_vit-tiny_linear_mita4x4k16_1xb4_longrange-ade20k-256x256.py')]
+    dense, local, mita = (MODELS.build(c.model).eval() for c in cfgs)
     assert not dense.backbone.with_cls_token and len(dense.decode_head.layers) == 0
-    assert [m.setting.text for m in local.backbone.modules() if hasattr(m, 'kind')] == \
-        ['window:3'] * 4
-    assert list(local.state_dict()) == list(dense.state_dict())
-    with torch.no_grad():
-        assert local.backbone(torch.randn(1, 3, 256, 256))[0].shape == (1, 64, 32, 32)
+    for model, setting in ((local, 'window:3'), (mita, '4:16')):
+        assert [m.setting.text for m in model.backbone.modules() if hasattr(m, 'kind')] == \
+            [setting] * 4
+        assert list(model.state_dict()) == list(dense.state_dict())
+        with torch.no_grad():
+            assert model.backbone(torch.randn(1, 3, 256, 256))[0].shape == (1, 64, 32, 32)
 
 
 @pytest.mark.slow
