@@ -154,6 +154,10 @@ def test_old_longrange_scenes_are_named(tmp_path, capsys):
         tool.write_data(args)
         out = capsys.readouterr().out
         assert (warned in out and 'delete the folder' in out) if warned else out == '', out
+    for text in ('', '[1]'):      # a careless scenes.json: one error line, no traceback
+        (tmp_path / 'scenes.json').write_text(text)
+        with pytest.raises(SystemExit, match=r'^error: .*scenes\.json.*delete'):
+            tool.write_data(args)
 
 
 def test_cfg_options_value_ends_the_study_in_one_line(tools, tmp_path):

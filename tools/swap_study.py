@@ -144,7 +144,10 @@ def write_data(args):
     if osp.isdir(osp.join(args.data_root, 'images')):
         if args.dataset == 'longrange':
             from mita_seg.datasets.longrange_scenes import scenes_layout
-            layout = scenes_layout(args.data_root)
+            try:
+                layout = scenes_layout(args.data_root)
+            except ValueError as e:
+                raise SystemExit(f'error: {e}')
             if layout != 'v2':
                 print(f'[swap_study] WARNING: {args.data_root} holds long-range scenes of layout '
                       f'{layout or "v1 (no scenes.json)"}; the configs\' schedule is set for '

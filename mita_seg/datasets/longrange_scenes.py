@@ -44,8 +44,8 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
     (``--cues 2``, the default, uses the first two cues; ``--cues 3`` all three.) A region's
     label depends on its own texture *and* on 36 tokens somewhere else: a labelled pixel is on
     average 14 cells (110 px at 256 x 256) from the cue, 75 % of them more than 8 cells and
-    57 % more than 12 (``v1``: 9 tokens; 15 cells, 80 %, 64 %). The cue itself is labelled 0 (ignored). Nothing else in the scene
-    depends on the cue: re-drawing a scene with another cue changes the cue's pixels and the
+    57 % more than 12 (``v1``: 9 tokens; 15 cells, 80 %, 64 %). The cue itself is labelled 0
+    (ignored). Nothing else in the scene depends on the cue: re-drawing a scene with another cue changes the cue's pixels and the
     label of every background pixel, and nothing else. Without ``global`` there is no cue and
     each texture has its cue-0 class.
 
@@ -474,15 +474,22 @@ def scene_rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, 0 if split == 'training' else 1, index])
 
 
+def _write_file(path: str, data: bytes) -> None:
+    """Write to a temporary file beside ``path``, then rename: a file is whole. (Not
+    ``mita_seg.engine.atomic_io``: importing it loads torch and mmengine, which the
+    generator does without.)"""
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def _write(path: str, ext: str, array: np.ndarray, params=()) -> None:
-    """Encode, write to a temporary file beside ``path``, then rename: a file is whole."""
+    """Encode an image and write it whole (:func:`_write_file`)."""
     ok, buf = cv2.imencode(ext, array, list(params))
     if not ok:
         raise RuntimeError(f'could not encode {path}')
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        f.write(buf.tobytes())
-    os.replace(tmp, path)
+    _write_file(path, buf.tobytes())
 
 
 def make_split(out: str, split: str, num: int, size: int, seed: int,
@@ -505,22 +512,31 @@ SCENES_FILE = 'scenes.json'   # beside images/ and annotations/: the arguments t
 
 
 def write_scenes_file(out: str, **arguments) -> None:
-    """Record the generator's arguments in ``OUT/scenes.json`` (whole: a temporary file, then
-    renamed), so that a reader can tell which scenes a folder holds."""
-    tmp = osp.join(out, SCENES_FILE + '.tmp')
-    with open(tmp, 'w') as f:
-        json.dump(arguments, f, indent=1)
-    os.replace(tmp, osp.join(out, SCENES_FILE))
+    """Record the generator's arguments in ``OUT/scenes.json`` (written whole), so that a
+    reader can tell which scenes a folder holds."""
+    _write_file(osp.join(out, SCENES_FILE), json.dumps(arguments, indent=1).encode())
 
 
 def scenes_layout(out: str) -> Optional[str]:
     """The layout a folder's scenes were written with (``OUT/scenes.json``); None when the
-    folder has no such file (written before the file existed: layout ``v1``)."""
+    folder has no such file (written before the file existed: layout ``v1``).
+
+    Raises:
+        ValueError: the file is not a JSON object (say which file, and what to do).
+    """
     path = osp.join(out, SCENES_FILE)
     if not osp.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f).get('layout')
+    try:
+        with open(path) as f:
+            arguments = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f'{path}: unreadable ({e}); delete {out} to have the scenes '
+                         'written again') from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f'{path}: not the generator\'s arguments (a JSON object); delete '
+                         f'{out} to have the scenes written again')
+    return arguments.get('layout')
 
 
 # ----------------------------------------------------------------------------- preview figure
