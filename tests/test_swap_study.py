@@ -103,6 +103,27 @@ def test_aggregate_rows():
     assert 'img_per_s' not in head['std'] and head['per_seed']['mIoU'] == {'1': 47.0}
 
 
+def test_accuracy_by_evidence_goes_from_rows_to_the_report():
+    # a test loop's further metrics (the long-range configs' acc_*) reach the study's rows,
+    # are averaged over seeds and tabled; rows without them (the local scenes) table nothing
+    from projects.swap_study.report import _evidence
+    from projects.swap_study.study import _row
+    base = dict(mIoU=70.0, mAcc=80.0, aAcc=90.0, attn_GMACs=0.5, model_GFLOPs=0.8,
+                img_per_s=9.0)
+    runs = []
+    for seed, retrieval in ((1, 30.0), (2, 34.0)):
+        values = dict(base, acc_context=97.0, acc_object=80.0, acc_retrieval=retrieval,
+                      acc_detail=88.0, mDice=1.0)
+        runs.append((seed, [_row('unswapped', 'baseline', None, None, values, None)]))
+    row = aggregate_rows(runs)[0]
+    assert row['acc_retrieval'] == pytest.approx(32.0) and 'mDice' not in row
+    assert row['per_seed']['acc_retrieval'] == {'1': 30.0, '2': 34.0}
+    table = _evidence([row])
+    assert '| row | context | object | retrieval | detail |' in table
+    assert '| unswapped | 97.00 ± 0.00 | 80.00 ± 0.00 | 32.00 ± 2.83 | 88.00 ± 0.00 |' in table
+    assert _evidence([_row('unswapped', 'baseline', None, None, base, None)]) == []
+
+
 def test_cli_bad_arguments(tools):
     # a setting is spelled P:K (the old P,K is refused, showing the new spelling); a config
     # that does not exist is named
@@ -390,3 +411,9 @@ def test_check_discrimination_trains_the_global_and_the_local_model(tmp_path, to
         assert f"swapped to {spec} (no retraining) {row['mIoU'] - res['unswapped']['mIoU']:+.2f}" \
             in line
         assert row['model_GFLOPs'] < res['unswapped']['model_GFLOPs']
+    # the configs' evaluators: mIoU over the scenes' classes, accuracy by evidence
+    for row in (res['unswapped'], res['local window'], *res['no mixing'].values()):
+        for kind in ('context', 'object', 'retrieval', 'detail'):
+            value = row[f'acc_{kind}']
+            assert value != value or 0 <= value <= 100   # nan: no such pixel in 2 images
+    assert 'pixel accuracy context/object/retrieval/detail: unswapped ' in line, line

@@ -27,6 +27,15 @@ param_scheduler = [
 train_cfg = dict(max_iters=max_iters, val_interval=interval)
 default_hooks = dict(checkpoint=dict(interval=interval))
 
+# mIoU over the scenes' own 10 classes (mmseg's IoUMetric would also average in, at 0,
+# any of ADE20K's other 140 classes that a model paints somewhere), and pixel accuracy by
+# the evidence a label needs (context, object, retrieval, detail)
+custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine', 'mita_seg.evaluation'],
+                      allow_failed_imports=False)
+val_evaluator = [dict(type='LabelledIoUMetric', iou_metrics=['mIoU']),
+                 dict(type='EvidenceAccuracyMetric')]
+test_evaluator = val_evaluator
+
 data_root = 'data/ade/longrange_ade20k'
 model = dict(
     backbone=dict(with_cls_token=False, output_cls_token=False),

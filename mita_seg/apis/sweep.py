@@ -122,7 +122,8 @@ class SweepRow:
         model_GFLOPs (float): whole-model GFLOPs per image.
         attn_reduction, model_reduction (float): % below the baseline row.
         delta_mIoU (float): mIoU minus the baseline's.
-        extra (dict): ``measure``'s columns.
+        extra (dict): the test loop's other metrics (a config's further evaluators:
+            ``acc_retrieval``, ...) and ``measure``'s columns.
     """
     point: SweepPoint
     label: str
@@ -273,13 +274,15 @@ def swap_sweep(runner: Runner,
             attn = attention_gmacs(model, batches)
         row = SweepRow(point, label, ran_label, M, mIoU=float(metrics['mIoU']),
                        mAcc=float(metrics['mAcc']), aAcc=float(metrics['aAcc']),
-                       attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]))
+                       attn_GMACs=attn, model_GFLOPs=model_gflops(model, batches[0]),
+                       extra={k: float(v) for k, v in metrics.items()
+                              if k not in ('mIoU', 'mAcc', 'aAcc')})
         base = rows[0] if rows else row
         row.attn_reduction = 100.0 * (1 - row.attn_GMACs / base.attn_GMACs)
         row.model_reduction = 100.0 * (1 - row.model_GFLOPs / base.model_GFLOPs)
         row.delta_mIoU = row.mIoU - base.mIoU
         if measure is not None:
-            row.extra = dict(measure(model, batches[0]))
+            row.extra.update(measure(model, batches[0]))
         rows.append(row)
         progress(f'[{i + 1}/{len(points)}] {label}: mIoU {row.mIoU:.2f}, attention '
                  f'{row.attn_GMACs:.3f} GMACs/img, model {row.model_GFLOPs:.3f} GFLOPs/img')

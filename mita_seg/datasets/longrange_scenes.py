@@ -301,6 +301,25 @@ def partner(scene: Scene, obj: Obj) -> Obj:
     return found[0]
 
 
+# what decides a labelled pixel's class (:func:`evidence_map`; 0: the cue, unlabelled)
+EVIDENCE = {1: 'context', 2: 'object', 3: 'retrieval', 4: 'detail'}
+
+
+def evidence_map(scene: Scene) -> np.ndarray:
+    """``[size, size]`` uint8: for every pixel, the evidence its label needs, a key of
+    :data:`EVIDENCE`: 1 ``context`` (a background region: its texture and the cue), 2
+    ``object`` (a textured object: its own texture), 3 ``retrieval`` (a plain object: its
+    distant partner's texture), 4 ``detail`` (a pole: local); 0 the cue (label 0). Drawn in
+    :func:`render_scene`'s order, so it covers what the label shows."""
+    evidence = np.ones((scene.size, scene.size), np.uint8)
+    for bar in scene.bars:
+        evidence[_bar_mask(scene.size, bar)] = 4
+    for obj, m in zip(scene.objects, object_masks(scene)):
+        evidence[m] = 3 if obj.texture is None else 2
+    evidence[cue_mask(scene)] = 0
+    return evidence
+
+
 def render_scene(scene: Scene) -> Tuple[np.ndarray, np.ndarray]:
     """``(image RGB uint8 [size, size, 3], label uint8 [size, size])`` of a description."""
     s = scene.size
@@ -517,9 +536,9 @@ def write_scenes_file(out: str, **arguments) -> None:
     _write_file(osp.join(out, SCENES_FILE), json.dumps(arguments, indent=1).encode())
 
 
-def scenes_layout(out: str) -> Optional[str]:
-    """The layout a folder's scenes were written with (``OUT/scenes.json``); None when the
-    folder has no such file (written before the file existed: layout ``v1``).
+def read_scenes_file(out: str) -> Optional[dict]:
+    """The generator's arguments a folder's scenes were written with (``OUT/scenes.json``);
+    None when the folder has no such file (written before the file existed: layout ``v1``).
 
     Raises:
         ValueError: the file is not a JSON object (say which file, and what to do).
@@ -536,7 +555,28 @@ def scenes_layout(out: str) -> Optional[str]:
     if not isinstance(arguments, dict):
         raise ValueError(f'{path}: not the generator\'s arguments (a JSON object); delete '
                          f'{out} to have the scenes written again')
-    return arguments.get('layout')
+    return arguments
+
+
+def scenes_layout(out: str) -> Optional[str]:
+    """The layout of a folder's scenes (:func:`read_scenes_file`); None without the file."""
+    arguments = read_scenes_file(out)
+    return None if arguments is None else arguments.get('layout')
+
+
+def scene_of_file(out: str, split: str, index: int) -> Scene:
+    """The description of image ``index`` (0-based) of ``split`` in the folder ``out``,
+    drawn again from the arguments of its ``scenes.json``.
+
+    Raises:
+        ValueError: the folder has no ``scenes.json`` (its scenes cannot be drawn again).
+    """
+    arguments = read_scenes_file(out)
+    if arguments is None:
+        raise ValueError(f'{out} has no {SCENES_FILE}: its scenes cannot be drawn again; '
+                         'write them with tools/dataset/make_longrange_ade20k.py')
+    return sample_scene(scene_rng(arguments['seed'], split, index), arguments['size'],
+                        arguments['kinds'], arguments['cues'], arguments.get('layout', 'v1'))
 
 
 # ----------------------------------------------------------------------------- preview figure

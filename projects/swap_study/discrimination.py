@@ -9,6 +9,7 @@ import time
 from typing import Callable, Dict, Optional
 
 from mita_seg.apis import load_config, mita_config
+from mita_seg.datasets.longrange_scenes import EVIDENCE
 from mita_seg.setting import MiTASetting
 
 from .settings import DATASETS, LONGRANGE_SEGMENTER, StudySettings
@@ -86,7 +87,20 @@ def format_check(res: Dict) -> str:
             f'unswapped {a:.2f} mIoU, local window {b:.2f} mIoU, gap {a - b:+.2f}; '
             + ', '.join(f"swapped to {k} (no retraining) {v['mIoU'] - a:+.2f}"
                         for k, v in res.get('no mixing', {}).items())
-            + f' ({seconds / 60:.0f} min)')
+            + _evidence(res) + f' ({seconds / 60:.0f} min)')
+
+
+def _evidence(res: Dict) -> str:
+    """The pixel accuracy by evidence of each model of the check (the configs'
+    ``EvidenceAccuracyMetric``), or nothing when the rows lack it."""
+    rows = dict(unswapped=res['unswapped'], window=res['local window'],
+                **res.get('no mixing', {}))
+    if not all(f'acc_{k}' in r for r in rows.values() for k in EVIDENCE.values()):
+        return ''
+    kinds = list(EVIDENCE.values())
+    return '; pixel accuracy ' + '/'.join(kinds) + ': ' + ', '.join(
+        name + ' ' + '/'.join(f"{r['acc_' + k]:.0f}" for k in kinds)
+        for name, r in rows.items())
 
 
 def run_check(seeds, work_dir: str, data_root: str = LONGRANGE_ROOT, reuse: bool = False,

@@ -48,6 +48,22 @@ def _table(rows: Sequence[dict]) -> List[str]:
     return out
 
 
+def _evidence(rows: Sequence[dict]) -> List[str]:
+    """Pixel accuracy by the evidence a label needs (the long-range scenes'
+    ``EvidenceAccuracyMetric``: ``acc_context``, ...) for every row that has it."""
+    rows = [r for r in rows if 'acc_retrieval' in r]
+    if not rows:
+        return []
+    kinds = [k[len('acc_'):] for k in rows[0] if k.startswith('acc_')]
+    out = ['', 'Pixel accuracy (%) by the evidence a label needs (context: texture and the '
+           'distant cue; object: own texture; retrieval: the distant partner; detail: poles):',
+           '', '| row | ' + ' | '.join(kinds) + ' |', '|---|' + '---:|' * len(kinds)]
+    for r in rows:
+        out.append(f"| {r['setting']} | " + ' | '.join(_pm(r, f'acc_{k}') for k in kinds)
+                   + ' |')
+    return out
+
+
 def best_uniform(rows: Sequence[dict], gflops: float) -> Optional[dict]:
     """The uniform MiTA row (no retraining) of highest mIoU at ``gflops`` or fewer."""
     within = [r for r in rows if r['kind'] == 'swap' and r['model_GFLOPs'] <= gflops + 1e-9]
@@ -186,6 +202,7 @@ def markdown(study: dict) -> str:
                        f"this model's study took {res.get('seconds', 0):.0f} s.")
             out.append('')
         out += _table([r for r in res['rows'] if r['kind'] != 'equal-cost'])
+        out += _evidence(res['rows'])
         out += _equal_flops(res['rows'])
         out += kinds_markdown(res['rows'])
         sel = res.get('selection')

@@ -64,6 +64,7 @@ from mita_seg.apis import (build_runner, export_swapped, init_model, load_config
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
 from mita_seg.apis.calibrate import CalibrationError, SwapCalibrator
 from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
+from mita_seg.datasets.longrange_scenes import EVIDENCE
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
 from mita_seg.setting import MiTASetting, label as label_of
@@ -80,8 +81,10 @@ EXACT = dict(with_shared_expert=False, topk=10**6)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
          'check', 'equal-cost', 'plan', 'finetune', 'control')
 # the numbers of a row that are averaged over the seeds
+# the long-range scenes' pixel accuracy by evidence (their configs' EvidenceAccuracyMetric)
+EVIDENCE_NUMBERS = tuple(f'acc_{k}' for k in EVIDENCE.values())
 NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
-           'model_reduction_%', 'speedup')
+           'model_reduction_%', 'speedup') + EVIDENCE_NUMBERS
 
 
 def tag_of(setting: MiTASetting) -> str:
@@ -234,7 +237,8 @@ def images_per_second(model: nn.Module, batch: dict, min_run_time: float) -> Dic
 
 
 def evaluate(cfg: Config, checkpoint: str, work_dir: str, settings: StudySettings) -> dict:
-    """mIoU (the test loop of ``tools/test.py``), cost and images/s of ``cfg`` with
+    """The metrics of the test loop of ``tools/test.py`` (mIoU, mAcc, aAcc and whatever
+    else the config's test evaluator gives), cost and images/s of ``cfg`` with
     ``checkpoint``."""
     cfg.work_dir = work_dir
     prepare_config(cfg, checkpoint=checkpoint)
@@ -242,8 +246,8 @@ def evaluate(cfg: Config, checkpoint: str, work_dir: str, settings: StudySetting
     metrics = runner.test()
     model = _unwrap(runner.model)
     batch = next(iter(runner.test_dataloader))
-    row = dict(mIoU=float(metrics['mIoU']), mAcc=float(metrics['mAcc']),
-               aAcc=float(metrics['aAcc']), attn_GMACs=attention_gmacs(model, [batch]),
+    row = dict({k: float(v) for k, v in metrics.items()},   # mIoU, mAcc, aAcc, acc_* ...
+               attn_GMACs=attention_gmacs(model, [batch]),
                model_GFLOPs=model_gflops(model, batch),
                **images_per_second(model, batch, settings.speed_min_run_time))
     del runner, model
@@ -298,6 +302,7 @@ def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict],
         row['merge_ratio'] = merge_ratio
     row.update({k: values.get(k) for k in ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs',
                                            'model_GFLOPs', 'img_per_s')})
+    row.update({k: values[k] for k in EVIDENCE_NUMBERS if k in values})
     base = base or row
     row['delta_mIoU'] = row['mIoU'] - base['mIoU']
     if row['model_GFLOPs'] is not None:

@@ -1,0 +1,6 @@
+"""mmseg evaluation components of mita_seg; importing this module registers them
+(configs: ``custom_imports = dict(imports=['mita_seg.evaluation'])``)."""
+from .evidence_metric import EvidenceAccuracyMetric
+from .iou_metric import LabelledIoUMetric
+
+__all__ = ['EvidenceAccuracyMetric', 'LabelledIoUMetric']
