@@ -143,3 +143,37 @@ def test_baseline_configs_are_standard_attention_and_swappable():
     base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4)
     assert model.backbone._mita_grid.hw_shape == (32, 32)
     assert base.shape == out.shape == (1, 150, 64, 64)
+
+
+def test_every_config_imports_what_it_registers_in_a_fresh_interpreter():
+    """Each config's ``custom_imports`` alone registers its model and evaluator types (a
+    config that overrides ``custom_imports`` of its base must keep what the base imports:
+    within one process an earlier import hides the gap, tools/train.py does not)."""
+    import subprocess
+    import sys
+    paths = sorted(glob.glob(osp.join(ROOT, 'configs', '**', '*.py'), recursive=True))
+    script = '''
+import importlib, sys
+from mita_seg.apis import load_config
+from mmseg.registry import METRICS, MODELS
+from mmengine.registry import init_default_scope
+init_default_scope('mmseg')
+bad = []
+for path in sys.argv[1:]:
+    cfg = load_config(path)
+    for name in cfg.get('custom_imports', {}).get('imports', []):
+        importlib.import_module(name)
+    kinds = [('model', MODELS, cfg.model), ('model.backbone', MODELS, cfg.model.backbone)]
+    for key in ('val_evaluator', 'test_evaluator'):
+        evals = cfg.get(key) or []
+        kinds += [(key, METRICS, e) for e in (evals if isinstance(evals, list) else [evals])]
+    bad += [f"{path}: {key} {part['type']}" for key, registry, part in kinds
+            if isinstance(part['type'], str) and registry.get(part['type']) is None]
+print('\\n'.join(bad))
+'''
+    # one interpreter per config: a type registered for one must not hide another's gap
+    for path in paths:
+        out = subprocess.run([sys.executable, '-c', script, path], capture_output=True,
+                             text=True, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == '', out.stdout

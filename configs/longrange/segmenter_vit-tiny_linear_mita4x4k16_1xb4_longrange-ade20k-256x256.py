@@ -3,6 +3,5 @@
 # and k = 16 keys each: the "train small, test large" model of the paper, to be evaluated at
 # larger settings without retraining (tools/swap_sweep.py --pool-sizes 4 7 10 --topks 16 49).
 _base_ = ['./segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py']
-custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
 model = dict(backbone=dict(type='MiTAVisionTransformer', mita_cfg=dict(pool_size=4, topk=16)))

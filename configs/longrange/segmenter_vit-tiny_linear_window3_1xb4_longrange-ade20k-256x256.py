@@ -3,6 +3,5 @@
 # (window:3, mita_seg.ops.window_attention; 4 layers reach 4 patches, 32 pixels, away): the
 # "local window" control of the long-range benchmark, trained from scratch.
 _base_ = ['./segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py']
-custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
 model = dict(backbone=dict(type='MiTAVisionTransformer', mita_cfg=dict(kind='window', window=3)))
