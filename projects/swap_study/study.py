@@ -80,9 +80,9 @@ EXACT = dict(with_shared_expert=False, topk=10**6)
 # only, goes first: :func:`aggregate`)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
          'check', 'equal-cost', 'plan', 'finetune', 'control')
-# the numbers of a row that are averaged over the seeds
 # the long-range scenes' pixel accuracy by evidence (their configs' EvidenceAccuracyMetric)
 EVIDENCE_NUMBERS = tuple(f'acc_{k}' for k in EVIDENCE.values())
+# the numbers of a row that are averaged over the seeds
 NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
            'model_reduction_%', 'speedup') + EVIDENCE_NUMBERS
 
