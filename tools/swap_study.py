@@ -143,15 +143,16 @@ def write_data(args):
     """The dataset's scenes, with its tool (``tools/dataset/``), unless already there."""
     if osp.isdir(osp.join(args.data_root, 'images')):
         if args.dataset == 'longrange':
-            from mita_seg.datasets.longrange_scenes import scenes_layout
+            from mita_seg.datasets.longrange_scenes import DEFAULT_LAYOUT, scenes_layout
             try:
                 layout = scenes_layout(args.data_root)
             except ValueError as e:
                 raise SystemExit(f'error: {e}')
-            if layout != 'v2':
+            if layout != DEFAULT_LAYOUT:
                 print(f'[swap_study] WARNING: {args.data_root} holds long-range scenes of layout '
                       f'{layout or "v1 (no scenes.json)"}; the configs\' schedule is set for '
-                      'layout v2: delete the folder to have v2 written', flush=True)
+                      f'layout {DEFAULT_LAYOUT}: delete the folder to have {DEFAULT_LAYOUT} '
+                      'written', flush=True)
         return
     cmd = [sys.executable, osp.join(ROOT, 'tools', 'dataset', DATASETS[args.dataset].tool),
            '--out', args.data_root, '--size', str(args.data_size)]

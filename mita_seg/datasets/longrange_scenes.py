@@ -45,8 +45,8 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
     label depends on its own texture *and* on 36 tokens somewhere else: a labelled pixel is on
     average 14 cells (110 px at 256 x 256) from the cue, 75 % of them more than 8 cells and
     57 % more than 12 (``v1``: 9 tokens; 15 cells, 80 %, 64 %). The cue itself is labelled 0
-    (ignored). Nothing else in the scene depends on the cue: re-drawing a scene with another cue changes the cue's pixels and the
-    label of every background pixel, and nothing else. Without ``global`` there is no cue and
+    (ignored). Nothing else in the scene depends on the cue: re-drawing a scene with another
+    cue changes the cue's pixels and the label of every background pixel, and nothing else. Without ``global`` there is no cue and
     each texture has its cue-0 class.
 
 ``retrieval`` -- query-specific retrieval. 3 pairs of objects (2 where a third does not fit;
@@ -150,6 +150,7 @@ LAYOUTS = {
     # 3 pairs, the plain objects larger than their partners, so that retrieval decides more
     'v2': Layout(6, (3, 3), (2.5, 4.0), (3.5, 5.5)),
 }
+DEFAULT_LAYOUT = 'v2'   # the generator's default, the one the long-range configs' schedule is for
 
 
 @dataclass(eq=False)
@@ -420,7 +421,7 @@ def _place_objects(rng: np.random.Generator, size: int, kinds,
 
 
 def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str] = KINDS,
-                 cues: int = 2, layout: str = 'v2') -> Scene:
+                 cues: int = 2, layout: str = DEFAULT_LAYOUT) -> Scene:
     """Draw the description of one scene (see the module docstring for the kinds)."""
     kinds = tuple(k for k in KINDS if k in kinds)
     if not 1 <= cues <= len(CUES):
@@ -483,7 +484,7 @@ def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str]
 
 
 def make_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str] = KINDS,
-               cues: int = 2, layout: str = 'v2') -> Tuple[np.ndarray, np.ndarray]:
+               cues: int = 2, layout: str = DEFAULT_LAYOUT) -> Tuple[np.ndarray, np.ndarray]:
     """One ``(image RGB uint8 [size, size, 3], label uint8 [size, size])`` pair."""
     return render_scene(sample_scene(rng, size, kinds, cues, layout))
 
@@ -512,7 +513,7 @@ def _write(path: str, ext: str, array: np.ndarray, params=()) -> None:
 
 
 def make_split(out: str, split: str, num: int, size: int, seed: int,
-               kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = 'v2') -> None:
+               kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = DEFAULT_LAYOUT) -> None:
     """Write ``num`` scenes of one split (``training`` or ``validation``)."""
     tag = 'train' if split == 'training' else 'val'
     img_dir = osp.join(out, 'images', split)
@@ -598,7 +599,7 @@ def colour_labels(label: np.ndarray) -> np.ndarray:
 
 
 def preview(path: str, num: int = 4, size: int = 256, seed: int = 0,
-            kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = 'v2') -> None:
+            kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = DEFAULT_LAYOUT) -> None:
     """Write a PNG grid: for the first ``num`` validation scenes of ``seed`` (the first one
     also re-drawn with the next cue: the same pixels but the cue's, other labels), the image,
     the labels, and the labels with the evidence marked on the 32 x 32 grid (the cue boxed, an

@@ -9,6 +9,10 @@ from mmseg.registry import METRICS
 from mita_seg.datasets.longrange_scenes import EVIDENCE, evidence_map, scene_of_file
 
 
+# the metrics' names, one per kind of evidence (``acc_context``, ...), in EVIDENCE's order
+ACCURACY_KEYS = tuple(f'acc_{name}' for name in EVIDENCE.values())
+
+
 @METRICS.register_module()
 class EvidenceAccuracyMetric(BaseMetric):
     """Pixel accuracy on the scenes of ``tools/dataset/make_longrange_ade20k.py``, split by
@@ -27,9 +31,6 @@ class EvidenceAccuracyMetric(BaseMetric):
         collect_device (str): as :class:`mmengine.evaluator.BaseMetric`. Default: 'cpu'.
         prefix (str, optional): as :class:`mmengine.evaluator.BaseMetric`. Default: None.
     """
-
-    def __init__(self, collect_device: str = 'cpu', prefix=None) -> None:
-        super().__init__(collect_device=collect_device, prefix=prefix)
 
     def process(self, data_batch: dict, data_samples: Sequence[dict]) -> None:
         """Count right and labelled pixels per kind of evidence, one row per image."""
@@ -56,8 +57,8 @@ class EvidenceAccuracyMetric(BaseMetric):
         """``acc_<kind>`` for each kind of evidence: right pixels over its pixels, percent
         (nan where the images hold none)."""
         total = np.sum(results, axis=0)
-        return {f'acc_{name}': round(float(100 * r / n), 2) if n else float('nan')
-                for name, (r, n) in zip(EVIDENCE.values(), total)}
+        return {key: round(float(100 * r / n), 2) if n else float('nan')
+                for key, (r, n) in zip(ACCURACY_KEYS, total)}
 
 
 def _scene_of(img_path: str):

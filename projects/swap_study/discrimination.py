@@ -9,7 +9,7 @@ import time
 from typing import Callable, Dict, Optional
 
 from mita_seg.apis import load_config, mita_config
-from mita_seg.datasets.longrange_scenes import EVIDENCE
+from mita_seg.evaluation import ACCURACY_KEYS
 from mita_seg.setting import MiTASetting
 
 from .settings import DATASETS, LONGRANGE_SEGMENTER, StudySettings
@@ -95,12 +95,11 @@ def _evidence(res: Dict) -> str:
     ``EvidenceAccuracyMetric``), or nothing when the rows lack it."""
     rows = dict(unswapped=res['unswapped'], window=res['local window'],
                 **res.get('no mixing', {}))
-    if not all(f'acc_{k}' in r for r in rows.values() for k in EVIDENCE.values()):
+    if not all(k in r for r in rows.values() for k in ACCURACY_KEYS):
         return ''
-    kinds = list(EVIDENCE.values())
-    return '; pixel accuracy ' + '/'.join(kinds) + ': ' + ', '.join(
-        name + ' ' + '/'.join(f"{r['acc_' + k]:.0f}" for k in kinds)
-        for name, r in rows.items())
+    return ('; pixel accuracy ' + '/'.join(k[len('acc_'):] for k in ACCURACY_KEYS) + ': '
+            + ', '.join(name + ' ' + '/'.join(f'{r[k]:.0f}' for k in ACCURACY_KEYS)
+                        for name, r in rows.items()))
 
 
 def run_check(seeds, work_dir: str, data_root: str = LONGRANGE_ROOT, reuse: bool = False,

@@ -3,6 +3,7 @@ of ``swap_study.md`` and the figures, read from the study's results (the JSON it
 from typing import List, Optional, Sequence
 
 from mita_seg.apis.sweep import FLOP_NOTE
+from mita_seg.evaluation import ACCURACY_KEYS
 from .kinds import kinds_markdown
 
 # what the paper reports for the swap without retraining (Wen et al., arXiv 2602.01219)
@@ -51,15 +52,15 @@ def _table(rows: Sequence[dict]) -> List[str]:
 def _evidence(rows: Sequence[dict]) -> List[str]:
     """Pixel accuracy by the evidence a label needs (the long-range scenes'
     ``EvidenceAccuracyMetric``: ``acc_context``, ...) for every row that has it."""
-    rows = [r for r in rows if 'acc_retrieval' in r]
+    rows = [r for r in rows if all(k in r for k in ACCURACY_KEYS)]
     if not rows:
         return []
-    kinds = [k[len('acc_'):] for k in rows[0] if k.startswith('acc_')]
     out = ['', 'Pixel accuracy (%) by the evidence a label needs (context: texture and the '
            'distant cue; object: own texture; retrieval: the distant partner; detail: poles):',
-           '', '| row | ' + ' | '.join(kinds) + ' |', '|---|' + '---:|' * len(kinds)]
+           '', '| row | ' + ' | '.join(k[len('acc_'):] for k in ACCURACY_KEYS) + ' |',
+           '|---|' + '---:|' * len(ACCURACY_KEYS)]
     for r in rows:
-        out.append(f"| {r['setting']} | " + ' | '.join(_pm(r, f'acc_{k}') for k in kinds)
+        out.append(f"| {r['setting']} | " + ' | '.join(_pm(r, k) for k in ACCURACY_KEYS)
                    + ' |')
     return out
 

@@ -64,7 +64,7 @@ from mita_seg.apis import (build_runner, export_swapped, init_model, load_config
                            merge_model, mita_config, prepare_config, swap_model, swap_sweep)
 from mita_seg.apis.calibrate import CalibrationError, SwapCalibrator
 from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops, sweep_points
-from mita_seg.datasets.longrange_scenes import EVIDENCE
+from mita_seg.evaluation import ACCURACY_KEYS
 from mita_seg.models import NothingToMergeError, SwapPlan
 from mita_seg.models.grid import grid_context
 from mita_seg.setting import MiTASetting, label as label_of
@@ -80,11 +80,10 @@ EXACT = dict(with_shared_expert=False, topk=10**6)
 # only, goes first: :func:`aggregate`)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
          'check', 'equal-cost', 'plan', 'finetune', 'control')
-# the long-range scenes' pixel accuracy by evidence (their configs' EvidenceAccuracyMetric)
-EVIDENCE_NUMBERS = tuple(f'acc_{k}' for k in EVIDENCE.values())
-# the numbers of a row that are averaged over the seeds
+# the numbers of a row that are averaged over the seeds (with the long-range scenes' pixel
+# accuracy by evidence, their configs' EvidenceAccuracyMetric)
 NUMBERS = ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs', 'model_GFLOPs', 'img_per_s', 'delta_mIoU',
-           'model_reduction_%', 'speedup') + EVIDENCE_NUMBERS
+           'model_reduction_%', 'speedup') + ACCURACY_KEYS
 
 
 def tag_of(setting: MiTASetting) -> str:
@@ -302,7 +301,7 @@ def _row(setting: str, kind: str, M, topk, values: dict, base: Optional[dict],
         row['merge_ratio'] = merge_ratio
     row.update({k: values.get(k) for k in ('mIoU', 'mAcc', 'aAcc', 'attn_GMACs',
                                            'model_GFLOPs', 'img_per_s')})
-    row.update({k: values[k] for k in EVIDENCE_NUMBERS if k in values})
+    row.update({k: values[k] for k in ACCURACY_KEYS if k in values})
     base = base or row
     row['delta_mIoU'] = row['mIoU'] - base['mIoU']
     if row['model_GFLOPs'] is not None:

@@ -15,8 +15,8 @@ import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, KINDS, LAYOUTS,  # noqa: E402
-                                                classes, make_split, preview,
+from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, DEFAULT_LAYOUT, KINDS,  # noqa: E402
+                                                LAYOUTS, classes, make_split, preview,
                                                 write_scenes_file)
 
 
@@ -45,7 +45,7 @@ def parse_args(argv=None):
                         f'{",".join(KINDS)})')
     parser.add_argument('--cues', type=int, default=2, choices=(2, 3),
                         help='how many cues (classes per texture) the global kind uses')
-    parser.add_argument('--layout', default='v2', choices=sorted(LAYOUTS),
+    parser.add_argument('--layout', default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS),
                         help='sizes of the evidence: v2 (default) a 6x6-cell cue and 3 pairs '
                         'with large plain objects; v1 the first scenes (3x3 cue, 2-3 pairs)')
     parser.add_argument('--preview', metavar='FILE',
