@@ -147,8 +147,9 @@ def test_evidence_metric_refuses_scenes_it_cannot_redraw(tmp_path):
     out, gen = _scenes(tmp_path, num=2)
     samples = _samples(out, gen, 2, lambda gt, scene: gt)
     gen.write_scenes_file(out, layout='v2', seed=1, size=128, kinds=list(gen.KINDS), cues=2)
-    with pytest.raises(ValueError, match='not the scene'):
+    from mita_seg.utils.errors import InputError   # a user error: the tools print one line
+    with pytest.raises(InputError, match='not the scene'):
         _evidence_metric(samples)
     os.remove(f'{out}/scenes.json')
-    with pytest.raises(ValueError, match='no scenes.json'):
+    with pytest.raises(InputError, match='no scenes.json'):
         _evidence_metric(samples)

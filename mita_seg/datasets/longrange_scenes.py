@@ -104,6 +104,8 @@ from typing import List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
+from mita_seg.utils.errors import InputError
+
 KINDS = ('global', 'retrieval', 'detail')
 GRID = 32                      # cells per image side (the study's 32 x 32 patch grid)
 TEXTURES = ('hstripes', 'vstripes', 'checker')
@@ -542,7 +544,7 @@ def read_scenes_file(out: str) -> Optional[dict]:
     None when the folder has no such file (written before the file existed: layout ``v1``).
 
     Raises:
-        ValueError: the file is not a JSON object (say which file, and what to do).
+        InputError: the file is not a JSON object (say which file, and what to do).
     """
     path = osp.join(out, SCENES_FILE)
     if not osp.isfile(path):
@@ -551,10 +553,10 @@ def read_scenes_file(out: str) -> Optional[dict]:
         with open(path) as f:
             arguments = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f'{path}: unreadable ({e}); delete {out} to have the scenes '
+        raise InputError(f'{path}: unreadable ({e}); delete {out} to have the scenes '
                          'written again') from None
     if not isinstance(arguments, dict):
-        raise ValueError(f'{path}: not the generator\'s arguments (a JSON object); delete '
+        raise InputError(f'{path}: not the generator\'s arguments (a JSON object); delete '
                          f'{out} to have the scenes written again')
     return arguments
 
@@ -570,11 +572,11 @@ def scene_of_file(out: str, split: str, index: int) -> Scene:
     drawn again from the arguments of its ``scenes.json``.
 
     Raises:
-        ValueError: the folder has no ``scenes.json`` (its scenes cannot be drawn again).
+        InputError: the folder has no ``scenes.json`` (its scenes cannot be drawn again).
     """
     arguments = read_scenes_file(out)
     if arguments is None:
-        raise ValueError(f'{out} has no {SCENES_FILE}: its scenes cannot be drawn again; '
+        raise InputError(f'{out} has no {SCENES_FILE}: its scenes cannot be drawn again; '
                          'write them with tools/dataset/make_longrange_ade20k.py')
     return sample_scene(scene_rng(arguments['seed'], split, index), arguments['size'],
                         arguments['kinds'], arguments['cues'], arguments.get('layout', 'v1'))

@@ -7,6 +7,7 @@ from mmengine.evaluator import BaseMetric
 from mmseg.registry import METRICS
 
 from mita_seg.datasets.longrange_scenes import EVIDENCE, evidence_map, scene_of_file
+from mita_seg.utils.errors import InputError
 
 
 # the metrics' names, one per kind of evidence (``acc_context``, ...), in EVIDENCE's order
@@ -39,13 +40,13 @@ class EvidenceAccuracyMetric(BaseMetric):
             gt = sample['gt_sem_seg']['data'].squeeze().cpu().numpy()
             evidence = evidence_map(_scene_of(sample['img_path']))
             if evidence.shape != gt.shape or pred.shape != gt.shape:
-                raise ValueError(
+                raise InputError(
                     f"{sample['img_path']}: prediction {pred.shape}, labels {gt.shape}, "
                     f'scene {evidence.shape}: evaluate at the scenes\' own size (a test '
                     'pipeline without Resize)')
             unlabelled = gt == 255   # reduce_zero_label: 0 (the cue) -> 255
             if np.mean(unlabelled != (evidence == 0)) > 0.01:
-                raise ValueError(
+                raise InputError(
                     f"{sample['img_path']}: its labels are not the scene its folder's "
                     'scenes.json describes (the cue is elsewhere): write the scenes again')
             right = pred == gt
@@ -69,5 +70,5 @@ def _scene_of(img_path: str):
     try:
         index = int(stem.rsplit('_', 1)[1]) - 1
     except (IndexError, ValueError):
-        raise ValueError(f'{img_path}: not a long-range scene (ADE_<split>_<n>.jpg)') from None
+        raise InputError(f'{img_path}: not a long-range scene (ADE_<split>_<n>.jpg)') from None
     return scene_of_file(out, osp.basename(split_dir), index)
