@@ -158,20 +158,24 @@ def test_cli_bad_arguments(tools):
 
 
 def test_old_longrange_scenes_are_named(tmp_path, capsys):
-    """A long-range data folder written before the v2 layout (no scenes.json), or of layout
-    v1, is used but named in a warning; v2 scenes pass quietly."""
+    """A long-range data folder written before scenes.json existed is refused up front (the
+    configs' evidence metric could not score it: the study would fail at its first
+    validation); scenes of another layout than the default are used but named in a warning;
+    the default's pass quietly."""
     import argparse
     import importlib.util
-    from mita_seg.datasets.longrange_scenes import write_scenes_file
+    from mita_seg.datasets.longrange_scenes import DEFAULT_LAYOUT, write_scenes_file
     spec = importlib.util.spec_from_file_location('swap_study_tool',
                                                   osp.join(ROOT, 'tools', 'swap_study.py'))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     (tmp_path / 'images').mkdir()
     args = argparse.Namespace(dataset='longrange', data_root=str(tmp_path))
-    for layout, warned in ((None, 'v1 (no scenes.json)'), ('v1', 'layout v1;'), ('v2', None)):
-        if layout:
-            write_scenes_file(str(tmp_path), layout=layout)
+    with pytest.raises(SystemExit, match=r'^error: .*without scenes\.json.*delete the folder'):
+        tool.write_data(args)
+    assert capsys.readouterr().out == ''
+    for layout, warned in (('v1', 'layout v1;'), (DEFAULT_LAYOUT, None)):
+        write_scenes_file(str(tmp_path), layout=layout)
         tool.write_data(args)
         out = capsys.readouterr().out
         assert (warned in out and 'delete the folder' in out) if warned else out == '', out

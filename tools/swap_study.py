@@ -148,9 +148,14 @@ def write_data(args):
                 layout = scenes_layout(args.data_root)
             except ValueError as e:
                 raise SystemExit(f'error: {e}')
+            if layout is None:   # the configs' evidence metric redraws scenes from it
+                raise SystemExit(f'error: {args.data_root} holds long-range scenes without '
+                                 'scenes.json (written before it existed), which the configs\' '
+                                 'evidence metric needs to score them: delete the folder to '
+                                 f'have {DEFAULT_LAYOUT} written')
             if layout != DEFAULT_LAYOUT:
                 print(f'[swap_study] WARNING: {args.data_root} holds long-range scenes of layout '
-                      f'{layout or "v1 (no scenes.json)"}; the configs\' schedule is set for '
+                      f'{layout}; the configs\' schedule is set for '
                       f'layout {DEFAULT_LAYOUT}: delete the folder to have {DEFAULT_LAYOUT} '
                       'written', flush=True)
         return
