@@ -80,8 +80,8 @@ def _scenes(tmp_path, num=3, seed=0):
     from mita_seg.datasets import longrange_scenes as gen
     out = str(tmp_path / 'scenes')
     gen.make_split(out, 'validation', num, 128, seed)
-    gen.write_scenes_file(out, layout='v2', seed=seed, size=128, kinds=list(gen.KINDS), cues=2,
-                          train=0, val=num)
+    gen.write_scenes_file(out, layout=gen.DEFAULT_LAYOUT, seed=seed, size=128,
+                          kinds=list(gen.KINDS), cues=2, train=0, val=num)
     return out, gen
 
 
@@ -146,7 +146,8 @@ def test_evidence_metric_refuses_scenes_it_cannot_redraw(tmp_path):
     import os
     out, gen = _scenes(tmp_path, num=2)
     samples = _samples(out, gen, 2, lambda gt, scene: gt)
-    gen.write_scenes_file(out, layout='v2', seed=1, size=128, kinds=list(gen.KINDS), cues=2)
+    gen.write_scenes_file(out, layout=gen.DEFAULT_LAYOUT, seed=1, size=128,
+                          kinds=list(gen.KINDS), cues=2)
     from mita_seg.utils.errors import InputError   # a user error: the tools print one line
     with pytest.raises(InputError, match='not the scene'):
         _evidence_metric(samples)

@@ -70,7 +70,7 @@ def test_cli_layout_and_bytes(tmp_path):
         {osp.join('images', 'validation', f'ADE_val_{i:08d}.jpg') for i in (1, 2)} | \
         {osp.join('annotations', 'validation', f'ADE_val_{i:08d}.png') for i in (1, 2)}
     assert set(a) == expect | {'scenes.json'}    # ADE20K's layout, its arguments, no .tmp
-    assert gen.scenes_layout(str(tmp_path / 'a')) == 'v2'
+    assert gen.scenes_layout(str(tmp_path / 'a')) == gen.DEFAULT_LAYOUT
     assert gen.scenes_layout(str(tmp_path)) is None      # no file: written before it existed
     assert a == b                                # same arguments, same bytes
     assert set(c) == set(a) and all(a[k] != c[k] for k in expect)   # another seed

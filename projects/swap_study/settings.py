@@ -55,7 +55,7 @@ DATASETS = {
     'local': Dataset(DATA_ROOT, 'make_tiny_ade20k.py', MODELS, 120, MODEL_TRAIN_ITERS, 40,
                      WORK_DIR),
     # the long-range scenes (docs/longrange_data.md): the Segmenter without cls token or head
-    # attention, trained on its config's schedule (800 iterations, a constant rate first)
+    # attention, trained on its config's schedule (1600 iterations, a constant rate first)
     'longrange': Dataset('data/ade/longrange_ade20k', 'make_longrange_ade20k.py',
                          {'segmenter': LONGRANGE_SEGMENTER}, 'config', {}, 100,
                          'work_dirs/swap_study_longrange'),

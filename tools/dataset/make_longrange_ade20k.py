@@ -4,9 +4,9 @@ evidence 8-30 patches away) in ADE20K's layout; docs/longrange_data.md.
 Usage::
 
     python tools/dataset/make_longrange_ade20k.py --out data/ade/longrange_ade20k \\
-        --train 600 --val 200 --size 256
+        --train 2400 --val 200 --size 256
     python tools/dataset/make_longrange_ade20k.py --kinds global,detail   # cue only
-    python tools/dataset/make_longrange_ade20k.py --layout v1   # the first scenes (3x3 cue)
+    python tools/dataset/make_longrange_ade20k.py --layout v2 --train 600   # v2 as measured
     python tools/dataset/make_longrange_ade20k.py --preview docs/figures/longrange_scenes.png
 """
 import argparse
@@ -34,7 +34,7 @@ def parse_args(argv=None):
         description='Write a synthetic ADE20K-layout dataset whose labels need long-range '
         'evidence (a global cue, retrieval of a distant object, fine detail)')
     parser.add_argument('--out', default='data/ade/longrange_ade20k', help='output folder')
-    parser.add_argument('--train', type=int, default=600, help='training images')
+    parser.add_argument('--train', type=int, default=2400, help='training images')
     parser.add_argument('--val', type=int, default=200, help='validation images')
     parser.add_argument('--size', type=int, default=256,
                         help='image side in pixels (256: the study\'s 32x32 grid of 8-px '
@@ -46,8 +46,10 @@ def parse_args(argv=None):
     parser.add_argument('--cues', type=int, default=2, choices=(2, 3),
                         help='how many cues (classes per texture) the global kind uses')
     parser.add_argument('--layout', default=DEFAULT_LAYOUT, choices=sorted(LAYOUTS),
-                        help='sizes of the evidence: v2 (default) a 6x6-cell cue and 3 pairs '
-                        'with large plain objects; v1 the first scenes (3x3 cue, 2-3 pairs)')
+                        help=f'sizes of the evidence (default {DEFAULT_LAYOUT}): v4 a 6x6-cell '
+                        'cue, 3 pairs with large textured partners, region boundaries and poles '
+                        'finer than a patch; v3 the same with smooth boundaries; v2 smaller '
+                        'partners; v1 the first scenes (3x3 cue, 2-3 pairs)')
     parser.add_argument('--preview', metavar='FILE',
                         help='write a PNG of the first validation scenes and their labels to '
                         'FILE instead of the dataset')
