@@ -46,8 +46,8 @@ A scene (:func:`sample_scene` draws a :class:`Scene`, an explicit description;
     average 14 cells (110 px at 256 x 256) from the cue, 75 % of them more than 8 cells and
     57 % more than 12 (``v1``: 9 tokens; 15 cells, 80 %, 64 %). The cue itself is labelled 0
     (ignored). Nothing else in the scene depends on the cue: re-drawing a scene with another
-    cue changes the cue's pixels and the label of every background pixel, and nothing else. Without ``global`` there is no cue and
-    each texture has its cue-0 class.
+    cue changes the cue's pixels and the label of every background pixel, and nothing else.
+    Without ``global`` there is no cue and each texture has its cue-0 class.
 
 ``retrieval`` -- query-specific retrieval. Pairs of objects (irregular polygons; layout
     ``v4``, the default, and ``v3``: radius 4-5.5 cells textured, 3.5-5 plain, 2 pairs in 9
