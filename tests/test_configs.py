@@ -144,6 +144,22 @@ def test_baseline_configs_are_standard_attention_and_swappable():
     assert model.backbone._mita_grid.hw_shape == (32, 32)
     assert base.shape == out.shape == (1, 150, 64, 64)
 
+    # the tiny BEiT on the long-range scenes: the long-range Segmenter's linear mask head (no
+    # attention outside the encoder), its cls token kept (N = 1025); route-only MiTA with
+    # every key (through BEiT's relative position bias) is its softmax attention
+    path = osp.join(ROOT, 'configs', 'longrange',
+                    'beit-tiny_linear_1xb4_longrange-ade20k-256x256.py')
+    cfg = Config.fromfile(path)
+    assert cfg.train_dataloader.dataset.data_root == 'data/ade/longrange_ade20k'
+    assert cfg.train_cfg.max_iters == 1600
+    model = build(cfg)
+    assert type(model.backbone).__name__ == 'BEiT' and len(model.decode_head.layers) == 0
+    base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4, pool_size=1,
+                                      topk=1025, with_shared_expert=False)
+    assert model.backbone._mita_grid.hw_shape == (32, 32)
+    assert base.shape == (1, 150, 32, 32)
+    torch.testing.assert_close(out, base, rtol=1e-4, atol=1e-4)
+
 
 def test_every_config_imports_what_it_registers_in_a_fresh_interpreter():
     """Each config's ``custom_imports`` alone registers its model and evaluator types (a

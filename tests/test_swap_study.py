@@ -145,16 +145,27 @@ def test_cli_bad_arguments(tools):
     assert code == 2 and "--native-models ['segmentr']: not a model of this study" in out
     code, out = tools('tools/swap_study.py', '--seeds', '-1', check=False)
     assert code == 2 and '-1' in out
-    # the taxonomy's budgets are MiTA settings; a model of the other scenes is named
+    # the taxonomy's budgets are MiTA settings; MiTA-trained runs of a model not in the
+    # study are named (the default's models outside the study are left out: no error)
     code, out = tools('tools/swap_study.py', '--kind-budgets', 'agent:7', check=False)
     assert code == 2 and "'agent:7': a budget is a MiTA setting (7:49)" in out
     code, out = tools('tools/swap_study.py', '--dataset', 'longrange', '--models', 'beit',
-                      check=False)
-    assert code == 2 and "--models ['beit']: not a model of the longrange scenes" in out
+                      '--native-models', 'segmenter', check=False)
+    assert code == 2 and "--native-models ['segmenter']: not a model of this study (beit)" in out
     code, out = tools('tools/swap_study.py', '--train-iters', 'half', check=False)
     assert code == 2 and "--train-iters: 'half'" in out
     code, out = tools('tools/swap_study.py', '--check-discrimination', check=False)
     assert code == 2 and '--check-discrimination goes with --dataset longrange' in out
+
+
+def _tool():
+    """tools/swap_study.py as a module (its parse_args, write_data)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('swap_study_tool',
+                                                  osp.join(ROOT, 'tools', 'swap_study.py'))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
 
 
 def test_old_longrange_scenes_are_named(tmp_path, capsys):
@@ -163,12 +174,8 @@ def test_old_longrange_scenes_are_named(tmp_path, capsys):
     validation); scenes of another layout than the default are used but named in a warning;
     the default's pass quietly."""
     import argparse
-    import importlib.util
     from mita_seg.datasets.longrange_scenes import DEFAULT_LAYOUT, write_scenes_file
-    spec = importlib.util.spec_from_file_location('swap_study_tool',
-                                                  osp.join(ROOT, 'tools', 'swap_study.py'))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool()
     (tmp_path / 'images').mkdir()
     args = argparse.Namespace(dataset='longrange', data_root=str(tmp_path))
     with pytest.raises(SystemExit, match=r'^error: .*without scenes\.json.*delete the folder'):
@@ -183,6 +190,21 @@ def test_old_longrange_scenes_are_named(tmp_path, capsys):
         (tmp_path / 'scenes.json').write_text(text)
         with pytest.raises(SystemExit, match=r'^error: .*scenes\.json.*delete'):
             tool.write_data(args)
+
+
+def test_longrange_study_takes_both_models():
+    """--dataset longrange: the Segmenter and the BEiT of configs/longrange by default, the
+    MiTA-trained runs (--native) for the Segmenter only, so the BEiT alone parses."""
+    tool = _tool()
+    args = tool.parse_args(['--dataset', 'longrange'])
+    assert [n for n, _ in args.models] == ['segmenter', 'beit']
+    assert all(osp.isfile(osp.join(ROOT, c)) and 'configs/longrange/' in c
+               for _, c in args.models)
+    assert args.native_models == ['segmenter'] and args.train_iters == 'config'
+    args = tool.parse_args(['--dataset', 'longrange', '--models', 'beit'])
+    (name, config), = args.models
+    assert name == 'beit' and config.endswith(tool.DATASETS['longrange'].models['beit'])
+    assert args.native_models == [] and args.native
 
 
 def test_cfg_options_value_ends_the_study_in_one_line(tools, tmp_path):
@@ -421,3 +443,24 @@ def test_check_discrimination_trains_the_global_and_the_local_model(tmp_path, to
             value = row[f'acc_{kind}']
             assert value != value or 0 <= value <= 100   # nan: no such pixel in 2 images
     assert 'pixel accuracy context/object/retrieval/detail: unswapped ' in line, line
+
+
+def test_kinds_a_model_cannot_run_are_left_out_with_why():
+    """The taxonomy's kinds that BEiT's attention cannot run once swapped (MiTA only: the
+    other kinds do not take its relative position bias) are left out of the equal-cost
+    comparison, each named with why; the Segmenter's ViT runs them all."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+    from mita_seg.apis import swap_model
+    from projects.swap_study.kinds import split_kinds
+    from projects.swap_study.settings import LONGRANGE_BEIT, LONGRANGE_SEGMENTER, PAPER
+    init_default_scope('mmseg')
+    kinds = ('mita', 'agent', 'block', 'topk', 'window')
+    for config, runnable in ((LONGRANGE_BEIT, ()), (LONGRANGE_SEGMENTER, kinds[1:])):
+        model = MODELS.build(Config.fromfile(osp.join(ROOT, config)).model)
+        swap_model(model, PAPER.cfg(), verbose=False)
+        got, skipped = split_kinds(model, kinds)
+        assert got == runnable, config
+        assert sorted(skipped) == sorted(set(kinds[1:]) - set(runnable)), config
+        assert all(why == 'MiTABEiTAttention cannot run it' for why in skipped.values())

@@ -1,6 +1,6 @@
 """The swap at the paper's token count: train, swap without retraining, fine-tune, measure.
 
-For each standard-attention model (a tiny Segmenter, and a tiny BEiT once its config exists) and
+For each standard-attention model (a tiny Segmenter and a tiny BEiT, each dataset's own) and
 each training seed (``--seeds``, three by default; every row is reported as mean ± sample std over
 them) on the generated ADE20K-format data at 256x256 (patch 8: a 32x32 grid, N = 1025 tokens with
 cls, the paper's token count): train it with MMEngine's Runner, evaluate it unswapped and swapped
@@ -132,10 +132,13 @@ def parse_args(argv=None):
             parser.error(f'--model-train-iters {item!r}: give NAME=ITERS, e.g. beit=400')
         per_model[name] = int(iters)
     args.model_train_iters = per_model or None
-    unknown = sorted(set(args.native_models) - {n for n, _ in args.models})
+    names = [n for n, _ in args.models]
+    if args.native_models is None:     # the default's models that are in this study
+        args.native_models = [n for n in default('native_models') if n in names]
+    unknown = sorted(set(args.native_models) - set(names))
     if args.native and unknown:
         parser.error(f'--native-models {unknown}: not a model of this study '
-                     f"({', '.join(n for n, _ in args.models)}); name one of them")
+                     f"({', '.join(names)}); name one of them")
     return args
 
 

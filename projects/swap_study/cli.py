@@ -119,8 +119,8 @@ def add_study_args(add):
     add('--native', type=setting_arg, nargs='*', default=list(D('native')), metavar='P:K',
         help='also train the model from scratch with MiTA at each setting and evaluate it '
         'over the grid (none: no such runs)')
-    add('--native-models', nargs='+', default=list(D('native_models')), metavar='NAME',
-        help='the models that get the --native runs')
+    add('--native-models', nargs='+', metavar='NAME', help='the models that get the '
+        f"--native runs (default: those of {', '.join(D('native_models'))} in the study)")
     add('--no-control', dest='control', action='store_false',
         help='skip training the unswapped model as long as the fine-tune')
     add('--no-check', dest='exact_check', action='store_false',

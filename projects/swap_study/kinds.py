@@ -18,10 +18,11 @@ from mita_seg.analysis.attention_macs import attention_gmacs
 from mita_seg.analysis.equal_cost import TOLERANCE, cost_of, setting_at_cost, within
 from mita_seg.apis import merge_model, swap_model
 from mita_seg.apis.sweep import SweepPoint, SweepRow, model_gflops
+from mita_seg.models import MiTASettingsMixin
 from mita_seg.setting import MiTASetting
 
-__all__ = ['ATTENTION_KINDS', 'match_budgets', 'kind_points', 'kind_rows', 'kinds_markdown',
-           'plot_kinds']
+__all__ = ['ATTENTION_KINDS', 'split_kinds', 'match_budgets', 'kind_points', 'kind_rows',
+           'kinds_markdown', 'plot_kinds']
 
 ATTENTION_KINDS = ('mita', 'agent', 'block', 'topk', 'window', 'tome')
 KIND_NAMES = dict(mita='MiTA (shared + routed experts)', agent='compression (agent)',
@@ -50,16 +51,33 @@ def tome_ratio_at(model: nn.Module, batch: dict, gflops: float, merge_cfg: dict,
     return r, tried[r]
 
 
+def split_kinds(swapped: nn.Module, kinds: Sequence[str]) -> Tuple[Tuple[str, ...],
+                                                                   Dict[str, str]]:
+    """``kinds`` (but ``mita``) as those that every attention of ``swapped`` (a model swapped
+    to MiTA) can run, and the others, each with the modules that cannot (BEiT/MAE attention
+    runs MiTA only: the other kinds do not take its relative position bias)."""
+    modules = [m for m in swapped.modules() if isinstance(m, MiTASettingsMixin)]
+    runnable, skipped = [], {}
+    for kind in (k for k in kinds if k != 'mita'):
+        refusing = sorted({type(m).__name__ for m in modules if kind not in m.supported_kinds})
+        if refusing:
+            skipped[kind] = f"{', '.join(refusing)} cannot run it"
+        else:
+            runnable.append(kind)
+    return tuple(runnable), skipped
+
+
 def match_budgets(model: nn.Module, batch: dict, budgets: Sequence[MiTASetting],
                   kinds: Sequence[str], merge_cfg: Optional[dict]) -> List[dict]:
     """For each budget: the encoder of ``model`` swapped to it, its attention calls priced
     (its MACs) and its model GFLOPs; each of ``kinds`` at the setting nearest those MACs;
-    ToMe (unless ``merge_cfg`` is None) at the ratio nearest those GFLOPs.
+    ToMe (unless ``merge_cfg`` is None) at the ratio nearest those GFLOPs. A kind that the
+    model's attention cannot run (:func:`split_kinds`) is left out, named in ``skipped``.
 
     Returns:
         list[dict]: per budget ``budget`` (spelling), ``label``, ``attn_MACs``,
-        ``model_GFLOPs`` and ``kinds``: ``attention``, ``setting`` (spelling; for ToMe
-        ``merge_ratio``), ``cost_ratio``, ``within``.
+        ``model_GFLOPs``, ``skipped`` (kind: why) and ``kinds``: ``attention``, ``setting``
+        (spelling; for ToMe ``merge_ratio``), ``cost_ratio``, ``within``.
     """
     out = []
     for budget in budgets:
@@ -68,10 +86,11 @@ def match_budgets(model: nn.Module, batch: dict, budgets: Sequence[MiTASetting],
         calls: list = []
         attention_gmacs(swapped, [batch], calls=calls)
         target, gflops = cost_of(budget, calls), model_gflops(swapped, batch)
+        runnable, skipped = split_kinds(swapped, kinds)
         del swapped
         entry = dict(budget=budget.text, label=budget.label, attn_MACs=target,
-                     model_GFLOPs=gflops, kinds=[])
-        for kind in ('mita', ) + tuple(k for k in kinds if k != 'mita'):
+                     model_GFLOPs=gflops, skipped=skipped, kinds=[])
+        for kind in ('mita', ) + runnable:
             setting, macs = (budget, target) if kind == 'mita' else setting_at_cost(
                 kind, target, calls)
             entry['kinds'].append(dict(attention=kind, setting=setting.text,

@@ -50,15 +50,17 @@ class Dataset:
 
 LONGRANGE_SEGMENTER = \
     'configs/longrange/segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py'
+LONGRANGE_BEIT = 'configs/longrange/beit-tiny_linear_1xb4_longrange-ade20k-256x256.py'
 DATASETS = {
     # the local scenes: a region's own pixels decide its label
     'local': Dataset(DATA_ROOT, 'make_tiny_ade20k.py', MODELS, 120, MODEL_TRAIN_ITERS, 40,
                      WORK_DIR),
     # the long-range scenes (docs/longrange_data.md): the Segmenter without cls token or head
-    # attention, trained on its config's schedule (1600 iterations, a constant rate first)
+    # attention and the BEiT with the same head, trained on their configs' schedule (1600
+    # iterations, a constant rate first)
     'longrange': Dataset('data/ade/longrange_ade20k', 'make_longrange_ade20k.py',
-                         {'segmenter': LONGRANGE_SEGMENTER}, 'config', {}, 100,
-                         'work_dirs/swap_study_longrange'),
+                         {'segmenter': LONGRANGE_SEGMENTER, 'beit': LONGRANGE_BEIT}, 'config',
+                         {}, 100, 'work_dirs/swap_study_longrange'),
 }
 
 

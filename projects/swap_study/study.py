@@ -683,6 +683,12 @@ class ModelStudy:
             batch = next(iter(runner.test_dataloader))
             merge = ENCODER_ONLY if _merge_error(model) is None else None
             matched.extend(match_budgets(model, batch, s.kind_budgets, s.kinds, merge))
+            skipped = {k: why for entry in matched for k, why in entry['skipped'].items()}
+            if skipped:
+                note = 'no equal-cost rows for ' + '; '.join(
+                    f'{k} ({why})' for k, why in skipped.items())
+                self.result['notes'].append(note)
+                self.progress(f'{self.name}: {note}')
             return kind_points(matched)
 
         swept = self.stage(f"{', '.join(('mita', ) + s.kinds)} and ToMe at the cost of MiTA "
