@@ -151,7 +151,9 @@ def test_baseline_configs_are_standard_attention_and_swappable():
                     'beit-tiny_linear_1xb4_longrange-ade20k-256x256.py')
     cfg = Config.fromfile(path)
     assert cfg.train_dataloader.dataset.data_root == 'data/ade/longrange_ade20k'
-    assert cfg.train_cfg.max_iters == 1600
+    # the Segmenter's schedule, longer (it learns retrieval later): decay over the last 300
+    assert cfg.train_cfg.max_iters == 2400 and cfg.train_cfg.val_interval == 400
+    assert [(p.begin, p.end) for p in cfg.param_scheduler] == [(0, 50), (2100, 2400)]
     model = build(cfg)
     assert type(model.backbone).__name__ == 'BEiT' and len(model.decode_head.layers) == 0
     base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4, pool_size=1,

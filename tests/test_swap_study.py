@@ -255,7 +255,7 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     assert [r['seed'] for r in runs] == [1, 2]
     assert [r['kind'] for r in res['rows']] == [
         'baseline', 'swap', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head',
-        'swap+tome', 'check'] + ['equal-cost'] * 6 + ['plan', 'plan', 'plan', 'finetune',
+        'swap+tome', 'check', 'check'] + ['equal-cost'] * 6 + ['plan', 'plan', 'plan', 'finetune',
                                                        'control']
     for r in res['rows']:
         by_seed = [next(x for x in run['rows'] if x['setting'] == r['setting'])
@@ -279,6 +279,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     ctl = rows['unswapped, trained 2 it more (control)']
     # route-only MiTA with every key is softmax attention: the same mIoU
     assert rows['route-only MiTA, every key (check: = unswapped)']['mIoU'] == base['mIoU']
+    control = rows['every token reads one key (1:1:route: no token mixing, the control)']
+    assert control['M'] == control['topk'] == 1 and control['mAcc'] is not None
     # fewer landmarks, fewer FLOPs; every swap below the unswapped model
     assert base['model_GFLOPs'] > m16['model_GFLOPs'] > m4['model_GFLOPs'] > 0
     assert base['attn_GMACs'] > m16['attn_GMACs'] > m4['attn_GMACs'] > 0
@@ -463,4 +465,4 @@ def test_kinds_a_model_cannot_run_are_left_out_with_why():
         got, skipped = split_kinds(model, kinds)
         assert got == runnable, config
         assert sorted(skipped) == sorted(set(kinds[1:]) - set(runnable)), config
-        assert all(why == 'MiTABEiTAttention cannot run it' for why in skipped.values())
+        assert all(why == 'not run by MiTABEiTAttention' for why in skipped.values())

@@ -124,7 +124,8 @@ def add_study_args(add):
     add('--no-control', dest='control', action='store_false',
         help='skip training the unswapped model as long as the fine-tune')
     add('--no-check', dest='exact_check', action='store_false',
-        help='skip the route-only every-key row (must equal unswapped)')
+        help='skip the two check rows: route-only with every key (must equal unswapped) '
+        'and every token reading one key (1:1:route, no token mixing)')
     add('--speed-time', dest='speed_min_run_time', metavar='SPEED_TIME',
         type=float_range(0, low_open=True), default=D('speed_min_run_time'),
         help='seconds of timing per row for images/s')

@@ -13,7 +13,7 @@ from mita_seg.evaluation import ACCURACY_KEYS
 from mita_seg.setting import MiTASetting
 
 from .settings import DATASETS, LONGRANGE_SEGMENTER, StudySettings
-from .study import data_options, evaluate, schedule, train
+from .study import ONE_KEY, data_options, evaluate, schedule, train
 
 __all__ = ['NO_MIXING', 'LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination', 'format_check']
 
@@ -33,7 +33,7 @@ LONGRANGE_CONFIGS = {
 # token reads itself alone (``window:1``); and every token reads the one key that a single
 # landmark (the mean query) routes to (``1:1:route``: pool 1, k 1, no shared expert), which
 # mixes nothing of a token's neighbours but broadcasts one token to all
-NO_MIXING = ('window:1', '1:1:route')
+NO_MIXING = ('window:1', ONE_KEY.text)
 
 
 def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_ROOT,

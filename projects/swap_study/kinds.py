@@ -61,7 +61,7 @@ def split_kinds(swapped: nn.Module, kinds: Sequence[str]) -> Tuple[Tuple[str, ..
     for kind in (k for k in kinds if k != 'mita'):
         refusing = sorted({type(m).__name__ for m in modules if kind not in m.supported_kinds})
         if refusing:
-            skipped[kind] = f"{', '.join(refusing)} cannot run it"
+            skipped[kind] = f"not run by {', '.join(refusing)}"
         else:
             runnable.append(kind)
     return tuple(runnable), skipped

@@ -57,7 +57,7 @@ DATASETS = {
                      WORK_DIR),
     # the long-range scenes (docs/longrange_data.md): the Segmenter without cls token or head
     # attention and the BEiT with the same head, trained on their configs' schedule (1600
-    # iterations, a constant rate first)
+    # iterations, the BEiT 2400, a constant rate first)
     'longrange': Dataset('data/ade/longrange_ade20k', 'make_longrange_ade20k.py',
                          {'segmenter': LONGRANGE_SEGMENTER, 'beit': LONGRANGE_BEIT}, 'config',
                          {}, 100, 'work_dirs/swap_study_longrange'),
@@ -91,7 +91,8 @@ class StudySettings:
         control (bool): also train the unswapped model for ``finetune_iters`` more
             iterations (what the fine-tune gains from training alone). Default: True.
         exact_check (bool): evaluate route-only MiTA with every key (must equal the
-            unswapped mIoU). Default: True.
+            unswapped mIoU) and the destructive control, every token reading one key
+            (``1:1:route``). Default: True.
         selection (MiTASetting, optional): the setting of the token-selection maps; None
             for none. Default: ``7:49``.
         selection_images (int): validation images mapped. Default: 2.

@@ -15,7 +15,9 @@ data and each training seed (``randomness.seed`` of every training), :func:`run_
    encoder only (the paper's swap); then with Segmenter's mask head too, its class tokens global
    and, to show why, routed like patches; each row with the whole-model GFLOPs, the attention GMACs
    and the measured images/s; then route-only MiTA with every key in every expert, which is exactly
-   softmax attention, so its mIoU must equal the unswapped one (a check of the whole path);
+   softmax attention, so its mIoU must equal the unswapped one (a check of the whole path),
+   and the destructive control, every token reading one key (no token mixing: what a swap
+   loses counts only beside what this loses);
 3. calibrates per-layer swap plans (:class:`~mita_seg.apis.calibrate.SwapCalibrator`, on
    training images) at several FLOP budgets (the FLOPs of uniform settings, and ToMe's
    largest reduction) and with fewer calibration images, and evaluates each plan on the
@@ -76,6 +78,9 @@ from .settings import PAPER, STUDY_CANDIDATES, StudySettings  # noqa: F401 (STUD
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
 # route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
 EXACT = dict(with_shared_expert=False, topk=10**6)
+# the destructive control: one landmark, one key, no shared expert: every token reads the
+# same single key, no token mixing (a swap that loses as little as this one says nothing)
+ONE_KEY = MiTASetting.parse('1:1:route')
 # the row kinds in the order of the tables (the paper's row, MiTA M = k = 49 in the encoder
 # only, goes first: :func:`aggregate`)
 KINDS = ('baseline', 'swap', 'swap-head', 'swap-head-routed', 'tome', 'tome-head', 'swap+tome',
@@ -584,13 +589,16 @@ class ModelStudy:
                                     merge_cfg=ENCODER_ONLY))
         if swept is None:
             return False
-        rows, exact = swept
+        rows, checks = swept
         for r in rows:
             self.result['rows'].append(_sweep_row(r, self.base))
             self.base = self.base or self.result['rows'][0]
-        if exact is not None:
+        if checks is not None:
+            exact, control = checks
             self.add_row(_row('route-only MiTA, every key (check: = unswapped)', 'check',
                               None, 'N', dict(mIoU=exact), self.base))
+            self.add_row(_row(f'every token reads one key ({ONE_KEY.text}: no token '
+                              'mixing, the control)', 'check', 1, 1, control, self.base))
         return True
 
     def _sweep_points(self, runner: Runner, model: nn.Module) -> List[SweepPoint]:
@@ -607,9 +615,10 @@ class ModelStudy:
         return sweep_points(s.pool_sizes, s.topks, merge_ratios=ratios, merged_swaps=merged)
 
     def _after_sweep(self, runner: Runner, model: nn.Module,
-                     points: List[SweepPoint]) -> Optional[float]:
+                     points: List[SweepPoint]) -> Optional[Tuple[float, dict]]:
         """The test input's shape, images and patch size into the result; the every-key
-        mIoU (None without the check)."""
+        mIoU and the metrics of the destructive control (:data:`ONE_KEY`); None without
+        the checks."""
         batch = next(iter(runner.test_dataloader))
         self.result['input'] = list(batch['inputs'][0].shape[-2:])
         self.result['test_images'] = len(runner.test_dataloader.dataset)
@@ -619,7 +628,10 @@ class ModelStudy:
         self.progress(f'{self.name}: route-only MiTA with every key (exactly softmax attention)')
         if any(p.merge_ratio is not None for p in points):   # ToMe ran: unmerge
             merge_model(model, 0.0, verbose=False, **ENCODER_ONLY)
-        return _every_key_miou(runner, model, min(self.s.pool_sizes))
+        exact = _every_key_miou(runner, model, min(self.s.pool_sizes))
+        self.progress(f'{self.name}: every token reads one key ({ONE_KEY.text}: no mixing)')
+        swap_model(model, ONE_KEY.cfg(), verbose=False)
+        return exact, dict(runner.test())
 
     # --- 2b. the mask head too: MiTA with its class tokens global, and routed like patches
     # (each on a model of its own: a later encoder-only swap keeps a swapped head); ToMe
@@ -683,10 +695,12 @@ class ModelStudy:
             batch = next(iter(runner.test_dataloader))
             merge = ENCODER_ONLY if _merge_error(model) is None else None
             matched.extend(match_budgets(model, batch, s.kind_budgets, s.kinds, merge))
-            skipped = {k: why for entry in matched for k, why in entry['skipped'].items()}
-            if skipped:
+            by_why: Dict[str, List[str]] = {}   # the kinds left out, by why
+            for kind, why in dict(kv for e in matched for kv in e['skipped'].items()).items():
+                by_why.setdefault(why, []).append(kind)
+            if by_why:
                 note = 'no equal-cost rows for ' + '; '.join(
-                    f'{k} ({why})' for k, why in skipped.items())
+                    f"{', '.join(kinds)} ({why})" for why, kinds in by_why.items())
                 self.result['notes'].append(note)
                 self.progress(f'{self.name}: {note}')
             return kind_points(matched)
