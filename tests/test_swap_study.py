@@ -279,7 +279,8 @@ def test_swap_study_end_to_end(tools, tiny_data, tmp_path):
     ctl = rows['unswapped, trained 2 it more (control)']
     # route-only MiTA with every key is softmax attention: the same mIoU
     assert rows['route-only MiTA, every key (check: = unswapped)']['mIoU'] == base['mIoU']
-    control = rows['every token reads one key (1:1:route: no token mixing, the control)']
+    control = rows['every token reads one key (1:1:route: no token mixing, '
+                   'the destructive control)']
     assert control['M'] == control['topk'] == 1 and control['mAcc'] is not None
     # fewer landmarks, fewer FLOPs; every swap below the unswapped model
     assert base['model_GFLOPs'] > m16['model_GFLOPs'] > m4['model_GFLOPs'] > 0

@@ -597,8 +597,8 @@ class ModelStudy:
             exact, control = checks
             self.add_row(_row('route-only MiTA, every key (check: = unswapped)', 'check',
                               None, 'N', dict(mIoU=exact), self.base))
-            self.add_row(_row(f'every token reads one key ({ONE_KEY.text}: no token '
-                              'mixing, the control)', 'check', 1, 1, control, self.base))
+            self.add_row(_row(f'every token reads one key ({ONE_KEY.text}: no token mixing, '
+                              'the destructive control)', 'check', 1, 1, control, self.base))
         return True
 
     def _sweep_points(self, runner: Runner, model: nn.Module) -> List[SweepPoint]:
