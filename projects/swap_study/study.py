@@ -598,7 +598,8 @@ class ModelStudy:
             self.add_row(_row('route-only MiTA, every key (check: = unswapped)', 'check',
                               None, 'N', dict(mIoU=exact), self.base))
             self.add_row(_row(f'every token reads one key ({ONE_KEY.text}: no token mixing, '
-                              'the destructive control)', 'check', 1, 1, control, self.base))
+                              'the destructive control)', 'check', ONE_KEY.num_experts,
+                              ONE_KEY.topk, control, self.base))
         return True
 
     def _sweep_points(self, runner: Runner, model: nn.Module) -> List[SweepPoint]:
