@@ -696,8 +696,9 @@ class ModelStudy:
             batch = next(iter(runner.test_dataloader))
             merge = ENCODER_ONLY if _merge_error(model) is None else None
             matched.extend(match_budgets(model, batch, s.kind_budgets, s.kinds, merge))
+            skipped = {k: why for entry in matched for k, why in entry['skipped'].items()}
             by_why: Dict[str, List[str]] = {}   # the kinds left out, by why
-            for kind, why in dict(kv for e in matched for kv in e['skipped'].items()).items():
+            for kind, why in skipped.items():
                 by_why.setdefault(why, []).append(kind)
             if by_why:
                 note = 'no equal-cost rows for ' + '; '.join(
