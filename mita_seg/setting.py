@@ -26,10 +26,12 @@ what tables, logs and plots show (``M=7x7 k=49``, ``agent M=7x7``, ``window 7x7`
 :meth:`~MiTASetting.attention_macs` is its cost. A setting is checked once, when it is made.
 """
 import dataclasses
+import itertools
+import math
 import re
 from dataclasses import dataclass, fields
 from numbers import Real
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 # The MiTA settings of an attention module (what configs' mita_cfg and --mita-cfg set).
 MITA_KEYS = ('pool_size', 'topk', 'router_topk', 'with_shared_expert', 'shared_scale')
@@ -76,8 +78,6 @@ SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
                      lambda x: x is None or (isinstance(x, Real) and not isinstance(x, bool)
                                              and x > 0)),
     'with_dwc': ('True or False', lambda x: isinstance(x, bool)),
-    'kind': ("one of 'mita', 'agent', 'block', 'topk', 'window'",
-             lambda x: x in ('mita', 'agent', 'block', 'topk', 'window')),
     'block_size': ('an int >= 1 (blocks of block_size x block_size grid tokens)',
                    lambda x: _is_int(x) and x >= 1),
     'num_blocks': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
@@ -87,43 +87,191 @@ SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of attention a setting can choose.
+    """One kind of attention a setting can choose: everything the project knows of it, in
+    one record (as :data:`mita_seg.ops.dispatch.BACKENDS` holds the backends). A new kind is
+    an operator module in :mod:`mita_seg.ops` and one record here.
 
     Attributes:
         name (str): what ``kind`` says (``'mita'``, ``'agent'``...).
-        keys (tuple[str]): the settings it reads (the others are left at their defaults).
+        keys (tuple[str]): the settings it reads; giving it another one is an error.
         spelling (str): how a user writes it (``agent:P``).
         pattern (str): the regular expression of the spelling; its groups are ``keys``'
-            values, in order, as ints (a ``PhxPw`` pool: two groups).
+            values, in order (a ``PhxPw`` pool: two groups; MiTA's ``:route``).
+        example (str): a setting as a user writes it (``agent:7``).
         title (str): the family it stands for, in words.
+        operator (str): ``module:function`` of :mod:`mita_seg.ops` that runs it,
+            ``fn(setting, q, k, v, hw_shape, num_prefix_tokens, global_tokens,
+            rel_pos_bias)`` (:func:`mita_seg.ops.attend`).
+        values (callable): ``setting -> str``, the spelling (without ``key=value`` extras).
+        label (callable): ``dict of settings -> list[str]``, the words of its label (keys
+            missing from the dict are left out, as in a plan's layer).
+        macs (callable): ``(setting, (h, w), N, d, T) -> int``, multiply-adds per batch item
+            and head over ``N`` tokens of which the ``h x w`` grid and ``T`` global ones
+            (:mod:`mita_seg.ops.flops`).
+        fit (callable): ``(setting, (h, w), n) -> setting``, the setting as it runs on an
+            ``h x w`` grid with ``n`` keys (a pool, ``k`` larger than those clamped).
+        candidates (callable): ``(h, w) -> Iterator[setting]``, the settings worth pricing
+            on that grid (:mod:`mita_seg.analysis.equal_cost`: a kind at a given cost).
     """
     name: str
     keys: Tuple[str, ...]
     spelling: str
     pattern: str
+    example: str
     title: str
+    operator: str
+    values: Callable[['MiTASetting'], str]
+    label: Callable[[Dict[str, Any]], list]
+    macs: Callable[..., int]
+    fit: Callable[..., 'MiTASetting']
+    candidates: Callable[[Tuple[int, int]], Iterator['MiTASetting']]
 
+    def read(self, m: 're.Match') -> Dict[str, Any]:
+        """The settings of a match of :attr:`pattern` (a ``PhxPw`` pool as a pair)."""
+        groups = list(m.groups())
+        out: Dict[str, Any] = {}
+        for key in self.keys:
+            if not groups:
+                break
+            if key == 'pool_size':
+                ph, pw = groups.pop(0), groups.pop(0)
+                out[key] = int(ph) if pw is None else (int(ph), int(pw))
+            elif key == 'with_shared_expert':
+                out[key] = groups.pop(0) is None      # ':route' given: route-only
+            elif key not in ('router_topk', 'shared_scale'):   # those are not spelt
+                out[key] = int(groups.pop(0))
+        return out
+
+
+def _pool_text(s: 'MiTASetting') -> str:
+    ph, pw = s.pool
+    return f'{ph}' if ph == pw else f'{ph}x{pw}'
+
+
+def _pool_words(cfg: Dict[str, Any]) -> list:
+    if 'pool_size' not in cfg:
+        return []
+    ph, pw = pool_pair(cfg['pool_size'])
+    return [f'M={ph}x{pw}']
+
+
+def _side(cfg: Dict[str, Any], key: str) -> int:
+    return cfg.get(key, KIND_DEFAULTS[key])
+
+
+def _clamped_pool(s: 'MiTASetting', hw: Tuple[int, int]) -> Tuple[int, int]:
+    return min(s.pool[0], hw[0]), min(s.pool[1], hw[1])
+
+
+def _flops(name: str) -> Callable[..., int]:
+    """``mita_seg.ops.flops.<name>`` (imported when called: this module loads no torch)."""
+    def macs(*args):
+        from mita_seg.ops import flops
+        return getattr(flops, name)(*args)
+    return macs
+
+
+def _mita_macs(s, hw, n, d, t):
+    ph, pw = _clamped_pool(s, hw)
+    m = ph * pw
+    return (_flops('mita_flops_per_head')(n - t, d, m, min(s.topk, n - t),
+                                          min(s.router_topk, m), s.with_shared_expert)
+            + (_flops('global_flops_per_head')(n, t, d) if t else 0))
+
+
+def _mita_fit(s, hw, n):
+    pool = _clamped_pool(s, hw)
+    return dataclasses.replace(s, pool_size=pool, topk=min(s.topk, n),
+                               router_topk=min(s.router_topk, pool[0] * pool[1]))
+
+
+def _mita_candidates(grid):
+    h, w = grid
+    return (MiTASetting(pool_size=p, topk=k)
+            for p, k in itertools.product(range(1, min(h, w) + 1), MITA_TOPKS) if k <= h * w)
+
+
+def _agent_candidates(grid):
+    side = min(grid)
+    for p in range(1, side + 1):
+        yield MiTASetting(kind='agent', pool_size=p)
+        if p < side:
+            yield MiTASetting(kind='agent', pool_size=(p, p + 1))
+
+
+def _block_candidates(grid):
+    h, w = grid
+    for b in range(2, max(h, w) + 1):
+        blocks = math.ceil(h / b) * math.ceil(w / b)
+        yield from (MiTASetting(kind='block', block_size=b, num_blocks=n)
+                    for n in range(1, blocks + 1))
+
+
+def _as_is(s, hw, n):
+    return s
+
+
+# MiTA's top-k values priced at a given cost (the pool sizes are every side up to the grid's)
+MITA_TOPKS = (4, 8, 16, 32, 49, 64, 100, 128, 256)
 
 # The kinds, in the paper's taxonomy: MiTA, compression only, block routing, per-query top-k,
-# and a local window (what the attention of a token sees when it cannot reach far).
+# and a local window (what the attention of a token sees when it cannot reach far). Every
+# kind but MiTA treats the tokens off the patch grid as global (its T = N - h w).
 KINDS: Dict[str, Kind] = {k.name: k for k in (
-    Kind('mita', MITA_KEYS, 'P:K, PhxPw:K or P:K:route', '', 'MiTA (landmarks, shared and '
-         'routed top-k experts)'),
+    Kind('mita', MITA_KEYS, 'P:K, PhxPw:K or P:K:route', r'^(\d+)(?:x(\d+))?:(\d+)(:route)?$',
+         '7:49', 'MiTA (landmarks, shared and routed top-k experts)',
+         'mita_seg.ops.mita:attend_setting',
+         values=lambda s: f'{_pool_text(s)}:{s.topk}' + ('' if s.with_shared_expert
+                                                           else ':route'),
+         label=lambda c: (_pool_words(c) + ([f'k={c["topk"]}'] if 'topk' in c else [])
+                          + (['route-only'] if c.get('with_shared_expert') is False else [])),
+         macs=_mita_macs, fit=_mita_fit, candidates=_mita_candidates),
     Kind('agent', ('pool_size', 'shared_scale'), 'agent:P or agent:PhxPw',
-         r'^agent:(\d+)(?:x(\d+))?$', 'compression only (Agent Attention: MiTA\'s shared '
-         'expert alone)'),
+         r'^agent:(\d+)(?:x(\d+))?$', 'agent:7',
+         "compression only (Agent Attention: MiTA's shared expert alone)",
+         'mita_seg.ops.agent:attend_setting', values=lambda s: f'agent:{_pool_text(s)}',
+         label=lambda c: ['agent'] + _pool_words(c),
+         macs=lambda s, hw, n, d, t: _flops('agent_flops_per_head')(
+             hw, d, _clamped_pool(s, hw), n - hw[0] * hw[1]),
+         fit=lambda s, hw, n: dataclasses.replace(s, pool_size=_clamped_pool(s, hw)),
+         candidates=_agent_candidates),
     Kind('block', ('block_size', 'num_blocks'), 'block:S:B', r'^block:(\d+):(\d+)$',
-         'block routing (MoBA: S x S-token blocks, B per query)'),
-    Kind('topk', ('topk', ), 'topk:K', r'^topk:(\d+)$', 'per-query top-k keys'),
-    Kind('window', ('window', ), 'window:W', r'^window:(\d+)$',
-         'a local W x W window (neighbourhood attention)'),
+         'block:8:4', 'block routing (MoBA: S x S-token blocks, B per query)',
+         'mita_seg.ops.block:attend_setting',
+         values=lambda s: f'block:{s.block_size}:{s.num_blocks}',
+         label=lambda c: [f'block {_side(c, "block_size")}x{_side(c, "block_size")} '
+                          f'x{_side(c, "num_blocks")}'],
+         macs=lambda s, hw, n, d, t: _flops('block_flops_per_head')(
+             hw, d, s.block_size, s.num_blocks, n - hw[0] * hw[1]),
+         fit=_as_is, candidates=_block_candidates),
+    Kind('topk', ('topk', ), 'topk:K', r'^topk:(\d+)$', 'topk:49', 'per-query top-k keys',
+         'mita_seg.ops.topk:attend_setting', values=lambda s: f'topk:{s.topk}',
+         label=lambda c: ['top-k'] + ([f'k={c["topk"]}'] if 'topk' in c else []),
+         macs=lambda s, hw, n, d, t: _flops('topk_flops_per_head')(
+             hw, d, s.topk, n - hw[0] * hw[1]),
+         fit=_as_is,
+         candidates=lambda g: (MiTASetting(kind='topk', topk=k)
+                               for k in range(1, g[0] * g[1] + 1))),
+    Kind('window', ('window', ), 'window:W', r'^window:(\d+)$', 'window:7',
+         'a local W x W window (neighbourhood attention)',
+         'mita_seg.ops.window:attend_setting', values=lambda s: f'window:{s.window}',
+         label=lambda c: [f'window {_side(c, "window")}x{_side(c, "window")}'],
+         macs=lambda s, hw, n, d, t: _flops('window_flops_per_head')(
+             hw, d, s.window, n - hw[0] * hw[1]),
+         fit=_as_is,
+         candidates=lambda g: (MiTASetting(kind='window', window=s)
+                               for s in range(1, max(g) + 1))),
 )}
+# MiTA's kind, and the kinds of the taxonomy beside it.
+MITA = 'mita'
+OTHER_KINDS: Tuple[str, ...] = tuple(k for k in KINDS if k != MITA)
+SETTING_RULES['kind'] = (f"one of {', '.join(repr(k) for k in KINDS)}", lambda x: x in KINDS)
 
 
 class MiTASettingError(ValueError):
     """A MiTA setting (or a layer choice) that cannot be used: an unknown name, a bad value,
-    ``router_topk`` above the number of landmarks, a layer the model does not have, a
-    setting spelled wrong."""
+    a key its kind does not read, ``router_topk`` above the number of landmarks, a layer the
+    model does not have, a setting spelled wrong."""
 
 
 def check_settings(settings: Dict[str, Any],
@@ -140,8 +288,9 @@ def check_settings(settings: Dict[str, Any],
 
     Raises:
         MiTASettingError: an unknown name (the message lists the allowed ones), a bad value
-            (the message says what the value must be), or ``router_topk`` above the
-            ``M = Ph * Pw`` landmarks of ``pool_size`` given with it.
+            (the message says what the value must be), a key that the ``kind`` given does
+            not read, or ``router_topk`` above the ``M = Ph * Pw`` landmarks of
+            ``pool_size`` given with it.
     """
     rules = SETTING_RULES if rules is None else rules
     for key, value in settings.items():
@@ -151,6 +300,8 @@ def check_settings(settings: Dict[str, Any],
         what, ok = rules[key]
         if not ok(value):
             raise MiTASettingError(f'{key}={value!r}: {key} must be {what}')
+    if 'kind' in settings:
+        check_kind_keys(settings['kind'], settings)
     if 'pool_size' in settings and 'router_topk' in settings:
         ph, pw = pool_pair(settings['pool_size'])
         if settings['router_topk'] > ph * pw:
@@ -161,17 +312,25 @@ def check_settings(settings: Dict[str, Any],
     return settings
 
 
-# The settings already checked (their field values): settings are immutable, so a setting
-# made again (by every swapped module, by each tool it passes through) is not checked again.
-_CHECKED: set = set()
+def check_kind_keys(kind: str, keys: Iterable[str]) -> None:
+    """Refuse a setting key that ``kind`` does not read (``topk`` for ``agent``).
 
-_SPELLING = re.compile(r'^(\d+)(?:x(\d+))?:(\d+)(:route)?$')
+    Raises:
+        MiTASettingError: one line naming the key and the kind, and the keys it reads.
+    """
+    record = KINDS[kind]
+    unused = [k for k in keys if k in SETTING_KEYS and k != 'kind' and k not in record.keys]
+    if unused:
+        raise MiTASettingError(
+            f'{unused[0]} is not a setting of {kind} attention ({record.example} reads '
+            f'{", ".join(record.keys)}): leave {unused[0]} out, or give a kind that reads it')
 
 
 @dataclass(frozen=True)
 class MiTASetting:
-    """One attention setting (the arguments of ``MiTAAttention`` that choose what it
-    computes): MiTA's, or another kind's (:data:`KINDS`), checked when it is made.
+    """One attention setting (what a swapped attention module computes): MiTA's, or another
+    kind's (:data:`KINDS`), checked when it is made. Layers, plans and tools pass this object
+    whole, from the command line to the operator (:func:`mita_seg.ops.attend`).
 
     Args:
         pool_size (int | tuple[int, int]): landmark grid, ``M = Ph * Pw`` experts (a square
@@ -189,7 +348,8 @@ class MiTASetting:
         window (int): window side in grid tokens. Default: 7. Window.
 
     Raises:
-        MiTASettingError: a bad value (:func:`check_settings`).
+        MiTASettingError: a bad value (:func:`check_settings`), or a key off its default
+            that the kind does not read.
     """
     pool_size: Union[int, Tuple[int, int]] = MITA_DEFAULTS['pool_size']
     topk: int = MITA_DEFAULTS['topk']
@@ -202,17 +362,23 @@ class MiTASetting:
     window: int = KIND_DEFAULTS['window']
 
     def __post_init__(self):
-        given = self._key()
-        if given not in _CHECKED:  # a setting is checked once: it cannot change
-            check_settings({f.name: getattr(self, f.name) for f in fields(self)})
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        check_settings({k: v for k, v in given.items() if k != 'kind'})
+        check_settings({'kind': self.kind})
+        check_kind_keys(self.kind, [k for k, v in given.items()
+                                    if k != 'kind' and v != SETTING_DEFAULTS[k]])
         ph, pw = pool_pair(self.pool_size)
         object.__setattr__(self, 'pool_size', ph if ph == pw else (ph, pw))
-        _CHECKED.update((given, self._key()))
 
-    def _key(self) -> tuple:
-        """The field values, hashable."""
-        return tuple(tuple(v) if isinstance(v, list) else v
-                     for v in (getattr(self, f.name) for f in fields(self)))
+    @property
+    def record(self) -> Kind:
+        """The record of its kind (:data:`KINDS`)."""
+        return KINDS[self.kind]
+
+    @property
+    def is_mita(self) -> bool:
+        """Whether it is MiTA (not another kind of the taxonomy)."""
+        return self.kind == MITA
 
     @classmethod
     def parse(cls, text: str) -> 'MiTASetting':
@@ -225,29 +391,22 @@ class MiTASetting:
                 spelling; the old ``7,49`` is shown as ``7:49``).
         """
         text_ = text.strip() if isinstance(text, str) else ''
-        kind = KINDS.get(text_.split(':')[0])
-        if kind is not None and kind.pattern:
-            m = re.match(kind.pattern, text_)
-            if m is None or min(int(v) for v in m.groups() if v is not None) < 1:
-                raise MiTASettingError(f'{kind.name} setting {text!r}: write {kind.spelling} '
-                                       f'(positive integers), e.g. {_example(kind)}')
-            values = [int(v) for v in m.groups() if v is not None]
-            if kind.keys[0] == 'pool_size':  # agent:P or agent:PhxPw
-                values = [tuple(values) if len(values) == 2 else values[0]]
-            return cls(kind=kind.name, **dict(zip(kind.keys, values)))
-        m = _SPELLING.match(text_)
-        if m is None or min(int(v) for v in m.group(1, 3) + (m.group(2) or '1', )) < 1:
-            hint = ''
-            if isinstance(text, str) and re.match(r'^\d+(,\d+)+$', text.strip()):
-                parts = text.strip().split(',')
-                hint = f' ({text!r} is the old spelling: write {":".join(parts[:2])})'
-            others = ', '.join(_example(k) for k in KINDS.values() if k.pattern)
-            raise MiTASettingError(
-                f'MiTA setting {text!r}: write P:K (pool P x P, top-k K, shared expert), '
-                f'PhxPw:K (a Ph x Pw pool) or P:K:route (route-only), e.g. {EXAMPLES}{hint}; '
-                f'or another kind: {others}')
-        ph, pw, k, route = m.group(1), m.group(2) or m.group(1), m.group(3), m.group(4)
-        return cls((int(ph), int(pw)), int(k), with_shared_expert=not route)
+        kind = KINDS.get(text_.split(':')[0], KINDS[MITA])
+        m = re.match(kind.pattern, text_)
+        if m is not None and min(int(v) for v in m.groups() if v and v.isdigit()) >= 1:
+            return cls(kind=kind.name, **kind.read(m))
+        if kind.name != MITA:
+            raise MiTASettingError(f'{kind.name} setting {text!r}: write {kind.spelling} '
+                                   f'(positive integers), e.g. {kind.example}')
+        hint = ''
+        if isinstance(text, str) and re.match(r'^\d+(,\d+)+$', text.strip()):
+            parts = text.strip().split(',')
+            hint = f' ({text!r} is the old spelling: write {":".join(parts[:2])})'
+        others = ', '.join(k.example for k in KINDS.values() if k.name != MITA)
+        raise MiTASettingError(
+            f'MiTA setting {text!r}: write P:K (pool P x P, top-k K, shared expert), '
+            f'PhxPw:K (a Ph x Pw pool) or P:K:route (route-only), e.g. {EXAMPLES}{hint}; '
+            f'or another kind: {others}')
 
     @classmethod
     def parse_or_dense(cls, text: str) -> Optional['MiTASetting']:
@@ -272,20 +431,20 @@ class MiTASetting:
         Raises:
             MiTASettingError: a key that is not a setting of that kind, or a bad value.
         """
-        kind = KINDS.get(cfg.get('kind', 'mita'))
-        allowed = ('kind', ) + (kind.keys if kind else SETTING_KEYS)
-        if kind is None or set(cfg) - set(allowed):  # say what is wrong, as check_settings does
-            check_settings(cfg, {k: SETTING_RULES[k] for k in allowed})
+        check_settings({'kind': MITA, **cfg}, {k: SETTING_RULES[k] for k in SETTING_KEYS})
         return cls(**cfg)
 
     def replace(self, **settings) -> 'MiTASetting':
-        """This setting with some keys (:data:`SETTING_KEYS`) changed, e.g. ``topk=16``.
+        """This setting with some keys (:data:`SETTING_KEYS`) changed, e.g. ``topk=16``; with
+        another ``kind``, that kind's setting of the keys given over the defaults.
 
         Raises:
-            MiTASettingError: an unknown key or a bad value.
+            MiTASettingError: an unknown key, a bad value, or a key the kind does not read.
         """
-        if set(settings) - set(SETTING_KEYS):
-            check_settings(settings, {k: SETTING_RULES[k] for k in SETTING_KEYS})
+        if settings.get('kind', self.kind) != self.kind:
+            return MiTASetting.from_cfg(settings)
+        check_settings({'kind': self.kind, **settings},
+                       {k: SETTING_RULES[k] for k in SETTING_KEYS})
         return dataclasses.replace(self, **settings)
 
     def cfg(self) -> Dict[str, Any]:
@@ -293,36 +452,24 @@ class MiTASetting:
         ``MiTAAttention.configure(**s.cfg())``, a config's ``mita_cfg``, a plan's layer):
         every key of :data:`MITA_KEYS` for MiTA, ``kind`` and the keys it reads for another
         kind."""
-        keys = KINDS[self.kind].keys
-        head = {} if self.kind == 'mita' else {'kind': self.kind}
-        return {**head, **{k: getattr(self, k) for k in keys}}
+        head = {} if self.is_mita else {'kind': self.kind}
+        return {**head, **{k: getattr(self, k) for k in self.record.keys}}
 
     def attention_macs(self, hw_shape: Tuple[int, int], num_tokens: int, head_dim: int,
                        num_global_tokens: int = 0) -> int:
         """Multiply-adds of this attention per batch item and head (one MAC = one FLOP),
         over ``num_tokens`` tokens of which the ``h x w`` grid and ``num_global_tokens``
-        global ones, as the module runs it (a pool, k or window larger than the grid
-        clamped to it): the formulas of :mod:`mita_seg.ops.flops`."""
-        from mita_seg.ops import flops
-        h, w = hw_shape
-        if self.kind == 'mita':
-            T = num_global_tokens
-            M = min(self.pool[0], h) * min(self.pool[1], w)
-            return (flops.mita_flops_per_head(num_tokens - T, head_dim, M,
-                                              min(self.topk, num_tokens - T),
-                                              min(self.router_topk, M),
-                                              self.with_shared_expert)
-                    + (flops.global_flops_per_head(num_tokens, T, head_dim) if T else 0))
-        T = num_tokens - h * w  # every other kind: the tokens off the grid are global
-        if self.kind == 'agent':
-            return flops.agent_flops_per_head((h, w), head_dim, (min(self.pool[0], h),
-                                                                min(self.pool[1], w)), T)
-        if self.kind == 'block':
-            return flops.block_flops_per_head((h, w), head_dim, self.block_size,
-                                              self.num_blocks, T)
-        if self.kind == 'topk':
-            return flops.topk_flops_per_head((h, w), head_dim, self.topk, T)
-        return flops.window_flops_per_head((h, w), head_dim, self.window, T)
+        global ones (MiTA's; every other kind takes the tokens off the grid as global), as
+        the module runs it (a pool, k or window larger than the grid clamped to it): the
+        formulas of :mod:`mita_seg.ops.flops`."""
+        return self.record.macs(self, tuple(hw_shape), num_tokens, head_dim,
+                                num_global_tokens)
+
+    def fit(self, hw_shape: Tuple[int, int], num_keys: int) -> 'MiTASetting':
+        """This setting as it runs on an ``h x w`` grid with ``num_keys`` keys: a pool
+        larger than the grid on the grid, ``k`` at most the keys, ``router_topk`` at most
+        ``M`` (as mmseg's ViT runs on any image of at least one patch)."""
+        return self.record.fit(self, tuple(hw_shape), num_keys)
 
     @property
     def pool(self) -> Tuple[int, int]:
@@ -339,14 +486,7 @@ class MiTASetting:
         """The spelling :meth:`parse` reads (``7:49``, ``4x6:16``, ``7:49:route``,
         ``agent:7``, ``block:8:4``...); a ``router_topk`` or ``shared_scale`` off its
         default, which the spelling has no place for, follows as ``key=value``."""
-        ph, pw = self.pool
-        pool = f'{ph}' if ph == pw else f'{ph}x{pw}'
-        if self.kind != 'mita':
-            values = {'agent': pool, 'block': f'{self.block_size}:{self.num_blocks}',
-                      'topk': f'{self.topk}', 'window': f'{self.window}'}[self.kind]
-            return ' '.join([f'{self.kind}:{values}'] + _extras(self.cfg()))
-        out = f'{pool}:{self.topk}' + ('' if self.with_shared_expert else ':route')
-        return ' '.join([out] + _extras(self.cfg()))
+        return ' '.join([self.record.values(self)] + _extras(self.cfg()))
 
     @property
     def label(self) -> str:
@@ -354,6 +494,12 @@ class MiTASetting:
         ``agent M=7x7``, ``block 8x8 x4``, ``top-k k=49``, ``window 7x7``; a ``router_topk``
         or ``shared_scale`` off its default as ``key=value``."""
         return label(self)
+
+    @property
+    def swap_name(self) -> str:
+        """What a layer swapped to it is called in tools' lines and columns: ``MiTA``, or
+        the kind's name (``agent``, ``window``...)."""
+        return 'MiTA' if self.is_mita else self.kind
 
     def ran_label(self, pools: Iterable[Tuple[int, int]] = (),
                   every_key: Iterable[bool] = ()) -> str:
@@ -367,7 +513,7 @@ class MiTASetting:
                 as asked).
             every_key (Iterable[bool]): per call, whether it read every key (``k >= N``).
         """
-        if self.kind != 'mita':
+        if not self.is_mita:
             return self.label
         pools = set(pools) or {self.pool}
         ran = MiTASetting(max(pools, key=lambda p: p[0] * p[1]), self.topk, 1,
@@ -390,12 +536,6 @@ class MiTASetting:
 DEFAULT_SETTING = MiTASetting()
 
 
-def _example(kind: Kind) -> str:
-    """A setting of ``kind`` as a user writes it (``agent:7``)."""
-    return {'agent': 'agent:7', 'block': 'block:8:4', 'topk': 'topk:49',
-            'window': 'window:7'}.get(kind.name, '7:49')
-
-
 def _extras(cfg: Dict[str, Any]) -> list:
     """``router_topk``/``shared_scale`` of ``cfg`` off their defaults, as ``key=value``."""
     return [f'{k}={cfg[k]}' for k in ('router_topk', 'shared_scale')
@@ -410,21 +550,5 @@ def label(setting: Union[MiTASetting, Dict[str, Any], None]) -> str:
     if setting is None:
         return DENSE
     cfg = setting.cfg() if isinstance(setting, MiTASetting) else setting
-    kind = cfg.get('kind', 'mita')
-    if kind == 'block':
-        s = cfg.get('block_size', KIND_DEFAULTS['block_size'])
-        return f'block {s}x{s} x{cfg.get("num_blocks", KIND_DEFAULTS["num_blocks"])}'
-    if kind == 'window':
-        s = cfg.get('window', KIND_DEFAULTS['window'])
-        return f'window {s}x{s}'
-    parts = {'agent': ['agent'], 'topk': ['top-k']}.get(kind, [])
-    if 'pool_size' in cfg:
-        ph, pw = pool_pair(cfg['pool_size'])
-        parts.append(f'M={ph}x{pw}')
-    if 'topk' in cfg:
-        parts.append(f'k={cfg["topk"]}')
-    if cfg.get('with_shared_expert') is False:
-        parts.append('route-only')
-    parts += _extras(cfg)
+    parts = KINDS[cfg.get('kind', MITA)].label(cfg) + _extras(cfg)
     return ' '.join(parts) or 'MiTA (defaults)'
-

@@ -11,7 +11,6 @@ import os.path as osp
 import pytest
 import torch
 
-import mita_seg.setting as setting_module
 from mita_seg.setting import MiTASetting, MiTASettingError
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -50,22 +49,22 @@ def test_swap_each_kind_keeps_keys_and_runs(segmenter, spec):
 
 
 @pytest.mark.parametrize('what', ['text', 'setting', 'keys'])
-def test_a_swap_checks_its_setting_once(segmenter, what, monkeypatch):
-    """However many layers, the setting is checked once, where it enters (issue 41): by
-    the parser (a spelling), when made (a MiTASetting), at the top of swap_attention (single
-    keys); the modules take it as it is."""
+def test_a_swap_passes_one_setting_whole(segmenter, what):
+    """However many layers, a setting is made once where it enters and travels whole
+    (issue 55): by the parser (a spelling), by the caller (a MiTASetting), at the top of
+    use_mita (single keys); every module holds that very object."""
     from mita_seg import swap_attention
-    calls = []
-    check = setting_module.check_settings
-    monkeypatch.setattr(setting_module, 'check_settings',
-                        lambda *a, **k: calls.append(a) or check(*a, **k))
-    monkeypatch.setattr(setting_module, '_CHECKED', set())
+    from mita_seg.models import MiTASettingsMixin
     arg = (('window:5', ) if what == 'text' else
-           (MiTASetting(4, 8, kind='topk'), ) if what == 'setting' else ())
+           (MiTASetting(topk=8, kind='topk'), ) if what == 'setting' else ())
     kw = dict(pool_size=3, topk=5) if what == 'keys' else {}
     model = copy.deepcopy(segmenter)
     assert swap_attention(model, *arg, include_head=True, verbose=False, **kw) == 3
-    assert len(calls) == 1, calls
+    settings = [m.setting for m in model.modules() if isinstance(m, MiTASettingsMixin)]
+    assert len(settings) == 3
+    if what == 'setting':
+        assert all(s is arg[0] for s in settings)
+    assert len({id(s) for s in settings[:2]}) == 1   # one owner's layers: one object
 
 
 def test_bad_settings_are_one_clear_error(segmenter):
@@ -83,6 +82,28 @@ def test_bad_settings_are_one_clear_error(segmenter):
     with pytest.raises(MiTASettingError, match='MiTABEiTAttention runs mita attention, not '
                        'agent: compression only .* give it a MiTA setting'):
         MiTABEiTAttention(64, 4, (4, 4), kind='agent')
+
+
+def test_a_key_the_kind_does_not_read_is_refused_where_it_enters(segmenter):
+    """Issue 55: Python, a config's mita_cfg and a swap over a model on another kind all
+    refuse a key that the kind does not read, naming the key and the kind, before anything
+    changes."""
+    from mita_seg import swap_attention
+    from mita_seg.models import MiTASettingsMixin, MiTAVisionTransformer
+    message = r'^topk is not a setting of agent attention \(agent:7 reads pool_size'
+    model = copy.deepcopy(segmenter)
+    with pytest.raises(MiTASettingError, match=message):
+        swap_attention(model, kind='agent', topk=16)
+    assert not any(isinstance(m, MiTASettingsMixin) for m in model.modules())   # untouched
+    with pytest.raises(MiTASettingError, match=message):       # a config's mita_cfg
+        MiTAVisionTransformer(img_size=(32, 32), patch_size=8, embed_dims=32, num_layers=1,
+                              num_heads=2, mita_cfg=dict(kind='agent', topk=16))
+    swap_attention(model, 'agent:2', verbose=False)     # single keys over a model on agent
+    with pytest.raises(MiTASettingError, match=message):
+        swap_attention(model, topk=16)
+    swap_attention(model, pool_size=3, verbose=False)   # a key it reads: fine
+    assert {m.setting.text for m in model.modules() if isinstance(m, MiTASettingsMixin)} == {
+        'agent:3'}
 
 
 @pytest.mark.parametrize('spec', KINDS + ['block:4:2', 'topk:20', 'window:3', 'agent:2x3'])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mita_seg.analysis.equal_cost import (TOLERANCE, cost_of, kind_candidates, setting_at_cost,
-                                          within)
+                                          setting_at_reduction, settings_near, within)
 from mita_seg.setting import MiTASetting
 
 KINDS = ('agent', 'block', 'topk', 'window', 'mita')
@@ -68,6 +68,67 @@ def test_the_paper_budget_per_kind():
     assert setting_at_cost('mita', target, calls)[1] == target
 
 
+def test_settings_near_every_budget():
+    """A plan across kinds gets each kind at its setting nearest each budget, each once;
+    a budget's own kind is the budget itself."""
+    calls = [((32, 32), 1025, 32, 1, 2)] * 4
+    budgets = [MiTASetting.parse(b) for b in ('7:49', '4:16', '7:49')]
+    got = settings_near(budgets, ('agent', 'block', 'topk', 'mita'), calls)
+    want = []
+    for b in budgets[:2]:
+        want += [setting_at_cost(k, cost_of(b, calls), calls)[0]
+                 for k in ('agent', 'block', 'topk')] + [b]
+    assert got == list(dict.fromkeys(want))
+    assert budgets[0] in got and budgets[1] in got
+    assert [s.text for s in got].count('topk:1') == 1   # nearest both budgets: once
+    assert settings_near(budgets, (), calls) == []
+
+
+@pytest.mark.parametrize('reduction', [0.0, 0.2, 0.42, 0.5, 0.9])
+@pytest.mark.parametrize('start', [None, 0, 13, 31, 99])
+def test_setting_at_reduction_is_the_nearest_in_a_few_counts(reduction, start):
+    """The setting whose model FLOPs come nearest a fraction below dense: the nearest of
+    every setting (a target beyond either end gives that end), found in a few counts from
+    any start; ties go to the cheaper."""
+    settings = [MiTASetting(pool_size=p, topk=49) for p in range(1, 33)]
+    rest, dense = 3e8, 1e9
+
+    def model_flops(s):
+        counted.append(s)
+        return rest + 2e5 * s.num_experts + (0 if s.pool_size < 20 else 1e5)   # a step
+
+    counted = []
+    got, r, i = setting_at_reduction(settings, reduction, dense, model_flops, start)
+    target = (1 - reduction) * dense
+    best = min(settings, key=lambda s: (abs(model_flops(s) - target), s.num_experts))
+    assert got == best == settings[i]
+    assert r == pytest.approx(1 - model_flops(got) / dense)
+    counted.clear()
+    setting_at_reduction(settings, reduction, dense, model_flops, start)
+    assert len(counted) <= 12 < len(settings)
+
+
+def test_setting_at_reduction_from_a_neighbouring_answer():
+    # started where the answer is, it counts the answer and its two neighbours
+    settings = [MiTASetting(pool_size=p, topk=16) for p in range(1, 33)]
+    counted = []
+
+    def model_flops(s):
+        counted.append(s.pool_size)
+        return 1e8 + 1e6 * s.num_experts
+
+    got, r, i = setting_at_reduction(settings, 0.42, 1e9, model_flops)
+    counted.clear()
+    assert setting_at_reduction(settings, 0.42, 1e9, model_flops, start=i)[0] == got
+    assert sorted(counted) == [got.pool_size - 1, got.pool_size, got.pool_size + 1]
+    # bad input: no settings, a reduction outside [0, 1)
+    with pytest.raises(ValueError, match='no settings to search'):
+        setting_at_reduction([], 0.42, 1e9, model_flops)
+    with pytest.raises(ValueError, match=r'reduction must be in \[0, 1\) \(0.42: 42% fewer '
+                       r'FLOPs\), got 42'):
+        setting_at_reduction(settings, 42, 1e9, model_flops)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match='no swapped attention call'):
         setting_at_cost('agent', 1e6, [])
@@ -86,7 +147,7 @@ def test_kind_points_merge_before_any_swap():
                                      dict(attention='tome', merge_ratio=r)])
                for b, r in (('7:49', 0.3), ('4:16', 0.45))]
     points = kind_points(matched)
-    assert [p.kind for p in points] == ['baseline', 'tome', 'tome', 'swap', 'swap', 'swap']
+    assert [p.method for p in points] == ['baseline', 'tome', 'tome', 'swap', 'swap', 'swap']
     assert [p.setting.text for p in points[3:]] == ['7:49', 'topk:1', '4:16']
     with pytest.raises(ValueError, match='ToMe point r=0.3 comes after a swap'):
         swap_sweep(None, [SweepPoint('baseline'), points[3], points[1]])

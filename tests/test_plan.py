@@ -6,6 +6,7 @@ The model is the standard-attention tiny Segmenter of ``conftest.segmenter_ckpt`
 patch 8; 2-layer mask head): 6 attention layers.
 """
 import argparse
+import copy
 import json
 import os.path as osp
 import re
@@ -17,7 +18,7 @@ from mmengine.config import Config
 from mita_seg import swap_attention
 from mita_seg.apis import export_swapped, init_model
 from mita_seg.cli import add_mita_args, swap_settings
-from mita_seg.models import (MITA_DEFAULTS, MiTAAttention, PlanError, SwapPlan,
+from mita_seg.models import (MITA_DEFAULTS, MiTAAttention, MiTASetting, PlanError, SwapPlan,
                              attention_layers, current_plan)
 from mita_seg.models.plan import PLAN_FORMAT
 
@@ -86,8 +87,14 @@ def test_plan_round_trips(tmp_path):
     data['budget'] = dict(gflops=1.5)
     plan = SwapPlan.from_dict(data)
     assert plan.layers['backbone.layers.0.attn'] is None
-    assert plan.layers['backbone.layers.1.attn'] == dict(pool_size=4, topk=16)
-    assert plan.to_dict() == data
+    assert plan.layers['backbone.layers.1.attn'] == MiTASetting(pool_size=4, topk=16)
+    # a plan holds whole settings: the file written back names every key of its kind
+    full = copy.deepcopy(data)
+    for entry in full['layers']:
+        if entry['setting'] != 'dense':
+            entry['setting'] = {**MITA_DEFAULTS, **entry['setting']}
+    assert plan.to_dict() == full
+    data = full
     assert SwapPlan.load(plan.save(str(tmp_path / 'p.json'))).to_dict() == data
     with pytest.raises(PlanError, match='not found'):
         SwapPlan.load(str(tmp_path / 'missing.json'))
@@ -121,7 +128,8 @@ def test_uniform_plan_is_mita_cfg(segmenter_ckpt):
     config, ckpt = segmenter_ckpt
     # LAYERS: the encoder's and the mask head's
     by_cfg = init_model(config, ckpt, mita_cfg=dict(MITA, include_head=True))
-    by_plan = init_model(config, ckpt, mita_cfg=dict(plan=SwapPlan.uniform(LAYERS, MITA)))
+    plan = SwapPlan.uniform(LAYERS, MiTASetting(**MITA))
+    by_plan = init_model(config, ckpt, mita_cfg=dict(plan=plan))
     assert repr(by_plan) == repr(by_cfg)
     torch.testing.assert_close(logits(by_plan), logits(by_cfg), rtol=0, atol=0)
 
@@ -165,9 +173,9 @@ def test_current_plan_reads_the_modules(segmenter_ckpt):
         if setting == 'dense':
             assert now.layers[name] is None
         else:   # every MiTA setting, those the plan leaves out at their defaults
-            assert now.layers[name] == {**MITA_DEFAULTS, **setting}
-    assert now.describe(MITA_DEFAULTS) == plan.describe(MITA_DEFAULTS)
-    text = now.describe(MITA_DEFAULTS)
+            assert now.layers[name] == MiTASetting(**setting)
+    assert now.describe() == plan.describe()
+    text = now.describe()
     assert text.count('dense: ') == 1 and 'route-only' in text and 'router_topk' not in text
 
 
@@ -218,7 +226,7 @@ def test_mita_plan_argument(tmp_path, capsys):
     SwapPlan.from_dict(plan_dict(MIXED)).save(path)
     got = parse(['--mita-plan', path])
     assert list(got) == ['plan'] and got['plan'].source == path
-    assert got['plan'].layers['backbone.layers.1.attn'] == dict(pool_size=4, topk=16)
+    assert got['plan'].layers['backbone.layers.1.attn'] == MiTASetting(pool_size=4, topk=16)
     assert parse(['--mita-plan', path], swap_flag=False)['plan'].layers == got['plan'].layers
     # a bad file, or a plan with --mita-cfg or --swap-attn none: usage errors (exit 2)
     (tmp_path / 'bad.json').write_text(json.dumps(plan_dict(['dense', dict(topk=0)])))
@@ -241,8 +249,9 @@ def test_export_carries_the_plan(segmenter_ckpt, tmp_path):
     out_cfg, out_ckpt = export_swapped(config, ckpt, str(tmp_path), dict(plan=plan))
     cfg = Config.fromfile(out_cfg)
     assert cfg.model.backbone.type == 'MiTAVisionTransformer'
-    assert cfg.model.backbone.mita_layer_cfgs == [None, MIXED[1], MIXED[2], None]
-    assert cfg.model.decode_head.mita_layer_cfgs == [MIXED[4], None]
+    full = [s if s == 'dense' else {**MITA_DEFAULTS, **s} for s in MIXED]   # whole settings
+    assert cfg.model.backbone.mita_layer_cfgs == [None, full[1], full[2], None]
+    assert cfg.model.decode_head.mita_layer_cfgs == [full[4], None]
     meta = torch.load(out_ckpt, weights_only=True)['meta']
     assert meta['mita_plan'] == plan.to_dict()
     exported = init_model(out_cfg, out_ckpt)                                  # strict

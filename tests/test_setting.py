@@ -93,3 +93,65 @@ def test_no_heavy_imports():
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == '[]'
+
+
+@pytest.mark.parametrize('make', [
+    lambda: MiTASetting.parse('agent:7').replace(topk=16),
+    lambda: MiTASetting.parse('window:7').replace(pool_size=4),
+    lambda: MiTASetting.from_cfg(dict(kind='agent', topk=16)),
+    lambda: MiTASetting(kind='block', window=5),
+    lambda: MiTASetting().replace(kind='topk', pool_size=3),
+], ids=['agent+topk', 'window+pool', 'from_cfg', 'constructor', 'kind-change'])
+def test_a_key_the_kind_does_not_read_is_refused(make):
+    """Issue 55: a key that the setting's kind does not use is an error naming the key
+    and the kind, wherever it enters (one line)."""
+    with pytest.raises(MiTASettingError, match=r'^\w+ is not a setting of \w+ attention \('
+                       r'[^\n]*reads [^\n]*\): leave \w+ out') as e:
+        make()
+    assert '\n' not in str(e.value)
+
+
+def test_every_kind_is_one_record():
+    """A kind is its record: spelling, example, label, operator, cost and candidates, and
+    the spelling of every kind reads back."""
+    import importlib
+
+    from mita_seg.setting import KINDS, MITA, OTHER_KINDS
+    assert OTHER_KINDS == tuple(k for k in KINDS if k != MITA)
+    for kind in KINDS.values():
+        s = MiTASetting.parse(kind.example)
+        assert s.kind == kind.name and s.text == kind.example and s.record is kind
+        assert MiTASetting.from_cfg(s.cfg()) == s
+        module, fn = kind.operator.split(':')
+        assert callable(getattr(importlib.import_module(module), fn))
+        assert s.attention_macs((8, 8), 65, 16) > 0
+        grid = next(iter(kind.candidates((4, 4))))
+        assert grid.kind == kind.name
+        assert s.fit((2, 2), 5).kind == kind.name
+
+
+def test_kind_names_are_compared_in_the_registry_only():
+    """Issue 55: no ``== 'agent'`` outside the registry: comparisons (==, !=, in) of a
+    literal kind name, in the library, the projects and the tools, in at most 2 files."""
+    import ast
+    from pathlib import Path
+
+    from mita_seg.setting import KINDS, SETTING_KEYS
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for path in [p for d in ('mita_seg', 'projects', 'tools') for p in (root / d).rglob('*.py')]:
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text, str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left] + list(node.comparators)
+            literals = [c.value for s in sides
+                        for c in (s.elts if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                                  else [s])
+                        if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+            source = ast.get_source_segment(text, node) or ''
+            # a kind compared (not a key that shares a kind's name, as 'topk' in keys)
+            if any(v in KINDS and (v not in SETTING_KEYS or 'kind' in source)
+                   for v in literals):
+                found.add(str(path.relative_to(root)))
+    assert len(found) <= 2 and found <= {'mita_seg/setting.py', 'mita_seg/ops/kinds.py'}, found

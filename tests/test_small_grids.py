@@ -95,8 +95,9 @@ def test_router_topk_is_at_most_the_experts(log_records):
     attention._ADAPTED.clear()
     attn = MiTAAttention(32, 2, pool_size=3, topk=4, router_topk=4)
     with log_records() as log:
-        assert attn.effective_settings(1 + 2 * 1, (2, 1)) == ((2, 1), 3, 2)
-        assert attn.effective_settings(1 + 5 * 5, (5, 5)) == ((3, 3), 4, 4)  # nothing to adapt
+        ran = attn.setting_on(1 + 2 * 1, (2, 1))
+        assert (ran.pool, ran.topk, ran.router_topk) == ((2, 1), 3, 2)
+        assert attn.setting_on(1 + 5 * 5, (5, 5)) is attn.setting     # nothing to adapt
     assert log.messages == [
         'MiTAAttention on a 2x1 grid (N=3 tokens) runs with fewer: pool_size (3, 3) -> (2, 1): '
         'the grid is 2x1; topk 4 -> 3: there are N=3 tokens; router_topk 4 -> 2: there are '

@@ -12,7 +12,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmseg.models.backbones.beit import BEiTAttention
 
 from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, ToMeAttention
-from mita_seg.ops import attention_flops, mita_flops
+from mita_seg.ops import attention_flops, bias_flops_per_head
 
 
 class AttentionMacCounter:
@@ -53,25 +53,24 @@ class AttentionMacCounter:
         H = module.num_heads
         d = module.embed_dims // H
         with_bias = getattr(module, 'relative_position_bias_table', None) is not None
-        if isinstance(module, MiTASettingsMixin) and module.kind != 'mita':
-            grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
-            self.calls.append((tuple(grid), N, d, N - grid[0] * grid[1], B * H))
-            self.macs += B * H * module.setting.attention_macs(grid, N, d)
-        elif isinstance(module, MiTASettingsMixin):
-            T = 0   # global tokens (a swapped Segmenter head's class tokens): exact both ways
+        if isinstance(module, MiTASettingsMixin):
             if isinstance(module, MiTABEiTAttention):
-                grid = module.grid_shape(N)
+                grid, glob = module.grid_shape(N), (0, 0)
             else:
                 grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
                 glob = kwargs.get('global_tokens') or (
                     module.grid.global_tokens(N, grid) if module.grid is not None else (0, 0))
-                T = sum(glob)
-            (ph, pw), topk, router_topk = module.effective_settings(N - T, grid)
-            self.ran.add(((ph, pw), topk, router_topk, N))
+            # global tokens (a swapped Segmenter head's class tokens): MiTA's, exact both
+            # ways; every other kind takes the tokens off the grid as global
+            T = sum(glob) if module.setting.is_mita else N - grid[0] * grid[1]
+            setting = module.setting_on(N - sum(glob), grid)   # as the forward runs it
+            if setting.is_mita:
+                self.ran.add((setting.pool, setting.topk, setting.router_topk, N))
             self.calls.append((tuple(grid), N, d, T, B * H))
-            self.macs += mita_flops(B, H, N, d, ph * pw, topk, router_topk,
-                                    module.with_shared_expert, with_bias=with_bias,
-                                    num_global_tokens=T)
+            self.macs += B * H * setting.attention_macs(grid, N, d, T)
+            if with_bias:   # BEiT's bias, added to MiTA's logits
+                self.macs += B * H * bias_flops_per_head(N, setting.num_experts, setting.topk,
+                                                         setting.router_topk)
         else:
             self.macs += attention_flops(B, H, N, d, with_bias=with_bias)
 

@@ -151,7 +151,7 @@ def format_comparison(c: 'FlopComparison', settings: str) -> str:  # noqa: F821
 def mita_settings(counter: 'SegmentorFlops') -> str:  # noqa: F821
     """The MiTA settings of the swapped model, as ``key=value`` pairs (a plan: its file and
     how many layers are dense; '' where only tokens are merged)."""
-    from mita_seg.models import MITA_KEYS, MiTASettingsMixin
+    from mita_seg.models import MiTASettingsMixin
     if counter.mita is None:
         return ''
     plan = (counter.mita_cfg or {}).get('plan')
@@ -160,6 +160,4 @@ def mita_settings(counter: 'SegmentorFlops') -> str:  # noqa: F821
     attn = next((m for m in counter.mita.modules() if isinstance(m, MiTASettingsMixin)), None)
     if attn is None:
         return ''
-    if attn.kind != 'mita':
-        return ', '.join(f'{k}={v}' for k, v in attn.setting.cfg().items())
-    return ', '.join(f'{k}={getattr(attn, k)}' for k in MITA_KEYS)
+    return ', '.join(f'{k}={v}' for k, v in attn.setting.cfg().items())

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from mita_seg.ops.routing import pair
+from mita_seg.setting import SETTING_KEYS, MiTASetting
 from mita_seg.utils.cfg_options import blame_cfg_options
 from .flop_count import FlopBreakdown, count_flops
 from .flop_handles import CONVENTION
@@ -164,8 +165,12 @@ class FlopComparison:
     def label(self) -> str:
         """What the second column ran: ``'MiTA'`` (or the kind of attention swapped in:
         ``'agent'``, ``'block'``...), ``'ToMe r=0.3'`` or both."""
-        setting = (self.mita_cfg or {}).get('setting')
-        swap = 'MiTA' if setting is None or setting.kind == 'mita' else setting.kind
+        cfg = self.mita_cfg or {}
+        if cfg.get('plan') is not None:
+            swap = cfg['plan'].swapped_as()
+        else:   # the whole setting, or single keys over the defaults
+            swap = (cfg.get('setting') or MiTASetting.from_cfg(
+                {k: v for k, v in cfg.items() if k in SETTING_KEYS})).swap_name
         tome = None if self.merge_ratio is None else f'ToMe r={self.merge_ratio:g}'
         if tome is None:
             return swap

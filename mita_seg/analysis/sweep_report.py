@@ -48,23 +48,23 @@ def plot_sweep(rows, out_png, title):
         x = lambda r: getattr(r, key)  # noqa: E731
         ax.scatter([x(base)], [base.mIoU], marker='*', s=200, c='k', label=base.label,
                    zorder=3)
-        tome = sorted((r for r in rows if r.kind == 'tome'), key=x)
+        tome = sorted((r for r in rows if r.method == 'tome'), key=x)
         if tome:
             ax.plot([x(r) for r in tome], [r.mIoU for r in tome], 'D--', c='C7',
                     label='ToMe (token merging)')
             for r in tome:
                 ax.annotate(f'r={r.merge_ratio:g}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, -9))
-        for r in (r for r in rows if r.kind in ('plan', 'swap+tome')):
+        for r in (r for r in rows if r.method in ('plan', 'swap+tome')):
             ax.scatter([x(r)], [r.mIoU], marker='D', s=60, zorder=3, label=r.label)
-        swaps = [r for r in rows if r.kind == 'swap' and r.point.setting.kind == 'mita']
+        swaps = [r for r in rows if r.method == 'swap' and r.point.setting.is_mita]
         for m in sorted({r.M for r in swaps}):
             sel = sorted((r for r in swaps if r.M == m), key=x)
             ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-', label=f'MiTA M={m}')
             for r in sel:
                 ax.annotate(f'k={r.topk}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, 3))
-        others = [r for r in rows if r.kind == 'swap' and r.point.setting.kind != 'mita']
+        others = [r for r in rows if r.method == 'swap' and not r.point.setting.is_mita]
         for kind in sorted({r.point.setting.kind for r in others}):  # the other kinds
             sel = sorted((r for r in others if r.point.setting.kind == kind), key=x)
             ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 's--', label=kind)

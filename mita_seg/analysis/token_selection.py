@@ -191,9 +191,9 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
         if not module.batch_first:
             query = query.transpose(0, 1)
         q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
-    (ph, pw), topk, router_topk = module.effective_settings(q.shape[2], (h, w))
-    selected, used = selection_from_qk(q, k, (h, w), (ph, pw), topk, router_topk, p, bias)
-    return LayerSelection(name, (h, w), p, ph * pw, topk, selected.cpu(), used.cpu())
+    s = module.setting_on(q.shape[2], (h, w))
+    selected, used = selection_from_qk(q, k, (h, w), s.pool, s.topk, s.router_topk, p, bias)
+    return LayerSelection(name, (h, w), p, s.num_experts, s.topk, selected.cpu(), used.cpu())
 
 
 def network_image(data_preprocessor, inputs: torch.Tensor) -> np.ndarray:

@@ -76,10 +76,6 @@ def _text(setting: Optional[MiTASetting]) -> str:
     return DENSE if setting is None else setting.text
 
 
-def _cfg(setting: Optional[MiTASetting]) -> Optional[Dict[str, Any]]:
-    return None if setting is None else setting.cfg()
-
-
 def train_images(cfg: Config, count: int, seed: int = 0):
     """``count`` images of the config's training split (drawn by ``seed``, in index order),
     loaded through the config's *test* pipeline (no augmentation).
@@ -222,7 +218,7 @@ class SwapCalibrator:
 
     # -- step 1: FLOPs ------------------------------------------------------------------
     def _plan(self, settings: Dict[str, Optional[MiTASetting]]) -> SwapPlan:
-        return SwapPlan({n: _cfg(settings.get(n)) for n in self.layers})
+        return SwapPlan({n: settings.get(n) for n in self.layers})
 
     def flops(self) -> np.ndarray:
         """``[layers, candidates]`` FLOPs of each layer's attention module (counted once)."""
@@ -237,7 +233,7 @@ class SwapCalibrator:
         x = test_inputs(model.data_preprocessor, self.shape)
         out = np.zeros((len(self.layers), len(self.candidates)), dtype=np.int64)
         for c, setting in enumerate(self.candidates):
-            plan = SwapPlan.uniform(self.layers, _cfg(setting))
+            plan = SwapPlan.uniform(self.layers, setting)
             swap_model(model, dict(plan=plan), verbose=False)
             with torch.no_grad(), decode_head_called_as_module(model):
                 analyzer = flop_analyzer(model, (x, ))
@@ -418,31 +414,64 @@ class SwapCalibrator:
         return out
 
     # -- step 3: the choice -------------------------------------------------------------
-    def plan(self, reduction: Optional[float] = None,
-             budget_gflops: Optional[float] = None,
-             budget_uniform: Union[str, MiTASetting, None] = None) -> SwapPlan:
-        """The plan of least total error within the budget (give one of ``reduction``,
-        ``budget_gflops`` and ``budget_uniform``: :meth:`budget`).
+    def _among(self, among: Optional[Sequence[Union[str, MiTASetting, None]]]) -> List[int]:
+        """The indices of the candidates ``among`` names, dense always (None: every one).
 
         Raises:
-            CalibrationError: a budget no plan meets (:meth:`budget`).
+            CalibrationError: one that is not a candidate (it was not measured).
+        """
+        if among is None:
+            return list(range(len(self.candidates)))
+        wanted = [_candidate(c) for c in among]
+        missing = [_text(s) for s in wanted if s not in self.candidates]
+        if missing:
+            raise CalibrationError(f'{missing[0]!r} is not one of the candidates '
+                                   f'({" ".join(self.candidate_names)}): a plan chooses among '
+                                   'the measured candidates; add it to them')
+        return [i for i, s in enumerate(self.candidates) if i == 0 or s in wanted]
+
+    def plan(self, reduction: Optional[float] = None,
+             budget_gflops: Optional[float] = None,
+             budget_uniform: Union[str, MiTASetting, None] = None,
+             among: Optional[Sequence[Union[str, MiTASetting, None]]] = None) -> SwapPlan:
+        """The plan of least total error within the budget (give one of ``reduction``,
+        ``budget_gflops`` and ``budget_uniform``: :meth:`budget`), choosing each layer's
+        setting among ``among`` (some of the candidates, dense always; None: every one).
+        A plan among some candidates is the plan a calibrator of those alone would choose
+        (each candidate is measured on its own): one calibrator over every kind gives the
+        plan across kinds and the MiTA-only plan of the same measurements.
+
+        Raises:
+            CalibrationError: a budget no plan of ``among`` meets (:meth:`budget`), or one
+                of ``among`` that is not a candidate.
         """
         budget = self.budget(reduction, budget_gflops, budget_uniform)
-        flops, errors = self.flops(), self.errors()
-        cheapest = self.cheapest_flops()
+        cols = self._among(among)
+        flops = self.flops()[:, cols]
+        full = lambda ch: [cols[c] for c in ch]  # noqa: E731  (indices of self.candidates)
+        cheapest = self.plan_flops(full(np.argmin(flops, axis=1)))
+        if budget < cheapest:
+            names = ' '.join(self.candidate_names[c] for c in cols)
+            raise CalibrationError(
+                f'budget {budget / 1e9:.4g} GFLOPs is below the cheapest plan of the '
+                f'candidates it may choose ({names}: {cheapest / 1e9:.4g} GFLOPs): give at '
+                'least that, or let it choose cheaper ones')
+        errors = self.errors()[:, cols]      # measured after the budget is known to be met
         if budget >= self.dense_flops:      # errors are >= 0: dense everywhere is the best
             choice = [0] * len(self.layers)
         else:
             choice = choose(errors, flops, budget - cheapest)
             # never worse than a uniform setting within the budget (the knapsack's rounding)
             total = lambda ch: sum(errors[i, c] for i, c in enumerate(ch))  # noqa: E731
-            for c in range(len(self.candidates)):
+            for c in range(len(cols)):
                 uniform = [c] * len(self.layers)
-                if self.plan_flops(uniform) <= budget and total(uniform) < total(choice):
+                if self.plan_flops(full(uniform)) <= budget and total(uniform) < total(choice):
                     choice = uniform
+        choice = full(choice)
+        flops, errors = self.flops(), self.errors()
         total = self.plan_flops(choice)
         assert total <= budget, (total, budget)
-        layers = {n: _cfg(self.candidates[c]) for n, c in zip(self.layers, choice)}
+        layers = {n: self.candidates[c] for n, c in zip(self.layers, choice)}
         layer_info = {n: dict(error=float(errors[i, c]), gflops=float(flops[i, c]) / 1e9,
                               dense_gflops=float(flops[i, 0]) / 1e9)
                       for i, (n, c) in enumerate(zip(self.layers, choice))}
@@ -466,7 +495,7 @@ class SwapCalibrator:
             calibration=dict(split='train', images=self.image_paths, seed=self.seed,
                              metric=METRIC, predicted_error=float(sum(
                                  errors[i, c] for i, c in enumerate(choice))),
-                             candidates=self.candidate_names,
+                             candidates=[self.candidate_names[c] for c in cols],
                              image_forwards=len(self.image_paths) * (
                                  1 + len(self.layers) * (len(self.candidates) - 1)),
                              seconds=round(self.seconds, 1)),

@@ -14,7 +14,7 @@ from mmengine.runner import Runner
 
 from mita_seg.analysis.attention_macs import attention_gmacs
 from mita_seg.models import MiTASettingsMixin, SwapPlan
-from mita_seg.setting import KINDS, MiTASetting, MiTASettingError
+from mita_seg.setting import MiTASetting, MiTASettingError
 from .model import swap_model
 from .token_merge import merge_label, merge_model
 
@@ -37,7 +37,7 @@ def model_gflops(model: nn.Module, batch: dict) -> float:
     return crops * count_flops(model, (x[..., :hc, :wc].contiguous(), )).total / 1e9
 
 
-SWEEP_KINDS = ('baseline', 'tome', 'swap', 'swap+tome', 'plan')
+SWEEP_METHODS = ('baseline', 'tome', 'swap', 'swap+tome', 'plan')
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SweepPoint:
     """One point of a sweep: how the model is evaluated.
 
     Args:
-        kind (str): ``baseline`` (as configured), ``tome`` (token merging at
+        method (str): ``baseline`` (as configured), ``tome`` (token merging at
             ``merge_ratio``), ``swap`` (MiTA at ``setting``), ``swap+tome`` (both) or
             ``plan`` (the swap plan ``plan``).
         setting (MiTASetting, optional): the MiTA setting of ``swap`` and ``swap+tome``.
@@ -53,23 +53,23 @@ class SweepPoint:
         plan (SwapPlan, optional): the plan of ``plan``.
 
     Raises:
-        ValueError: an unknown kind, or a field the kind needs missing (or one it has no
+        ValueError: an unknown method, or a field the method needs missing (or one it has no
             use for given).
     """
-    kind: str
+    method: str
     setting: Optional[MiTASetting] = None
     merge_ratio: Optional[float] = None
     plan: Optional[SwapPlan] = field(default=None, compare=False)
 
     def __post_init__(self):
-        if self.kind not in SWEEP_KINDS:
-            raise ValueError(f'sweep point kind {self.kind!r}: one of {", ".join(SWEEP_KINDS)}')
+        if self.method not in SWEEP_METHODS:
+            raise ValueError(f'sweep point method {self.method!r}: one of {", ".join(SWEEP_METHODS)}')
         given = dict(setting=self.setting is not None, merge_ratio=self.merge_ratio is not None,
                      plan=self.plan is not None)
-        needs = dict(setting=self.kind in ('swap', 'swap+tome'),
-                     merge_ratio=self.kind in ('tome', 'swap+tome'), plan=self.kind == 'plan')
+        needs = dict(setting=self.method in ('swap', 'swap+tome'),
+                     merge_ratio=self.method in ('tome', 'swap+tome'), plan=self.method == 'plan')
         if given != needs:
-            raise ValueError(f'a {self.kind!r} sweep point takes '
+            raise ValueError(f'a {self.method!r} sweep point takes '
                              + (', '.join(k for k, v in needs.items() if v) or 'nothing')
                              + f'; got {", ".join(k for k, v in given.items() if v) or "none"}')
 
@@ -140,26 +140,27 @@ class SweepRow:
     extra: Dict[str, float] = field(default_factory=dict)
 
     @property
-    def kind(self) -> str:
-        return self.point.kind
+    def method(self) -> str:
+        """How the point was evaluated (:attr:`SweepPoint.method`)."""
+        return self.point.method
 
     @property
     def topk(self) -> Optional[int]:
         """The ``k`` asked, for ``swap`` and ``swap+tome`` of a kind that has one (MiTA,
         top-k); else None."""
         setting = self.point.setting
-        return setting.topk if setting is not None and 'topk' in KINDS[setting.kind].keys \
-            else None
+        return setting.topk if setting is not None and 'topk' in setting.record.keys else None
 
     @property
     def merge_ratio(self) -> Optional[float]:
         return self.point.merge_ratio
 
     def as_dict(self) -> Dict[str, Any]:
-        """The row for CSV and JSON: ``setting`` (the label), ``kind``, ``M``, ``topk``,
-        ``merge_ratio``, the metrics and costs, the reductions (``attn_reduction_%``,
+        """The row for CSV and JSON: ``setting`` (the label), ``kind`` (the
+        :attr:`method`: the files' column keeps its name), ``M``, ``topk``, ``merge_ratio``,
+        the metrics and costs, the reductions (``attn_reduction_%``,
         ``model_reduction_%``), ``delta_mIoU`` and ``measure``'s columns."""
-        return dict(setting=self.label, kind=self.kind, M=self.M, topk=self.topk,
+        return dict(setting=self.label, kind=self.method, M=self.M, topk=self.topk,
                     merge_ratio=self.merge_ratio, mIoU=self.mIoU, mAcc=self.mAcc,
                     aAcc=self.aAcc, attn_GMACs=self.attn_GMACs, model_GFLOPs=self.model_GFLOPs,
                     **{'attn_reduction_%': self.attn_reduction,
@@ -171,11 +172,11 @@ def _check_order(points: Sequence[SweepPoint]) -> None:
     """Raise ``ValueError`` unless the baseline comes first and every ``tome`` point before
     the first point that swaps (a swap is not undone: a later merge would merge the
     swapped model)."""
-    if not points or points[0].kind != 'baseline':
+    if not points or points[0].method != 'baseline':
         raise ValueError('swap_sweep: the first point must be the baseline (the reductions '
                          'and deltas are against it); use sweep_points()')
-    swapped = [i for i, p in enumerate(points) if p.kind in ('swap', 'swap+tome', 'plan')]
-    late = [p for p in points[swapped[0]:] if p.kind == 'tome'] if swapped else []
+    swapped = [i for i, p in enumerate(points) if p.method in ('swap', 'swap+tome', 'plan')]
+    late = [p for p in points[swapped[0]:] if p.method == 'tome'] if swapped else []
     if late:
         raise ValueError(f'swap_sweep: ToMe point r={late[0].merge_ratio} comes after a swap, '
                          'which is not undone: put every tome point before the swaps '
@@ -226,47 +227,47 @@ def swap_sweep(runner: Runner,
     rows: List[SweepRow] = []
     seen: Dict[frozenset, str] = {}      # what ran -> the label of its row
     merged = False
-    first = {}                           # kind -> index of its first point (verbose once)
+    first = {}                         # method -> index of its first point (verbose once)
     t0 = time.time()
     for i, point in enumerate(points):
-        verbose = first.setdefault(point.kind, i) == i and point.kind in ('tome', 'swap')
-        if merged and point.kind != 'tome':
+        verbose = first.setdefault(point.method, i) == i and point.method in ('tome', 'swap')
+        if merged and point.method != 'tome':
             merge_model(model, 0.0, verbose=False, **merge_cfg)  # exactly unmerged again
             merged = False
         ran: set = set()
         attn = ran_label = M = None   # attn after runner.test(), which sets eval(), if None
-        if point.kind == 'baseline':
+        if point.method == 'baseline':
             configured = any(isinstance(m, MiTASettingsMixin) for m in model.modules())
             label = 'baseline (MiTA as configured)' if configured else 'baseline'
-        elif point.kind == 'tome':
+        elif point.method == 'tome':
             merge_model(model, point.merge_ratio, verbose=verbose, **merge_cfg)
             merged, label = True, merge_label(point.merge_ratio)
-        elif point.kind == 'plan':
+        elif point.method == 'plan':
             swap_model(model, dict(plan=point.plan), verbose=False)
             label = f'plan {osp.basename(point.plan.source) or i}'
         else:   # swap, swap+tome: what runs, counted first
             setting = point.setting
             swap_model(model, dict(swap_cfg, setting=setting), verbose=verbose)
-            if point.kind == 'swap+tome':
+            if point.method == 'swap+tome':
                 merge_model(model, point.merge_ratio, verbose=False, **merge_cfg)
                 merged = True
             attn = attention_gmacs(model, batches, ran)
-            if setting.kind == 'mita':
+            if setting.is_mita:
                 ran_label = setting.ran_label({p for p, *_ in ran},
                                               [k < setting.topk for _, k, _, _ in ran])
                 M = max((h * w for (h, w), *_ in ran), default=setting.num_experts)
                 label = f'MiTA {ran_label}'
             else:  # another kind of the taxonomy: as asked
                 ran_label = label = setting.label
-            if point.kind == 'swap+tome':
+            if point.method == 'swap+tome':
                 label += f' + {merge_label(point.merge_ratio)}'
             else:
-                same = seen.get(frozenset(ran) if setting.kind == 'mita' else setting)
+                same = seen.get(frozenset(ran) if setting.is_mita else setting)
                 if same is not None:
                     progress(f'[{i + 1}/{len(points)}] MiTA {point.setting.label} runs '
                              f'exactly as {same!r} on these inputs: not evaluated again, no row')
                     continue
-                seen[frozenset(ran) if setting.kind == 'mita' else setting] = label
+                seen[frozenset(ran) if setting.is_mita else setting] = label
         progress(f'[{i + 1}/{len(points)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()

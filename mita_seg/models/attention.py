@@ -12,8 +12,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
-from mita_seg.ops import attend_kind, mita_attention
-from mita_seg.ops.routing import pair
+from mita_seg.ops import attend
 from mita_seg.setting import (DEFAULT_SETTING, KINDS, MITA_DEFAULTS, MITA_KEYS,  # noqa: F401
                               SETTING_DEFAULTS,
                               SETTING_KEYS, SETTING_RULES, MiTASetting, MiTASettingError,
@@ -22,73 +21,70 @@ from .grid import GridContext, grid_context, resolve_grid
 
 
 class MiTASettingsMixin:
-    """The settings of a swapped attention module (:data:`SETTING_KEYS`: the kind of
-    attention and its settings, :mod:`mita_seg.setting`): changing them (:meth:`configure`),
-    the one :class:`~mita_seg.setting.MiTASetting` they form (:attr:`setting`), what a
-    forward over a given grid runs with (:meth:`effective_settings`), and their repr. Shared
-    by every MiTA attention module (:class:`MiTAAttention`, the BEiT/MAE ones); their
-    defaults are :data:`SETTING_DEFAULTS`, which :class:`MiTAAttention`'s signature repeats.
+    """The setting of a swapped attention module: one frozen
+    :class:`~mita_seg.setting.MiTASetting` (:attr:`setting`: the kind of attention and its
+    settings), changed whole (:meth:`configure`), read by key (``module.topk``,
+    ``module.kind``...), fitted to the grid of a forward (:meth:`setting_on`), and its repr.
+    Shared by every MiTA attention module (:class:`MiTAAttention`, the BEiT/MAE ones).
     """
     # the kinds of attention (mita_seg.setting.KINDS) the module can run
     supported_kinds: Tuple[str, ...] = tuple(KINDS)
+    setting: MiTASetting
 
     def configure(self, setting: Optional[MiTASetting] = None, **settings) -> None:
-        """Change settings, e.g. M and k at test time: a whole checked ``setting`` (it is
-        not checked again), or single keys (:data:`SETTING_KEYS`), checked here.
+        """Change the setting, e.g. M and k at test time: a whole ``setting`` (checked when
+        it was made), or single keys (:data:`SETTING_KEYS`) over the module's own.
 
         Raises:
-            ValueError: an unknown setting, a bad value (:func:`check_settings`), or a kind
-                this module cannot run.
+            ValueError: an unknown setting, a bad value, a key its kind does not read, or a
+                kind this module cannot run.
         """
         if setting is None:  # single keys over the module's own (or the defaults)
-            base = self.setting if hasattr(self, 'kind') else DEFAULT_SETTING
-            setting = base.replace(**settings)
-        settings = {k: getattr(setting, k) for k in SETTING_KEYS}
-        kind = settings['kind']
-        if kind not in self.supported_kinds:
+            setting = getattr(self, 'setting', DEFAULT_SETTING).replace(**settings)
+        if setting.kind not in self.supported_kinds:
             raise MiTASettingError(
                 f'{type(self).__name__} runs {", ".join(self.supported_kinds)} attention, not '
-                f'{kind}: {KINDS[kind].title} does not take its relative position bias; give '
-                'it a MiTA setting (e.g. 7:49)')
-        self.__dict__.update(settings)
+                f'{setting.kind}: {KINDS[setting.kind].title} does not take its relative '
+                'position bias; give it a MiTA setting (e.g. 7:49)')
+        self.__dict__['setting'] = setting
 
-    @property
-    def setting(self) -> MiTASetting:
-        """The module's settings as one :class:`~mita_seg.setting.MiTASetting`."""
-        return MiTASetting(**{k: getattr(self, k) for k in SETTING_KEYS})
-
-    def effective_settings(self, num_tokens: int,
-                           hw_shape: Tuple[int, int]) -> Tuple[Tuple[int, int], int, int]:
-        """The ``(pool_size, topk, router_topk)`` a forward over ``num_tokens`` tokens on
-        a ``hw_shape`` grid runs with: the landmark grid is at most the patch grid
-        (``min(P, h) x min(P, w)``), ``k`` at most ``N``, ``router_topk`` at most ``M``
-        (as mmseg's ViT runs on any image of at least one patch). A reduction is logged
-        once per setting, by an eager forward (a ``torch.compile``'d one skips the log rather
-        than break its graph for it)."""
-        (h, w), (ph, pw) = hw_shape, pair(self.pool_size, 'pool_size')
-        pool = (min(ph, h), min(pw, w))
-        topk = min(self.topk, num_tokens)
-        router_topk = min(self.router_topk, pool[0] * pool[1])
-        if (pool, router_topk, topk) != ((ph, pw), self.router_topk, self.topk):
+    def setting_on(self, num_tokens: int, hw_shape: Tuple[int, int]) -> MiTASetting:
+        """The setting a forward over ``num_tokens`` keys on a ``hw_shape`` grid runs with
+        (:meth:`~mita_seg.setting.MiTASetting.fit`: the landmark grid at most the patch
+        grid, ``k`` at most ``N``, ``router_topk`` at most ``M``, as mmseg's ViT runs on any
+        image of at least one patch). A reduction is logged once per setting, by an eager
+        forward (a ``torch.compile``'d one skips the log rather than break its graph)."""
+        asked = self.setting
+        ran = asked.fit(hw_shape, num_tokens)
+        if ran == asked:
+            return asked
+        if not torch.compiler.is_compiling():   # no graph break for a log line
+            h, w = hw_shape
             why = []   # each setting reduced, and why
-            if pool != (ph, pw):
-                why.append(f'pool_size {(ph, pw)} -> {pool}: the grid is {h}x{w}')
-            if topk != self.topk:
-                why.append(f'topk {self.topk} -> {topk}: there are N={num_tokens} tokens')
-            if router_topk != self.router_topk:
-                why.append(f'router_topk {self.router_topk} -> {router_topk}: there are '
-                           f'M={pool[0] * pool[1]} landmarks')
-            if not torch.compiler.is_compiling():   # no graph break for a log line
-                _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} '
-                          f'tokens) runs with fewer: {"; ".join(why)} (logged once)', ph, pw,
-                          self.topk, self.router_topk, *pool, router_topk, topk)
-        return pool, topk, router_topk
+            if ran.pool != asked.pool:
+                why.append(f'pool_size {asked.pool} -> {ran.pool}: the grid is {h}x{w}')
+            if ran.topk != asked.topk:
+                why.append(f'topk {asked.topk} -> {ran.topk}: there are N={num_tokens} tokens')
+            if ran.router_topk != asked.router_topk:
+                why.append(f'router_topk {asked.router_topk} -> {ran.router_topk}: there are '
+                           f'M={ran.num_experts} landmarks')
+            _log_once(f'{type(self).__name__} on a {h}x{w} grid (N={num_tokens} tokens) runs '
+                      f'with fewer: {"; ".join(why)} (logged once)', asked, ran)
+        return ran
 
     def extra_repr(self) -> str:
-        if self.kind != 'mita':
-            return ', '.join(f'{k}={getattr(self, k)}' for k in ('kind', ) + KINDS[self.kind].keys)
-        return (f'pool_size={self.pool_size}, topk={self.topk}, router_topk={self.router_topk}, '
-                f'with_shared_expert={self.with_shared_expert}, shared_scale={self.shared_scale}')
+        return ', '.join(f'{k}={v}' for k, v in {
+            **({} if self.setting.is_mita else {'kind': self.setting.kind}),
+            **self.setting.cfg()}.items())
+
+
+def _setting_key(key: str) -> property:
+    return property(lambda self: getattr(self.setting, key),
+                    doc=f'``setting.{key}`` (read-only: :meth:`configure` changes it)')
+
+
+for _key in SETTING_KEYS:   # module.topk, module.kind...: the setting's
+    setattr(MiTASettingsMixin, _key, _setting_key(_key))
 
 
 @MODELS.register_module()
@@ -120,6 +116,8 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         num_blocks (int): blocks each query attends to, its own included (``kind='block'``).
             Default: 4.
         window (int): window side, in grid tokens (``kind='window'``). Default: 7.
+        setting (MiTASetting, optional): the whole setting instead of the keys above
+            (which are then left at their defaults). Default: None.
         with_dwc (bool): add a depthwise 3x3 conv of the grid values to the output before
             the projection (adds ``dwc.{weight,bias}``). Default: False.
         num_prefix_tokens (int): tokens before the grid when no grid context says
@@ -147,6 +145,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                  num_blocks: int = 4,
                  window: int = 7,
                  with_dwc: bool = False,
+                 setting: Optional[MiTASetting] = None,
                  num_prefix_tokens: int = 1,
                  attn_drop: float = 0.,
                  proj_drop: float = 0.,
@@ -169,8 +168,9 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                           'attention matrix); proj_drop and dropout_layer still apply')
         if not isinstance(with_dwc, bool):  # the message of the rule
             check_settings(dict(with_dwc=with_dwc))
-        self.configure(MiTASetting(pool_size, topk, router_topk, with_shared_expert,
-                                   shared_scale, kind, block_size, num_blocks, window))
+        self.configure(setting or MiTASetting(pool_size, topk, router_topk, with_shared_expert,
+                                              shared_scale, kind, block_size, num_blocks,
+                                              window))
         self.num_prefix_tokens = num_prefix_tokens
         self.grid: Optional[GridContext] = None
         self.dwc = nn.Conv2d(embed_dims, embed_dims, 3, padding=1,
@@ -189,8 +189,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             warnings.simplefilter('ignore')
             new = cls(attn.embed_dims, attn.num_heads, attn_drop=mha.dropout,
                       batch_first=attn.batch_first, qkv_bias=mha.in_proj_bias is not None,
-                      init_cfg=attn.init_cfg, with_dwc=with_dwc,
-                      **{k: getattr(setting, k) for k in SETTING_KEYS})
+                      init_cfg=attn.init_cfg, with_dwc=with_dwc, setting=setting)
         new.attn, new.proj_drop, new.dropout_layer = mha, attn.proj_drop, attn.dropout_layer
         new.train(attn.training)
         return new
@@ -261,19 +260,11 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             query = query.transpose(0, 1)
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
-        if self.kind != 'mita':
-            x = attend_kind(self.setting, q, k, v, (h, w), p)
-        else:
-            if global_tokens is None:
-                global_tokens = ((0, 0) if self.grid is None
-                                 else self.grid.global_tokens(N, (h, w)))
-            # the experts' keys: the tokens that are not global
-            pool_size, topk, router_topk = self.effective_settings(N - sum(global_tokens),
-                                                                   (h, w))
-            x = mita_attention(q, k, v, hw_shape=(h, w), pool_size=pool_size, topk=topk,
-                               router_topk=router_topk, num_prefix_tokens=p,
-                               with_shared_expert=self.with_shared_expert,
-                               shared_scale=self.shared_scale, global_tokens=global_tokens)
+        if global_tokens is None:
+            global_tokens = (0, 0) if self.grid is None else self.grid.global_tokens(N, (h, w))
+        # MiTA's experts' keys: the tokens that are not global
+        setting = self.setting_on(N - sum(global_tokens), (h, w))
+        x = attend(setting, q, k, v, (h, w), p, global_tokens)              # [B, H, N, d]
         x = x.transpose(1, 2).reshape(B, N, C)
         if self.dwc is not None:
             v_grid = v[:, :, p:p + h * w].transpose(1, 2).reshape(B, h, w, C).permute(0, 3, 1, 2)
@@ -285,11 +276,11 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         return identity + self.dropout_layer(self.proj_drop(x))
 
 
-# (settings, effective settings) already logged by MiTASettingsMixin.effective_settings
+# (setting, setting as it ran) already logged by MiTASettingsMixin.setting_on
 _ADAPTED: set = set()
 
 
-def _log_once(message: str, *key: int) -> None:
+def _log_once(message: str, *key) -> None:
     """Log ``message`` the first time ``key`` is seen."""
     if key not in _ADAPTED:
         _ADAPTED.add(key)
@@ -354,14 +345,15 @@ def use_mita(owner: nn.Module, layer_ids: Iterable[int],
         int: the number of layers whose attention is now MiTA.
     """
     with_dwc = settings.pop('with_dwc', False)
+    new = setting   # for the modules swapped now: made once, when one is
     done = 0
     for i in layer_ids:
         layer = owner.layers[i]
-        if isinstance(layer.attn, MiTASettingsMixin):
-            layer.attn.configure(setting or layer.attn.setting.replace(**settings))
+        if isinstance(layer.attn, MiTASettingsMixin):   # single keys over its own
+            layer.attn.configure(setting, **settings)
         elif type(layer.attn) in _TO_MITA:
             old, old_cls = layer.attn, type(layer.attn)
-            new = setting or DEFAULT_SETTING.replace(**settings)
+            new = new or DEFAULT_SETTING.replace(**settings)
             layer.attn = _TO_MITA[old_cls](old, new, with_dwc=with_dwc)
             # kept outside the module tree (no state-dict keys) for use_dense
             layer.attn.__dict__[_DENSE_ORIGINAL] = (old, old_cls)

@@ -16,7 +16,8 @@ from mmseg.models.backbones.beit import BEiTAttention
 from mmseg.models.backbones.mae import MAEAttention
 from mmseg.registry import MODELS
 
-from mita_seg.ops import RelPosBias, mita_attention
+from mita_seg.ops import RelPosBias, attend
+from mita_seg.setting import MITA
 from .attention import DEFAULT_SETTING, MiTASetting, MiTASettingsMixin, register_mita_conversion
 from .grid import GridContext, GridMismatchError, grid_mismatch_message
 
@@ -82,7 +83,7 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
         self._init_mita(setting)
 
     # its relative position bias enters MiTA only
-    supported_kinds = ('mita', )
+    supported_kinds = (MITA, )
 
     def _init_mita(self, setting: MiTASetting) -> None:
         """The setting and no grid context yet."""
@@ -181,12 +182,8 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
         """
         B, N, C = x.shape
         q, k, v, (h, w), p = self.project(x)
-        pool_size, topk, router_topk = self.effective_settings(N, (h, w))
-        x = mita_attention(q, k, v, (h, w), pool_size=pool_size, topk=topk,
-                           router_topk=router_topk, num_prefix_tokens=p,
-                           with_shared_expert=self.with_shared_expert,
-                           shared_scale=self.shared_scale,
-                           rel_pos_bias=self.rel_pos_bias())      # [B, H, N, d]
+        x = attend(self.setting_on(N, (h, w)), q, k, v, (h, w), p,
+                   rel_pos_bias=self.rel_pos_bias())                        # [B, H, N, d]
         x = x.transpose(1, 2).reshape(B, N, C)
         return self.proj_drop(self.proj(x))
 

@@ -16,9 +16,10 @@ applies (``plan=``) and ``tools/calibrate_swap.py`` writes::
 
 ``name`` is the attention module's name in the segmentor (as ``model.named_modules()`` gives
 it; ``swap_attention`` swaps ``<owner>.layers.<i>.attn``); ``setting`` is ``"dense"`` (the
-layer keeps softmax attention) or MiTA settings (:data:`~mita_seg.models.MITA_KEYS`; those not
-given are the MiTA defaults for a layer swapped now and keep their values in a layer already
-on MiTA, as with ``--mita-cfg``). A layer entry may carry more keys (``error``, ``gflops``).
+layer keeps softmax attention) or a setting of any kind as
+:meth:`~mita_seg.setting.MiTASetting.cfg` writes it (``kind`` and the keys that kind reads;
+MiTA's :data:`~mita_seg.models.MITA_KEYS` without ``kind``; those not given are the
+defaults, a key the kind does not read an error). A layer entry may carry more keys (``error``, ``gflops``).
 A plan names every swappable attention layer of its model: applied to a model with other
 layers it is an error naming them.
 """
@@ -28,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from mita_seg.setting import DENSE, SETTING_KEYS, SETTING_RULES, check_settings, label
+from mita_seg.setting import DENSE, SETTING_KEYS, MiTASetting, label
 
 PLAN_FORMAT = 'mita_seg.swap_plan/1'
 # what a layer name must look like: an attention module of a token owner's layers
@@ -45,13 +46,14 @@ class SwapPlan:
     """Per-layer swap settings.
 
     Attributes:
-        layers (dict): attention layer name -> MiTA settings (a dict), or None for dense
-            attention; in the model's order.
+        layers (dict): attention layer name -> its
+            :class:`~mita_seg.setting.MiTASetting`, or None for dense attention; in the
+            model's order.
         info (dict): the rest of the file (budget, FLOPs, calibration...), and per layer
             the entries' further keys under ``info['layer_info'][name]``.
         source (str): where the plan was read from (for messages). Default: ''.
     """
-    layers: Dict[str, Optional[Dict[str, Any]]]
+    layers: Dict[str, Optional[MiTASetting]]
     info: Dict[str, Any] = field(default_factory=dict)
     source: str = ''
 
@@ -78,8 +80,7 @@ class SwapPlan:
         if not isinstance(entries, list) or not entries:
             raise PlanError(f'{what}: "layers" must be a non-empty list of '
                             '{"name": ..., "setting": ...}')
-        rules = {k: SETTING_RULES[k] for k in SETTING_KEYS}
-        layers: Dict[str, Optional[Dict[str, Any]]] = {}
+        layers: Dict[str, Optional[MiTASetting]] = {}
         layer_info: Dict[str, Dict[str, Any]] = {}
         for n, entry in enumerate(entries):
             if not isinstance(entry, dict) or 'name' not in entry or 'setting' not in entry:
@@ -96,10 +97,9 @@ class SwapPlan:
                 setting = None
             elif isinstance(setting, dict):
                 try:
-                    check_settings(setting, rules)
+                    setting = MiTASetting.from_cfg(setting)
                 except ValueError as e:
                     raise PlanError(f'{what}: layer {name}: {e}') from None
-                setting = dict(setting)
             else:
                 raise PlanError(f'{what}: layer {name}: setting must be "dense" or an object '
                                 f'of settings ({", ".join(SETTING_KEYS)}), got {setting!r}')
@@ -126,15 +126,15 @@ class SwapPlan:
         return cls.from_dict(data, source=path)
 
     @classmethod
-    def uniform(cls, names: Sequence[str], setting: Optional[Dict[str, Any]]) -> 'SwapPlan':
+    def uniform(cls, names: Sequence[str], setting: Optional[MiTASetting]) -> 'SwapPlan':
         """The plan of one setting (None: dense) on every layer of ``names``."""
-        return cls({n: None if setting is None else dict(setting) for n in names})
+        return cls({n: setting for n in names})
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON contents (:meth:`from_dict` reads them back)."""
         info = dict(self.info)
         layer_info = info.pop('layer_info', {})
-        layers = [dict(name=n, setting=DENSE if s is None else dict(s),
+        layers = [dict(name=n, setting=DENSE if s is None else s.cfg(),
                        **layer_info.get(n, {})) for n, s in self.layers.items()]
         return dict(format=PLAN_FORMAT, layers=layers, **info)
 
@@ -163,9 +163,10 @@ class SwapPlan:
                             f'have (its attention layers: {_span(have)})')
 
     def owner_settings(self, owner: str, num_layers: int) -> List[Optional[Dict[str, Any]]]:
-        """The settings of ``<owner>.layers.<i>.attn`` for ``i < num_layers`` (None: dense),
-        as a MiTA backbone's or head's ``mita_layer_cfgs``."""
-        return [self.layers.get(f'{owner}.layers.{i}.attn') for i in range(num_layers)]
+        """The settings of ``<owner>.layers.<i>.attn`` for ``i < num_layers`` as dicts (None:
+        dense), as a MiTA backbone's or head's ``mita_layer_cfgs``."""
+        settings = [self.layers.get(f'{owner}.layers.{i}.attn') for i in range(num_layers)]
+        return [None if s is None else s.cfg() for s in settings]
 
     def owners(self) -> List[str]:
         """The token owners (``backbone``, ``decode_head``) the plan's layers belong to."""
@@ -176,21 +177,29 @@ class SwapPlan:
                 out.append(owner)
         return out
 
-    def describe(self, defaults: Optional[Dict[str, Any]] = None) -> str:
-        """The layers grouped by setting, settings equal to ``defaults`` left out:
+    def describe(self) -> str:
+        """The layers grouped by setting (:attr:`~mita_seg.setting.MiTASetting.label`):
         ``M=4x4 k=16: backbone.layers.0-3.attn, decode_head.layers.0-1.attn; dense: ...``."""
         groups: Dict[str, List[str]] = {}
         for name, setting in self.layers.items():
-            if setting is not None and defaults:
-                setting = {k: v for k, v in setting.items()
-                           if k in ('pool_size', 'topk') or defaults.get(k) != v}
             groups.setdefault(label(setting), []).append(name)
         return '; '.join(f'{text}: {_span(names)}' for text, names in groups.items())
 
+    def swapped_as(self) -> str:
+        """What its swapped layers run, by kind: ``MiTA``, ``agent``, ``MiTA, block``."""
+        names = [s.swap_name for s in self.layers.values() if s is not None]
+        return ', '.join(dict.fromkeys(names)) or 'none'
+
     def summary(self) -> str:
-        """``14 layers: 9 on MiTA, 5 dense``."""
-        dense = sum(s is None for s in self.layers.values())
-        return f'{len(self.layers)} layers: {len(self.layers) - dense} on MiTA, {dense} dense'
+        """``14 layers: 9 on MiTA, 5 dense``; each kind by its name (``5 on MiTA, 2 on
+        agent, 3 dense``)."""
+        counts: Dict[str, int] = {}
+        for s in self.layers.values():
+            name = 'dense' if s is None else f'on {s.swap_name}'
+            counts[name] = counts.get(name, 0) + 1
+        dense = counts.pop('dense', 0)
+        on = ', '.join(f'{n} {name}' for name, n in counts.items()) or '0 on MiTA'
+        return f'{len(self.layers)} layers: {on}, {dense} dense'
 
 
 def _span(names: Sequence[str]) -> str:

@@ -5,7 +5,7 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
-from mita_seg.setting import DEFAULT_SETTING, MiTASetting
+from mita_seg.setting import SETTING_KEYS, SETTING_RULES, MiTASetting, check_settings
 from mita_seg.utils.modules import is_attention_module
 from .attention import (MiTASettingsMixin, can_use_mita, layer_indices, use_dense,
                         use_mita)
@@ -52,12 +52,12 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
 
 def current_plan(model: nn.Module) -> SwapPlan:
     """What the attention layers of ``model`` run now, read from the modules: each layer's
-    MiTA settings (None: dense attention). ``current_plan(model).describe(MITA_DEFAULTS)``
-    says it in one line (what ``tools/test.py`` prints)."""
+    setting (None: dense attention). ``current_plan(model).describe()`` says it in one line
+    (what ``tools/test.py`` prints)."""
     layers = {}
     for name, _, _ in attention_layers(model):
         attn = model.get_submodule(name)
-        layers[name] = attn.setting.cfg() if isinstance(attn, MiTASettingsMixin) else None
+        layers[name] = attn.setting if isinstance(attn, MiTASettingsMixin) else None
     return SwapPlan(layers)
 
 
@@ -76,7 +76,7 @@ def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
                 raise PlanError(f'{plan.what} puts {name} on dense attention: {e}') from None
             dense[name] = f'dense in {plan.what}'
         else:
-            use_mita(owner, [i], **setting)
+            use_mita(owner, [i], setting)
             swapped.append(name)
     return swapped, dense
 
@@ -152,8 +152,8 @@ def swap_attention(model: nn.Module,
     if setting is not None and mita_cfg:
         raise ValueError(f'swap_attention: give a setting or single settings, not both; got '
                          f'{setting.text!r} and {sorted(mita_cfg)}')
-    if setting is None:
-        DEFAULT_SETTING.replace(**mita_cfg)  # refused before the model changes
+    if setting is None:   # names and values refused before the model changes
+        check_settings(mita_cfg, {k: SETTING_RULES[k] for k in SETTING_KEYS})
     swapped: List[str] = []
     left_by_choice = {}  # global attention not swapped because of layers= / include_head
     if plan is not None:
@@ -217,13 +217,14 @@ def _log_swap(model: nn.Module, swapped: List[str], skipped: List[Tuple[str, str
         for name in swapped:
             label = model.get_submodule(name).setting.label
             chosen[label] = chosen.get(label, 0) + 1
-        print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on MiTA ('
+        print_log(f'swap_attention: {plan.what}: {len(swapped)} attention modules on '
+                  f'{plan.swapped_as()} ('
                   + ', '.join(f'{n} x {label}' for label, n in chosen.items())
                   + f'), {len(left_by_choice)} dense', logger='current')
         skipped = [(name, why) for name, why in skipped if name not in left_by_choice]
     else:
-        settings = model.get_submodule(swapped[0]).setting.cfg()
-        print_log(f'swap_attention: {len(swapped)} attention modules on MiTA ({settings})',
-                  logger='current')
+        setting = model.get_submodule(swapped[0]).setting
+        print_log(f'swap_attention: {len(swapped)} attention modules on {setting.swap_name} '
+                  f'({setting.cfg()})', logger='current')
     for name, why in skipped:
         print_log(f'swap_attention: left {name} alone: {why}', logger='current')

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair, landmarks, pair
-from .selected_keys import attend_grid, check_grid_args
+from .selected_keys import no_bias as _no_bias, attend_grid, check_grid_args
 
-__all__ = ['agent_attention']
+__all__ = ['agent_attention', 'attend_setting']
 
 
 def agent_attention(q: Tensor,
@@ -71,3 +71,15 @@ def agent_attention(q: Tensor,
         return torch.exp(logits - lse.unsqueeze(-1)) @ v_r, lse
 
     return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn)
+
+
+def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
+                   num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
+                   rel_pos_bias=None) -> Tensor:
+    """``agent`` attention of a setting (:class:`~mita_seg.setting.MiTASetting`: its
+    ``pool_size``, at most the grid, and ``shared_scale``), every token off the grid global
+    (:func:`mita_seg.ops.attend`)."""
+    _no_bias('agent', rel_pos_bias)
+    (h, w), (ph, pw) = pair(hw_shape, 'hw_shape'), pair(setting.pool_size, 'pool_size')
+    return agent_attention(q, k, v, (h, w), (min(ph, h), min(pw, w)), num_prefix_tokens,
+                           setting.shared_scale)

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .routing import IntPair, pair
-from .selected_keys import attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
 
-__all__ = ['block_attention', 'block_tables']
+__all__ = ['block_attention', 'block_tables', 'attend_setting']
 
 
 def block_tables(hw_shape: Tuple[int, int], block_size: Tuple[int, int],
@@ -124,3 +124,13 @@ def block_attention(q: Tensor,
         return attend_selected(q_o, k_o, v_o, select, chunk_size)
 
     return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn)
+
+
+def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
+                   num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
+                   rel_pos_bias=None) -> Tensor:
+    """``block`` attention of a setting (its ``block_size``, ``num_blocks``), every token off
+    the grid global (:func:`mita_seg.ops.attend`)."""
+    _no_bias('block', rel_pos_bias)
+    return block_attention(q, k, v, hw_shape, setting.block_size, setting.num_blocks,
+                           num_prefix_tokens)

@@ -21,7 +21,7 @@ from .flops import bias_flops_per_head, global_flops_per_head, mita_flops_per_he
 from .global_tokens import with_global_tokens
 from .routing import IntPair, pair
 
-__all__ = ['mita_attention', 'mita_flops', 'check_mita_args']
+__all__ = ['mita_attention', 'mita_flops', 'check_mita_args', 'attend_setting']
 
 
 def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
@@ -228,3 +228,14 @@ def mita_attention(q: torch.Tensor,
     return _mita_op(q, k, v, *hw_shape, *pool_size, topk, router_topk, num_prefix_tokens,
                     with_shared_expert, shared_scale, block_size, name, *bias_args,
                     **global_args)
+
+
+def attend_setting(setting, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   hw_shape: IntPair, num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
+                   rel_pos_bias: Optional[RelPosBias] = None) -> torch.Tensor:
+    """MiTA of a setting (:class:`~mita_seg.setting.MiTASetting`, as it runs on this grid:
+    :meth:`~mita_seg.setting.MiTASetting.fit`) (:func:`mita_seg.ops.attend`)."""
+    return mita_attention(q, k, v, hw_shape, setting.pool_size, setting.topk,
+                          setting.router_topk, num_prefix_tokens, setting.with_shared_expert,
+                          setting.shared_scale, rel_pos_bias=rel_pos_bias,
+                          global_tokens=global_tokens)

@@ -21,6 +21,13 @@ __all__ = ['check_grid_args', 'check_count', 'attend_grid', 'attend_selected', '
 Selection = Optional[Tuple[Tensor, Optional[Tensor]]]
 
 
+def no_bias(kind: str, rel_pos_bias) -> None:
+    """Refuse a relative position bias for a kind that does not take one."""
+    if rel_pos_bias is not None:
+        raise ValueError(f'{kind} attention does not take a relative position bias; give '
+                         'a MiTA setting (e.g. 7:49)')
+
+
 def check_count(x, name: str, hint: str) -> int:
     """``x`` as an int >= 1; ``hint`` says what to pass instead."""
     if not isinstance(x, int) or isinstance(x, bool):

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair
-from .selected_keys import attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
 
-__all__ = ['topk_attention']
+__all__ = ['topk_attention', 'attend_setting']
 
 
 def topk_attention(q: Tensor,
@@ -64,3 +64,12 @@ def topk_attention(q: Tensor,
         return attend_selected(q_o, k_o, v_o, select, chunk_size)
 
     return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn)
+
+
+def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
+                   num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
+                   rel_pos_bias=None) -> Tensor:
+    """``topk`` attention of a setting (its ``topk``), every token off the grid global
+    (:func:`mita_seg.ops.attend`)."""
+    _no_bias('topk', rel_pos_bias)
+    return topk_attention(q, k, v, hw_shape, setting.topk, num_prefix_tokens)

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair, pair
-from .selected_keys import attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
 
-__all__ = ['window_attention', 'neighbour_table']
+__all__ = ['window_attention', 'neighbour_table', 'attend_setting']
 
 
 def neighbour_table(hw_shape: Tuple[int, int], window: Tuple[int, int], device=None) -> Tensor:
@@ -81,3 +81,12 @@ def window_attention(q: Tensor,
                                chunk_size)
 
     return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn)
+
+
+def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
+                   num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
+                   rel_pos_bias=None) -> Tensor:
+    """``window`` attention of a setting (its ``window``), every token off the grid global
+    (:func:`mita_seg.ops.attend`)."""
+    _no_bias('window', rel_pos_bias)
+    return window_attention(q, k, v, hw_shape, setting.window, num_prefix_tokens)
