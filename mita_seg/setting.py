@@ -23,7 +23,9 @@ reads the spelling, :attr:`~MiTASetting.text` writes it back, :attr:`~MiTASettin
 what tables, logs and plots show (``M=7x7 k=49``, ``agent M=7x7``, ``window 7x7``),
 :meth:`~MiTASetting.cfg` is the dict of :func:`~mita_seg.swap_attention` and
 ``MiTAAttention.configure``, :meth:`~MiTASetting.from_cfg` reads such a dict back, and
-:meth:`~MiTASetting.attention_macs` is its cost. A setting is checked once, when it is made.
+:meth:`~MiTASetting.attention_macs` is its cost. A setting is checked when it is made, and
+travels whole from the command line to the operator; a key that its kind does not read is an
+error. Each kind is one :class:`Kind` record in :data:`KINDS`.
 """
 import dataclasses
 import itertools
@@ -221,8 +223,8 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (
     Kind('mita', MITA_KEYS, 'P:K, PhxPw:K or P:K:route', r'^(\d+)(?:x(\d+))?:(\d+)(:route)?$',
          '7:49', 'MiTA (landmarks, shared and routed top-k experts)',
          'mita_seg.ops.mita:attend_setting',
-         values=lambda s: f'{_pool_text(s)}:{s.topk}' + ('' if s.with_shared_expert
-                                                           else ':route'),
+         values=lambda s: (f'{_pool_text(s)}:{s.topk}'
+                           + ('' if s.with_shared_expert else ':route')),
          label=lambda c: (_pool_words(c) + ([f'k={c["topk"]}'] if 'topk' in c else [])
                           + (['route-only'] if c.get('with_shared_expert') is False else [])),
          macs=_mita_macs, fit=_mita_fit, candidates=_mita_candidates),

@@ -11,14 +11,17 @@ says what to change, and nothing runs with random weights.
 - careless input to every argument of every tool (:func:`careless_cases`: a missing file, a
   directory, an empty, truncated or wrong kind of file, an output path under a file or ending
   in ``/``, an out-of-range number, ``KEY`` without ``=VALUE``, ``router_topk`` above ``M``, a
-  launcher outside its starter): one message naming the input, exit 2 (usage) or 1
-  (``error:``), no traceback, nothing written; run in one interpreter through ``runpy`` (fast)
-  and a few as separate processes; and, with a trained model, ``layers=[9]``, ``--title``,
-  ``--json`` into a new folder and a sweep whose pools clamp to the grid.
+  launcher outside its starter, a flag that does not exist): one ``error: ...`` line naming
+  the input, no usage block, exit 2 (refused while parsing) or 1 (found once a file is read
+  or the model built), no traceback, nothing written; run in one interpreter through
+  ``runpy`` (fast) and a few as separate processes; and, with a trained model,
+  ``layers=[9]``, ``--title``, ``--json`` into a new folder and a sweep whose pools clamp to
+  the grid.
 
 The tools run as subprocesses, two at a time.
 """
 import csv
+import json
 import os
 import os.path as osp
 import subprocess
@@ -227,9 +230,9 @@ def test_beit_at_another_grid_says_how_to_evaluate(tiny_data, tools, tmp_path):
 
 # ---------------------------------------------------------------- careless input, per tool
 # Every argument of every tool given a missing file, a directory, an empty file, a file of the
-# wrong kind, a truncated file or an out-of-range number: one message naming the input and
-# what to give instead (argparse's usage and exit status 2 where the argument alone is wrong,
-# ``error: ...`` and exit status 1 where the file's content is), never a traceback, nothing
+# wrong kind, a truncated file or an out-of-range number: one ``error: ...`` line naming the
+# input and what to give instead (exit status 2 where the argument alone is wrong, refused
+# while parsing; 1 where the file's content is), no usage block, never a traceback, nothing
 # written.
 
 CFG = 'configs/baselines/segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py'
@@ -294,6 +297,10 @@ def careless(tmp_path_factory, tools):
     (d / 'broken.py').write_text('model = dict(type="EncoderDecoder"\n')     # cut short
     (d / 'nomodel.py').write_text('x = 1\n')
     (d / 'fake.pth').write_bytes(b'\x00' * 64)      # exists: its content is read later
+    (d / 'agent_topk_plan.json').write_text(json.dumps(dict(        # a key agent does not read
+        format='mita_seg.swap_plan/1', layers=[
+            dict(name='backbone.layers.0.attn', setting=dict(kind='agent', pool_size=7,
+                                                             topk=16))])))
     return {p.name: str(p) for p in d.iterdir()} | {'missing': str(d / 'nope.pth'),
                                                     'dir': str(d / 'folder'),
                                                     'root': str(d), 'work': str(work),
@@ -307,7 +314,7 @@ def careless_cases(f):
     c = {
         # --- tools/test.py
         'test/config-missing': ('test', ['configs/nope.py', ck], 2,
-                                "argument config: config 'configs/nope.py' does not exist"),
+                                "error: config 'configs/nope.py' does not exist"),
         'test/config-dir': ('test', ['configs', ck], 2,
                             "config 'configs' is a directory: give a config file"),
         'test/config-wrong-kind': ('test', ['README.md', ck], 2,
@@ -339,8 +346,33 @@ def careless_cases(f):
         'test/router-topk-above-pool': ('test', [CFG, ck, '--mita-cfg', 'pool_size=2',
                                                  'router_topk=5'], 2,
                                         'router_topk=5 is more than the M=4 landmarks'),
+        # a key the setting's kind does not read (issue 55): one line naming key and kind
+        'test/agent-with-topk': ('test', [CFG, ck, '--swap-attn', 'agent:7', '--mita-cfg',
+                                          'topk=16'], 2,
+                                 'error: --swap-attn agent:7 with --mita-cfg: topk is not a '
+                                 'setting of agent attention'),
+        'get_flops/agent-with-topk': ('get_flops', [CFG, '--swap-attn', 'agent:7',
+                                                    '--mita-cfg', 'topk=16'], 2,
+                                      'topk is not a setting of agent attention'),
+        'get_flops/window-with-pool': ('get_flops', [CFG, '--swap-attn', 'window:7',
+                                                     '--mita-cfg', 'pool_size=4'], 2,
+                                       'pool_size is not a setting of window attention'),
+        'get_flops/kind-key-in-mita-cfg': ('get_flops', [CFG, '--mita-cfg', 'kind=agent',
+                                                         'topk=16'], 2,
+                                           'topk is not a setting of agent attention'),
+        'get_flops/plan-agent-with-topk': ('get_flops', [CFG, '--mita-plan',
+                                                         f['agent_topk_plan.json']], 2,
+                                           'layer backbone.layers.0.attn: topk is not a '
+                                           'setting of agent attention'),
+        'test/plan-agent-with-topk': ('test', [CFG, ck, '--mita-plan',
+                                               f['agent_topk_plan.json']], 2,
+                                      'topk is not a setting of agent attention'),
         'test/cfg-options-no-equals': ('test', [CFG, ck, '--cfg-options', 'model'], 2,
                                        "--cfg-options: 'model' is not KEY=VALUE"),
+        'test/unknown-flag': ('test', [CFG, ck, '--no-such-flag'], 2,
+                              'error: unrecognized arguments: --no-such-flag'),
+        'test/checkpoint-not-given': ('test', [CFG], 2,
+                                      'error: the following arguments are required: checkpoint'),
         'test/launcher-without-torchrun': ('test', [CFG, ck, '--launcher', 'pytorch'], 1,
                                            'error: --launcher pytorch: RANK, WORLD_SIZE, '
                                            'MASTER_ADDR, MASTER_PORT not set; start the tool '
@@ -422,16 +454,39 @@ def careless_cases(f):
         'swap_sweep/router-topk': ('swap_sweep', [CFG, ck, '--pool-sizes', 5, 7, '--mita-cfg',
                                                   'router_topk=30'], 2,
                                    'router_topk=30 is more than the M=25 landmarks'),
+        # --swap-attn read as every tool reads it: --mita-cfg's keys over the setting
+        'swap_sweep/swap-attn-router-topk': ('swap_sweep', [CFG, ck, '--swap-attn', '4:16',
+                                                            '--mita-cfg', 'router_topk=20'], 2,
+                                             'router_topk=20 is more than the M=16 landmarks'),
+        'swap_sweep/swap-attn-none': ('swap_sweep', [CFG, ck, '--swap-attn', 'none'], 2,
+                                      'this tool always swaps'),
         'swap_sweep/out-dir': ('swap_sweep', [CFG, ck, '--out', dirp], 2, 'is a directory'),
         'swap_sweep/plot-kind': ('swap_sweep', [CFG, ck, '--plot', 'p.md'], 2,
                                  "--plot 'p.md' must end with .png"),
         'swap_sweep/ckpt-empty': ('swap_sweep', [CFG, f['empty.pth']], 2, 'is empty'),
         # --- tools/benchmark.py
-        'benchmark/topk-0': ('benchmark', ['--topk', 0], 2, "argument --topk: '0': must be >= 1"),
-        'benchmark/pool-above-grid': ('benchmark', ['--tokens', 17, '--pool-size', 20], 2,
-                                      '--pool-size 20 is larger than the grid of --tokens [17]'),
-        'benchmark/pool-above-default-grid': ('benchmark', ['--pool-size', 40], 2,
+        # a setting is --settings, spelt as every tool spells one; the old flags are gone
+        'benchmark/topk-0': ('benchmark', ['--settings', '7:0'], 2,
+                             "argument --settings: MiTA setting '7:0': write P:K"),
+        'benchmark/pool-size-gone': ('benchmark', ['--pool-size', 7], 2,
+                                     'error: unrecognized arguments: --pool-size 7'),
+        'benchmark/topk-gone': ('benchmark', ['--topk', 49], 2,
+                                'error: unrecognized arguments: --topk 49'),
+        'benchmark/onnx-settings-gone': ('benchmark', ['--level', 'onnx', '--onnx-settings',
+                                                       '7:49'], 2,
+                                         'error: unrecognized arguments: --onnx-settings 7:49'),
+        'benchmark/pool-above-grid': ('benchmark', ['--tokens', 17, '--settings', '20:49'], 2,
+                                      'error: --settings 20:49: pool size 20 is larger than the '
+                                      'grid of --tokens [17] (4x4): give a pool <= 4'),
+        'benchmark/pool-above-default-grid': ('benchmark', ['--settings', '40:49'], 2,
                                               'is larger than the grid'),
+        'benchmark/two-settings-at-op': ('benchmark', ['--settings', '7:49', '4:16'], 2,
+                                         '--level op times one setting'),
+        'benchmark/kind-at-op': ('benchmark', ['--settings', 'agent:7'], 2,
+                                 '--settings agent:7: --level op times MiTA'),
+        'benchmark/kinds-pool-above-grid': ('benchmark', ['--level', 'kinds', '--tokens', 17,
+                                                          '--settings', 'agent:5'], 2,
+                                            'pool size 5 is larger than the grid'),
         'benchmark/tokens-not-square': ('benchmark', ['--tokens', 18], 2,
                                         "'18': give 1 + s*s tokens"),
         'benchmark/heads-0': ('benchmark', ['--heads', 0], 2, "'0': must be >= 1"),
@@ -442,16 +497,17 @@ def careless_cases(f):
                                    'use it with --device cpu, --level op/model/all/onnx-op'),
         'benchmark/compile-op-level': ('benchmark', ['--compile'], 2,
                                        '--compile adds compiled columns to the model level'),
-        'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--onnx-settings',
-                                                        'dense'], 2,
-                                         "MiTA setting 'dense': write P:K"),
+        'benchmark/onnx-setting-dense': ('benchmark', ['--level', 'onnx', '--settings', 'dense'],
+                                         2, "argument --settings: MiTA setting 'dense'"),
         'benchmark/onnx-pool-above-grid': ('benchmark', ['--level', 'onnx', '--onnx-sizes', 100],
                                            2, 'pool size 7 is larger than the 6x6 patch grid'),
         # --- tools/calibrate_swap.py
         'calibrate/config-dir': ('calibrate_swap', ['configs', ck, '--reduction', 0.4, '--out',
-                                                    'p.json'], 2, "config 'configs' is a directory"),
+                                                    'p.json'], 2,
+                                 "config 'configs' is a directory"),
         'calibrate/ckpt-missing': ('calibrate_swap', [CFG, miss, '--reduction', 0.4, '--out',
-                                                      'p.json'], 2, f"checkpoint '{miss}' does not exist"),
+                                                      'p.json'], 2,
+                                   f"checkpoint '{miss}' does not exist"),
         'calibrate/no-budget': ('calibrate_swap', [CFG, ck, '--out', 'p.json'], 2,
                                 'one of the arguments --reduction --budget-gflops'),
         'calibrate/reduction-1': ('calibrate_swap', [CFG, ck, '--reduction', 1.5, '--out',
@@ -467,6 +523,12 @@ def careless_cases(f):
         'calibrate/candidate': ('calibrate_swap', [CFG, ck, '--reduction', 0.4, '--out',
                                                    'p.json', '--candidates', '7'], 2,
                                 'argument --candidates'),
+        # candidates of every kind, mixed, pass the parser (the fake checkpoint does not)
+        'calibrate/candidates-any-kind': ('calibrate_swap', [CFG, ck, '--reduction', 0.4,
+                                                             '--out', 'p.json', '--candidates',
+                                                             'dense', 'agent:7', 'block:8:4',
+                                                             'topk:49', 'window:7', '7:49'], 1,
+                                          f'error: {ck} is not a readable checkpoint'),
         # --- tools/export_onnx.py
         'export_onnx/config-missing': ('export_onnx', ['nope.py', ck, '--out', 'm.onnx'], 2,
                                        "config 'nope.py' does not exist"),
@@ -628,15 +690,25 @@ def unwritable_output_cases(f):
     }
 
 
+
+
+def one_error_line(out):
+    """Whether ``out`` ends with the one shape of a tool error: a single ``error: ...``
+    line, the last, and no usage block."""
+    lines = out.strip().splitlines()
+    return (bool(lines) and lines[-1].startswith('error: ') and 'usage:' not in out
+            and sum(line.startswith('error:') for line in lines) == 1)
+
+
 def test_careless_input_every_tool(tools, careless):
     cases = careless_cases(careless)
     before = set(os.listdir(careless['root']))
     results = run_cases(tools, cases)
     failed = []
     for name, (code, out) in results.items():
-        _, _, want_code, want = cases[name]
+        tool, _, want_code, want = cases[name]
         ok = (code == want_code and want in out and 'Traceback' not in out
-              and (want_code == 1 or 'usage:' in out))
+              and one_error_line(out))
         if not ok:
             failed.append(f'{name}: exit {code}, wanted {want_code} and {want!r}:\n'
                           f'{out[-1500:]}')
@@ -647,16 +719,57 @@ def test_careless_input_every_tool(tools, careless):
 
 
 def test_careless_input_as_users_run_it(tools, careless):
-    # the same checks, each tool in its own process as a user runs it
+    # the same checks, each tool in its own process as a user runs it: the one line the
+    # README promises, and nothing else (no usage block)
     code, out = tools('tools/image_demo.py', 'README.md', CFG, careless['fake.pth'],
                       '--out-file', 'x.png', check=False)
-    assert code == 2 and 'usage: image_demo.py' in out and 'Traceback' not in out
-    assert out.strip().endswith("image_demo.py: error: argument img: image 'README.md' is not "
-                                'an image OpenCV can read (%d bytes): give a .jpg/.jpeg/.png/'
-                                '.bmp/.tif... file' % os.path.getsize(
-                                    osp.join(tools.root, 'README.md'))), out
-    code, out = tools('tools/benchmark.py', '--topk', 0, check=False)
-    assert code == 2 and "argument --topk: '0': must be >= 1" in out and 'Traceback' not in out
+    assert code == 2, out
+    assert out.strip() == ("error: argument img: image 'README.md' is not an image OpenCV can "
+                           'read (%d bytes): give a .jpg/.jpeg/.png/.bmp/.tif... file'
+                           % os.path.getsize(osp.join(tools.root, 'README.md'))), out
+    # an output that cannot be written: the argument named once
+    code, out = tools('tools/image_demo.py', careless['good.png'], CFG, careless['fake.pth'],
+                      '--out-file', '/proc/seg.png', check=False)
+    assert code == 2, out
+    assert out.strip().startswith("error: --out-file '/proc/seg.png': cannot create a file in "
+                                  '/proc'), out
+    assert len(out.strip().splitlines()) == 1, out
+    # the benchmark (its own re-executed process) and a removed flag
+    code, out = tools('tools/benchmark.py', '--settings', '7:0', check=False)
+    assert code == 2 and out.strip().startswith(
+        "error: argument --settings: MiTA setting '7:0': write P:K"), out
+    code, out = tools('tools/benchmark.py', '--pool-size', 7, check=False)
+    assert code == 2 and out.strip() == 'error: unrecognized arguments: --pool-size 7', out
+
+
+def test_tool_parser_prints_one_line(capsys):
+    # the parser every tool builds: a usage error is one line on stderr, exit status 2; an
+    # argument named twice by argparse ("argument --out: --out 'x' ...") is named once
+    import argparse
+
+    from mita_seg.cli.core import ToolParser
+
+    def refuse(text):
+        raise argparse.ArgumentTypeError(f'--out {text!r}: cannot create a file in /proc')
+
+    parser = ToolParser(prog='tool.py')
+    parser.add_argument('config')
+    parser.add_argument('--out', type=refuse)
+    parser.add_argument('--n', type=int, default=1)
+    for argv, want in [
+            (['c', '--out', '/proc/x'], "error: --out '/proc/x': cannot create a file in /proc"),
+            (['c', '--n', 'x'], "error: argument --n: invalid int value: 'x'"),
+            ([], 'error: the following arguments are required: config'),
+            (['c', '--m'], 'error: unrecognized arguments: --m')]:
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == '' and captured.err == want + '\n', (argv, captured.err)
+    # parser.error of a tool's own check: the same shape
+    with pytest.raises(SystemExit) as e:
+        parser.error('--plot needs --sweep SIZES')
+    assert e.value.code == 2 and capsys.readouterr().err == 'error: --plot needs --sweep SIZES\n'
 
 
 def test_swap_sweep_help_shows_defaults(tools):
@@ -758,13 +871,13 @@ MISSING_CONFIG = {
 def test_missing_config_refused_before_the_stack(tools, tool):
     argv = MISSING_CONFIG[tool]
     what = 'image' if tool == 'image_demo' else 'config'
-    # as a user runs it: argparse's usage, one error line naming the file, exit status 2
+    # as a user runs it: one error line naming the file (no usage block), exit status 2
     code, out = tools(f'tools/{tool}.py', *argv, check=False)
     lines = out.strip().splitlines()
     assert code == 2 and 'Traceback' not in out, out[-2000:]
-    assert lines[0].startswith(f'usage: {tool}.py'), out[-2000:]
-    assert lines[-1].startswith(f"{tool}.py: error: argument {'img' if what == 'image' else what}"
-                                f": {what} '{argv[0]}' does not exist"), out[-2000:]
+    named = 'argument img: ' if what == 'image' else ''    # config: named once
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: {named}{what} '{argv[0]}' does not exist"), out[-2000:]
     # and the stack was not imported to say so
     proc = subprocess.run([sys.executable, '-c', PARSE_ONLY, f'tools/{tool}.py', *argv],
                           cwd=tools.root, env=tools.env, capture_output=True, text=True,
@@ -794,9 +907,9 @@ def test_help_and_a_good_parse_need_no_stack(tools, careless):
 
 def test_get_flops_takes_no_checkpoint(tools):
     code, out = tools('tools/get_flops.py', CFG, 'work_dirs/x/iter_600.pth', check=False)
-    assert code == 2 and 'Traceback' not in out and out.startswith('usage: get_flops.py')
-    assert out.strip().splitlines()[-1] == (
-        "get_flops.py: error: 'work_dirs/x/iter_600.pth': get_flops.py takes no checkpoint "
+    assert code == 2 and 'Traceback' not in out
+    assert out.strip() == (
+        "error: 'work_dirs/x/iter_600.pth': get_flops.py takes no checkpoint "
         '(FLOPs depend on the config alone, as counted on random weights): give only the '
         'config')
 

@@ -32,6 +32,48 @@ def test_op_level(tools):
     assert 'fwd.routed' in out and 'bwd.routed' in out, out  # --profile: the kernel's phases
 
 
+def test_op_level_runs_the_setting_given(tools):
+    # --settings, spelt as every tool spells a setting: the whole setting runs (route-only
+    # here), the header says which, and the MAC ratio is its formula's
+    from mita_seg.ops import attention_flops
+    from mita_seg.setting import MiTASetting
+    _, out = tools('tools/benchmark.py', '--level', 'op', '--tokens', 65, '--dtypes',
+                   'float32', '--passes', 'fwd', '--heads', 2, '--head-dim', 16,
+                   '--settings', '2:8:route', '--min-run-time', 0.01)
+    setting = MiTASetting.parse('2:8:route')
+    assert f'MiTA 2:8:route ({setting.label})' in out, out
+    (row, ) = _rows(out, 65)
+    macs = attention_flops(1, 2, 65, 16) / (2 * setting.attention_macs((8, 8), 65, 16))
+    assert row[2][-1] == f'{macs:.1f}x', out
+    # the taxonomy's level takes any kind, a column each
+    _, out = tools('tools/benchmark.py', '--level', 'kinds', '--tokens', 65, '--dtypes',
+                   'float32', '--passes', 'fwd', '--heads', 2, '--head-dim', 16,
+                   '--settings', '2:8', 'agent:2', 'window:3', '--min-run-time', 0.01)
+    header = next(line for line in out.splitlines() if line.lstrip().startswith('N '))
+    assert [c.strip() for c in header.split('|')[2:]] == ['2:8', 'agent:2', 'window:3'], \
+        header
+    (row, ) = _rows(out, 65)
+    assert len(row) == 5, out
+
+
+@pytest.mark.parametrize('argv, want', [
+    (['--pool-size', 7], 'error: unrecognized arguments: --pool-size 7'),
+    (['--topk', 49], 'error: unrecognized arguments: --topk 49'),
+    (['--level', 'onnx', '--onnx-settings', '7:49'],
+     'error: unrecognized arguments: --onnx-settings 7:49'),
+    (['--settings', '7:49', '4:16'], 'error: --settings 7:49 4:16: --level op times one '
+     'setting: give one (e.g. --settings 7:49); --level onnx and kinds take several'),
+    (['--level', 'model', '--settings', 'window:7'], 'error: --settings window:7: --level '
+     'model times MiTA: give MiTA settings (P:K, e.g. 7:49); --level kinds times the other '
+     'kinds'),
+], ids=['pool-size', 'topk', 'onnx-settings', 'two-at-op', 'kind-at-model'])
+def test_a_setting_is_given_one_way(tools, argv, want):
+    # --settings is the one way: the old flags are gone (argparse refuses them), a level
+    # refuses what it cannot time, one error line and exit status 2, before anything runs
+    code, out = tools('tools/benchmark.py', *argv, check=False)
+    assert code == 2 and out.strip() == want, out
+
+
 def test_thread_level(tools):
     _, out = tools('tools/benchmark.py', '--level', 'threads', '--tokens', 65, '--dtypes',
                    'float32', 'bfloat16', '--threads', 2, '--min-run-time', 0.01)
@@ -48,7 +90,7 @@ def test_thread_level(tools):
 def test_onnx_level(tools):
     # softmax attention, one MiTA setting and the bound, each exported and timed in ORT
     _, out = tools('tools/benchmark.py', '--level', 'onnx', '--models', 'segmenter-vit-t',
-                   '--onnx-sizes', 64, '--onnx-settings', '2:8', '--min-run-time', 0.01)
+                   '--onnx-sizes', 64, '--settings', '2:8', '--min-run-time', 0.01)
     rows = _rows(out, 'segmenter-vit-t')
     assert [' '.join(r[0][3:]) for r in rows] == ['softmax', 'MiTA 2:8',
                                                    'no mixing (bound)'], out
@@ -62,7 +104,7 @@ def test_onnx_level(tools):
     # a file skipped where the N x N weights of a dense attention exceed --max-onnx-gib: the
     # softmax file's encoder, and the mask head, dense in every file unless --swap-head
     tiny = ['--level', 'onnx', '--models', 'segmenter-vit-t', '--onnx-sizes', 64,
-            '--onnx-settings', '2:8', '--min-run-time', 0.01, '--max-onnx-gib', 1e-6]
+            '--settings', '2:8', '--min-run-time', 0.01, '--max-onnx-gib', 1e-6]
     _, out = tools('tools/benchmark.py', *tiny)
     rows = _rows(out, 'segmenter-vit-t')
     assert len(rows) == 3 and all('skipped' in ' '.join(r[1]) for r in rows), out
@@ -79,8 +121,8 @@ def test_onnx_level(tools):
 def test_onnx_op_level(tools):
     # one layer, softmax and MiTA exported alone and timed in ORT; MiTA's file computes
     # PyTorch's MiTA; a token count whose softmax weights exceed --max-onnx-gib is skipped
-    small = ['--level', 'onnx-op', '--heads', 2, '--head-dim', 16, '--pool-size', 2,
-             '--topk', 8, '--min-run-time', 0.01]
+    small = ['--level', 'onnx-op', '--heads', 2, '--head-dim', 16, '--settings', '2:8',
+             '--min-run-time', 0.01]
     _, out = tools('tools/benchmark.py', *small, '--tokens', 65, 82)
     rows = _rows(out, 65) + _rows(out, 82)
     assert len(rows) == 2, out
@@ -134,8 +176,8 @@ def test_model_level(tools):
     # the four variants (and ToMe) timed in turn on a small whole image, one row per dtype;
     # the header says what was swapped (the encoder, as the paper)
     _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
-                   '--images', '64x80', '--dtypes', 'float32', 'bfloat16', '--pool-size', 2,
-                   '--topk', 8, '--rounds', 1, '--min-run-time', 0.01, '--merge-ratio', 0.25)
+                   '--images', '64x80', '--dtypes', 'float32', 'bfloat16', '--settings', '2:8',
+                   '--rounds', 1, '--min-run-time', 0.01, '--merge-ratio', 0.25)
     assert 'what runs: segmenter-vit-t: M=2x2 k=8: backbone.layers.0-11.attn; dense: ' \
            'decode_head.layers.0-1.attn' in out, out
     header = next(line for line in out.splitlines() if line.lstrip().startswith('model '))
@@ -160,7 +202,7 @@ def test_model_level_compiled_columns(tools):
     # columns and their ratios; the compiled models run (a graph break or a failed compile
     # would end the run), their speed is the benchmark's to report
     _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
-                   '--images', '64x80', '--pool-size', 2, '--topk', 8, '--rounds', 1,
+                   '--images', '64x80', '--settings', '2:8', '--rounds', 1,
                    '--min-run-time', 0.01, '--no-memory', '--compile')
     header = next(line for line in out.splitlines() if line.lstrip().startswith('model '))
     assert header.split('|')[1].split() == ['mmseg', 'dense', 'MiTA', 'bound', 'dense+c',

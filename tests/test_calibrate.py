@@ -114,6 +114,32 @@ def test_calibration_is_deterministic(calibrated, segmenter_ckpt):
     assert other.image_paths != calibrated.image_paths
 
 
+def test_a_plan_among_some_candidates_is_theirs_alone(calibrated, segmenter_ckpt):
+    """One calibrator measures every candidate once; a plan among some of them (the
+    MiTA-only plan of a calibrator that also measured other kinds) is the plan of a
+    calibrator of those alone: same choice, same FLOPs, same predicted error."""
+    config, ckpt = segmenter_ckpt
+    alone = SwapCalibrator(config, ckpt, images=4, candidates=CANDIDATES[:2], seed=0)
+    for budget in (dict(reduction=0.05), dict(budget_uniform='4:16')):
+        a, b = calibrated.plan(**budget, among=CANDIDATES[1:2]), alone.plan(**budget)
+        assert a.layers == b.layers and any(s is not None for s in a.layers.values())
+        assert a.info['flops'] == b.info['flops']
+        assert a.info['calibration']['predicted_error'] == pytest.approx(
+            b.info['calibration']['predicted_error'], abs=0)
+        assert a.info['calibration']['candidates'] == ['dense', '4:16']
+    # among every candidate: the plan as without among
+    assert calibrated.plan(reduction=0.1, among=CANDIDATES).layers == \
+        calibrated.plan(reduction=0.1).layers
+    # a candidate that was not measured cannot be chosen
+    with pytest.raises(CalibrationError, match="'7:49' is not one of the candidates .*: a "
+                       'plan chooses among the measured candidates'):
+        calibrated.plan(reduction=0.1, among=['7:49'])
+    # a budget that every candidate meets but not those it may choose (2:8 is cheaper)
+    with pytest.raises(CalibrationError, match=r'below the cheapest plan of the candidates it '
+                       r'may choose \(dense 4:16: .* GFLOPs\)'):
+        calibrated.plan(budget_gflops=calibrated.cheapest_flops() / 1e9, among=['4:16'])
+
+
 def test_bad_budgets(calibrated):
     cal = calibrated
     dense, cheapest = cal.dense_flops / 1e9, cal.cheapest_flops() / 1e9
@@ -144,6 +170,18 @@ def test_empty_training_split(segmenter_ckpt, tmp_path):
     with pytest.raises(CalibrationError, match='the training split of the config .* has no '
                        'images: calibration draws its images from the training split'):
         cal.errors()
+
+
+def test_calibrate_swap_help_names_every_kind(tools):
+    # the candidates are settings of any kind, and dense, mixed in one plan: not MiTA's alone
+    _, out = tools('tools/calibrate_swap.py', '--help')
+    flat = ' '.join(out.split())
+    assert 'Per-layer attention settings (dense, MiTA or another kind)' in flat, out
+    candidates = flat[flat.index('candidate settings of every layer'):].split('--seed')[0]
+    for spelling in ('dense', '7:49', '7:49:route', 'agent:7', 'block:8:4', 'topk:49',
+                     'window:7'):
+        assert spelling in candidates, candidates
+    assert 'MiTA settings' not in flat, out
 
 
 @pytest.mark.slow

@@ -109,7 +109,7 @@ def test_setting_at_reduction_is_the_nearest_in_a_few_counts(reduction, start):
 
 
 def test_setting_at_reduction_from_a_neighbouring_answer():
-    # started where the answer is, it counts the answer and its two neighbours
+    # started where the answer is, it counts the answer and at most its two neighbours
     settings = [MiTASetting(pool_size=p, topk=16) for p in range(1, 33)]
     counted = []
 
@@ -120,7 +120,8 @@ def test_setting_at_reduction_from_a_neighbouring_answer():
     got, r, i = setting_at_reduction(settings, 0.42, 1e9, model_flops)
     counted.clear()
     assert setting_at_reduction(settings, 0.42, 1e9, model_flops, start=i)[0] == got
-    assert sorted(counted) == [got.pool_size - 1, got.pool_size, got.pool_size + 1]
+    assert got.pool_size in counted and len(counted) <= 3
+    assert set(counted) <= {got.pool_size - 1, got.pool_size, got.pool_size + 1}
     # bad input: no settings, a reduction outside [0, 1)
     with pytest.raises(ValueError, match='no settings to search'):
         setting_at_reduction([], 0.42, 1e9, model_flops)

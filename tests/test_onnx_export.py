@@ -370,16 +370,58 @@ def test_export_onnx_non_square_grid_smaller_than_pool(tiny_ckpts, tmp_path):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_quiet_exporter_silences_only_the_exporters_noise():
+    # within: torch.export's LeafSpec deprecation and the notes of the exporter's passes are
+    # silenced; any other warning (mita_seg's own) and the passes' errors still show; the
+    # loggers' levels and the warning filters are as they were after
+    import logging
+    import warnings
+
+    from mita_seg.utils.stack_noise import EXPORTER_LOGGERS, quiet_exporter
+    folding = logging.getLogger('onnxscript.optimizer._constant_folding')
+    assert folding.name in EXPORTER_LOGGERS
+    level, filters = folding.level, list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with quiet_exporter():
+            warnings.warn('`isinstance(treespec, LeafSpec)` is deprecated, use ...',
+                          FutureWarning)
+            warnings.warn('MiTA topk=500 is larger than the number of tokens N=65',
+                          UserWarning)
+            assert not folding.isEnabledFor(logging.WARNING)
+            assert folding.isEnabledFor(logging.ERROR)
+    assert [str(w.message) for w in caught] == [
+        'MiTA topk=500 is larger than the number of tokens N=65']
+    assert folding.level == level and warnings.filters == filters
+
+
+@pytest.mark.slow
+def test_export_onnx_prints_no_exporter_noise(tiny_ckpts, tools, tmp_path):
+    # Python's default warning filters (not the tests' PYTHONWARNINGS=ignore): no
+    # FutureWarning of torch.export, no "Skipping constant folding" of onnxscript, nothing on
+    # stderr; the tool's own lines on stdout
+    env = {k: v for k, v in tools.env.items() if k != 'PYTHONWARNINGS'}
+    code, out = tools('tools/export_onnx.py', TINY_SEGMENTER, tiny_ckpts['segmenter'],
+                      '--out', tmp_path / 'm.onnx', '--swap-attn', '2:8', '--shape', 64, 64,
+                      env=env)
+    assert code == 0 and 'wrote ' in out, out
+    noisy = [line for line in out.splitlines()
+             if 'warn' in line.lower() or 'Skipping constant folding' in line]
+    assert not noisy, out
+
+
 @pytest.mark.slow
 def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
     seg = tiny_ckpts['segmenter']
     out = tmp_path / 'x.onnx'
-    # an argument wrong on its own: usage, exit 2
+    # an argument wrong on its own: one error line (no usage block), exit 2
     for args in (['--shape', '0', '64'], ['--opset', '17'],
                  ['--swap-attn', 'none', '--mita-cfg', 'topk=4']):
         code, text = tools('tools/export_onnx.py', TINY_SEGMENTER, seg, '--out', out, *args,
                            check=False)
-        assert code == 2 and 'usage:' in text, (args, text)
+        lines = text.strip().splitlines()
+        assert code == 2 and 'usage:' not in text, (args, text)
+        assert lines[-1].startswith('error: ') and len(lines) == 1, (args, text)
     # nothing to swap: one error line, exit 1
     code, text = tools('tools/export_onnx.py', 'mmseg::segformer/segformer_mit-b0_8xb2-'
                        '160k_ade20k-512x512.py', seg, '--out', out, '--swap-attn', 'mita',

@@ -165,7 +165,7 @@ def test_current_plan_reads_the_modules(segmenter_ckpt):
     model = init_model(*segmenter_ckpt)
     assert current_plan(model).layers == {n: None for n in LAYERS}
     assert current_plan(model).describe() == ('dense: backbone.layers.0-3.attn, '
-                                               'decode_head.layers.0-1.attn')
+                                              'decode_head.layers.0-1.attn')
     plan = SwapPlan.from_dict(plan_dict(MIXED))
     swap_attention(model, plan=plan, verbose=False)
     now = current_plan(model)

@@ -64,9 +64,10 @@ def re_summary(out, swapped):
 @pytest.mark.slow
 def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
     config, ckpt = segmenter_ckpt
+    # --swap-attn read as every tool reads it: one more row, --mita-cfg's keys over it
     _, out = tools('tools/swap_sweep.py', config, ckpt, '--pool-sizes', 2, 4, '--topks', 8,
                    100000, '--mita-cfg', 'with_shared_expert=False', 'include_head=True',
-                   '--work-dir',
+                   '--swap-attn', '3:8', '--work-dir',
                    tmp_path / 'work', '--out', tmp_path / 'sweep.md', '--plot',
                    tmp_path / 'sweep.png')
     with open(tmp_path / 'sweep.csv') as f:
@@ -74,8 +75,9 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
     # k at least N: every key, and the label says so (and that the experts are route-only)
     assert [r['setting'] for r in rows] == [
         'baseline', 'MiTA M=2x2 k=8 route-only', 'MiTA M=2x2 k=100000 (every key) route-only',
-        'MiTA M=4x4 k=8 route-only', 'MiTA M=4x4 k=100000 (every key) route-only']
-    assert [r['kind'] for r in rows] == ['baseline'] + ['swap'] * 4
+        'MiTA M=4x4 k=8 route-only', 'MiTA M=4x4 k=100000 (every key) route-only',
+        'MiTA M=3x3 k=8 route-only']
+    assert [r['kind'] for r in rows] == ['baseline'] + ['swap'] * 5
     rows = [{k: (float(v) if k not in ('setting', 'kind', 'M', 'topk') else v)
              for k, v in r.items()} for r in rows]
     base = rows[0]

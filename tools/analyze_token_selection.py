@@ -14,7 +14,6 @@ Usage::
         [--mita-cfg pool_size=7 topk=49 layers=[0,1] include_head=True]
         [--which selected|used] [--cfg-options key=value ...]
 """
-import argparse
 import json
 import os
 import os.path as osp
@@ -25,10 +24,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
 from mita_seg.cli import (KeyValueAction, add_mita_args, checkpoint_file, config_file,  # noqa: E402
                           image_file, output_dir, quiet_stack, run_tool, swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Record which tokens MiTA experts select')
+    parser = ToolParser(description='Record which tokens MiTA experts select')
     parser.add_argument('config', type=config_file,
                         help="config file, or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint file')
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.mita = swap_settings(parser, args)
     setting = (args.mita or {}).get('setting')
-    if setting is not None and setting.kind != 'mita':
+    if setting is not None and not setting.is_mita:
         parser.error(f'--swap-attn {setting.text}: token selection maps MiTA\'s experts; '
                      f'{setting.kind} attention has none: give a MiTA setting such as 7:49')
     return args

@@ -4,16 +4,21 @@ The levels (``--level``): ``op``, the operator against SDPA and the path mmseg's
 (``--bias``: with BEiT's relative position bias); ``threads``, thread scaling; ``model``,
 images per second of mmseg segmenters, mmseg as released, the fast dense model, MiTA and
 the bound (attention mixing removed); ``onnx``, a segmenter's ONNX files in ONNX Runtime;
-``onnx-op``, one attention layer in ONNX Runtime; ``kinds``, SDPA and each ``--settings``
-(MiTA and the taxonomy's other kinds) at the operator level. What each measures, and how, is in
-:mod:`mita_seg.benchmark` (a module per level); this script parses the arguments, calls
-the level and prints its table. The script re-executes itself with glibc's mmap threshold
-lowered, so that freed buffers go back to the OS and the memory peaks are exact.
+``onnx-op``, one attention layer in ONNX Runtime; ``kinds``, SDPA and each setting (MiTA and
+the taxonomy's other kinds) at the operator level. The attention is ``--settings``, spelt as
+every tool spells a setting (``7:49``, ``4x6:16``, ``7:49:route``, ``agent:7``...): one MiTA
+setting at ``op``, ``threads``, ``model`` and ``onnx-op`` (default ``7:49``), a row per MiTA
+setting at ``onnx`` (default ``7:49``), a column per setting of any kind at ``kinds``. What
+each level measures, and how, is in :mod:`mita_seg.benchmark` (a module per level); this
+script parses the arguments, calls the level and prints its table. The script re-executes
+itself with glibc's mmap threshold lowered, so that freed buffers go back to the OS and the
+memory peaks are exact.
 
 Examples::
 
     python tools/benchmark.py --level op
     python tools/benchmark.py --level op --tokens 1025 4097 --dtypes float32 --passes fwd
+    python tools/benchmark.py --level op --settings 4:16       # MiTA M = 4x4, k = 16
     python tools/benchmark.py --level model --models segmenter-vit-t
     python tools/benchmark.py --level model --models segmenter-vit-b --images 1024 2048
     python tools/benchmark.py --level op --profile            # + where MiTA's time goes
@@ -23,7 +28,7 @@ Examples::
     python tools/benchmark.py --level op --bias --tokens 1025 --dtypes float32
     python tools/benchmark.py --level op --device cuda          # fp16/bf16/fp32, N up to 65537
     python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-sizes 512 1024
-    python tools/benchmark.py --level onnx --models segmenter-vit-b --onnx-settings 7:49 4:16
+    python tools/benchmark.py --level onnx --models segmenter-vit-b --settings 7:49 4:16
     python tools/benchmark.py --level onnx-op --tokens 1025 4097
     python tools/benchmark.py --level onnx-op --tokens 1025 --profile   # + per operator type
     python tools/benchmark.py --level kinds --tokens 1025 4097 --settings 7:49 agent:7 topk:49
@@ -42,9 +47,14 @@ if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mita_seg.cli import merge_ratio  # noqa: E402
+from mita_seg.cli import merge_ratio, run_tool  # noqa: E402
+from mita_seg.cli.core import ToolParser  # noqa: E402
 from mita_seg.benchmark import kinds, model, onnx, onnx_op, op, threads  # noqa: E402
-from mita_seg.benchmark.common import MODELS, TokenCountError, grid_side  # noqa: E402
+from mita_seg.benchmark.common import (DEFAULT_SETTING, MODELS, TokenCountError,  # noqa: E402
+                                       grid_side, level_settings)
+
+CPU_ONLY = dict(onnx='times ONNX Runtime on', threads='compares thread counts of')
+CPU_ONLY['onnx-op'] = CPU_ONLY['onnx']
 
 
 def token_count(text):
@@ -74,9 +84,9 @@ def image_size(text):
     return f'{h}x{w}'
 
 
-def parse_args():
+def parse_args(argv=None):
     from mita_seg.cli import float_range, int_range, setting_arg
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p = ToolParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--level', choices=['op', 'model', 'threads', 'onnx', 'onnx-op', 'kinds',
                                        'all'],
                    default='op',
@@ -96,10 +106,15 @@ def parse_args():
                    choices=['fwd', 'fwd+bwd'])
     p.add_argument('--heads', type=int_range(1), default=12)
     p.add_argument('--head-dim', type=int_range(1), default=64)
-    p.add_argument('--pool-size', type=int_range(1), default=7,
-                   help='landmark grid side P (M = P*P), at most the grid side of every '
-                   '--tokens')
-    p.add_argument('--topk', type=int_range(1), default=49)
+    p.add_argument('--settings', type=setting_arg, nargs='+', metavar='SETTING',
+                   default=None,
+                   help='the attention, spelt as every tool spells a setting: MiTA 7:49 (pool '
+                   '7x7, top-k 49), 4x6:16, 7:49:route (route-only); --level kinds also '
+                   'agent:7, block:8:4, topk:49, window:7. --level op, threads, model, '
+                   f'onnx-op: one MiTA setting (default: {DEFAULT_SETTING}); --level onnx: a '
+                   f'row per MiTA setting (default: {DEFAULT_SETTING}); --level kinds: a column '
+                   f'per setting (default: {" ".join(kinds.DEFAULT_SETTINGS)}). A pool is at '
+                   'most the grid side of every --tokens')
     p.add_argument('--merge-ratio', type=merge_ratio, default=None, metavar='R',
                    help='model level: also time token merging (ToMe, mita_seg.merge_tokens) '
                    'at this ratio of the grid tokens, in [0, 0.5]')
@@ -123,13 +138,6 @@ def parse_args():
                    '(default: the encoder only, as the paper)')
     p.add_argument('--onnx-sizes', type=int_range(32), nargs='+', default=[512, 1024],
                    help='--level onnx: square image sizes (whole-image inference)')
-    p.add_argument('--onnx-settings', type=setting_arg, nargs='+', default=None,
-                   metavar='P:K[:route]',
-                   help='--level onnx: MiTA settings, each a row (default: --pool-size and '
-                   '--topk), e.g. 7:49 4:16 5:16:route')
-    p.add_argument('--settings', type=setting_arg, nargs='+', metavar='SETTING',
-                   default=kinds.DEFAULT_SETTINGS, help='--level kinds: the settings, each '
-                   f'a column (default: {" ".join(kinds.DEFAULT_SETTINGS)})')
     p.add_argument('--threads', type=int_range(1), default=None,
                    help='torch threads (default: torch\'s own choice, the number of cores)')
     p.add_argument('--bias', action='store_true',
@@ -149,21 +157,18 @@ def parse_args():
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path (mmseg as released at the model level) where its '
                    'N x N weights exceed this many GiB')
-    args = p.parse_args()
-    if args.level == 'onnx':        # every model of MODELS has 16x16 patches
-        side = min(args.onnx_sizes) // 16
-        pools = ([max(s.pool) for s in args.onnx_settings] if args.onnx_settings
-                 else [args.pool_size])
-        if max(pools) > side:
-            p.error(f'pool size {max(pools)} is larger than the {side}x{side} patch grid of '
-                    f'--onnx-sizes {min(args.onnx_sizes)}: give settings with P <= {side} or '
-                    f'sizes of at least {16 * max(pools)}')
-    elif args.level != 'model':     # default tokens: 1025 (32x32) and more
-        small = [n for n in args.tokens or [1025] if grid_side(n) < args.pool_size]
-        if small:
-            p.error(f'--pool-size {args.pool_size} is larger than the grid of --tokens '
-                    f'{small} ({grid_side(small[0])}x{grid_side(small[0])}): give --pool-size '
-                    f'<= {min(grid_side(n) for n in args.tokens or [1025])} or more tokens')
+    args = p.parse_args(argv)
+    try:   # the default, a setting the level takes, a pool that fits the grid
+        args.settings = level_settings(args.level, args.settings, args.tokens,
+                                       args.onnx_sizes)
+    except ValueError as e:
+        p.error(str(e))
+    cuda = args.device == 'cuda'
+    if cuda and not torch.cuda.is_available():
+        p.error('--device cuda: torch sees no CUDA device (torch '
+                f'{torch.__version__}, built for CUDA {torch.version.cuda}): use --device cpu')
+    if cuda and args.level in CPU_ONLY:
+        p.error(f'--level {args.level} {CPU_ONLY[args.level]} the CPU: use --device cpu')
     if args.compile and args.level not in ('model', 'all'):
         p.error('--compile adds compiled columns to the model level: use it with --level model '
                 'or all')
@@ -182,12 +187,9 @@ def show(lines, rows, fmt):
         print(fmt(row), flush=True)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     cuda = args.device == 'cuda'
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit('--device cuda: torch sees no CUDA device '
-                         f'(torch {torch.__version__}, built for CUDA {torch.version.cuda})')
     args.model_dtypes = args.dtypes or ['float32']
     if args.tokens is None:
         args.tokens = ([1025, 4097] if args.level == 'onnx-op' else
@@ -196,8 +198,7 @@ def main():
         args.dtypes = ['float16', 'bfloat16', 'float32'] if cuda else ['float32', 'bfloat16']
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = dict(heads=args.heads, head_dim=args.head_dim, pool_size=args.pool_size,
-                 topk=args.topk)
+    shape = dict(heads=args.heads, head_dim=args.head_dim, setting=args.settings[0])
     cases = dict(tokens=args.tokens, dtypes=args.dtypes, **shape, device=args.device,
                  min_run_time=args.min_run_time)
     t0 = time.time()
@@ -210,17 +211,13 @@ def main():
                         profile=args.profile), op.format_op_row)
     if args.level in ('model', 'all'):
         level = model.ModelLevel(
-            args.models, args.images, args.model_dtypes, args.device, args.pool_size,
-            args.topk, args.swap_head, args.merge_ratio, args.compile, args.rounds,
-            args.memory, args.min_run_time, args.max_mmcv_gib, args.profile)
+            args.models, args.images, args.model_dtypes, args.device, args.settings[0],
+            args.swap_head, args.merge_ratio, args.compile, args.rounds, args.memory,
+            args.min_run_time, args.max_mmcv_gib, args.profile)
         show(level.header(), level.rows(), level.format_row)
-    if args.level in ('onnx', 'onnx-op', 'threads') and cuda:
-        raise SystemExit(f'--level {args.level} {CPU_ONLY[args.level]} the CPU: use --device cpu')
     if args.level == 'onnx':
-        from mita_seg.setting import MiTASetting
         level = onnx.OnnxLevel(
-            args.models, args.onnx_sizes,
-            args.onnx_settings or [MiTASetting(args.pool_size, args.topk)], args.threads,
+            args.models, args.onnx_sizes, args.settings, args.threads,
             args.swap_head, args.min_run_time, args.max_onnx_gib,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
         show(onnx.onnx_header(args.threads), level.rows(), onnx.format_onnx_line)
@@ -241,9 +238,5 @@ def main():
     print(f'# done in {time.time() - t0:.0f} s')
 
 
-CPU_ONLY = dict(onnx='times ONNX Runtime on', threads='compares thread counts of')
-CPU_ONLY['onnx-op'] = CPU_ONLY['onnx']
-
-
 if __name__ == '__main__':
-    main()
+    run_tool(main)

@@ -20,7 +20,6 @@ CONFIG is a file or ``mmseg::<dir>/<name>.py``; ``--swap-attn mita`` (implied by
 (``configs/mita_*.py``) is exported as it is; without either, a standard model is exported
 unswapped (the baseline).
 """
-import argparse
 import os.path as osp
 import sys
 
@@ -30,6 +29,7 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.cli import (DeferredHelp, KeyValueAction, add_mita_args,  # noqa: E402
                           checkpoint_file, config_file, int_range, output_file, quiet_stack,
                           run_tool, swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def min_opset() -> int:
@@ -38,8 +38,8 @@ def min_opset() -> int:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Export a segmentor to ONNX (MiTA as '
-                                     'standard ONNX operators), checked in ONNX Runtime')
+    parser = ToolParser(description='Export a segmentor to ONNX (MiTA as standard ONNX '
+                        'operators), checked in ONNX Runtime')
     parser.add_argument('config', type=config_file, help="config file or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint (loaded strictly, weights only)')
     parser.add_argument('--out', required=True, type=output_file('--out', ('.onnx', )),

@@ -18,7 +18,6 @@ Usage::
 With ``--mita-plan`` the written config carries the plan's per-layer settings
 (``mita_layer_cfgs`` of the backbone and the Segmenter head; None: standard attention).
 """
-import argparse
 import os.path as osp
 import sys
 
@@ -27,12 +26,13 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
 from mita_seg.cli import (KeyValueAction, add_mita_args, checkpoint_file, config_file,  # noqa: E402
                           output_dir, python_command, quiet_stack, run_tool, swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 TOOLS = osp.dirname(osp.abspath(__file__))
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Write a MiTA config + checkpoint pair')
+    parser = ToolParser(description='Write a MiTA config + checkpoint pair')
     parser.add_argument('config', type=config_file, help="config of the standard-attention "
                         "model (a file or 'mmseg::<dir>/<config>.py')")
     parser.add_argument('checkpoint', type=checkpoint_file, help='its checkpoint')

@@ -34,10 +34,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.cli import (KeyValueAction, add_merge_args, add_mita_args, config_file,  # noqa: E402
                           ensure_parent, int_range, output_file, quiet_stack, run_tool,
                           swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         description='FLOPs of a segmentor (attention included) and of its MiTA swap')
     parser.add_argument('config', type=config_file,
                         help="config file, or 'mmseg::<dir>/<config>.py'")

@@ -13,7 +13,6 @@ Usage::
 CONFIG is a file or ``mmseg::<dir>/<name>.py``; the checkpoint must fit the model exactly
 (:func:`mita_seg.apis.init_model`). Prints the classes found, by share of the pixels.
 """
-import argparse
 import os.path as osp
 import sys
 
@@ -23,10 +22,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.cli import (KeyValueAction, add_mita_args, checkpoint_file, config_file,  # noqa: E402
                           device_name, ensure_parent, float_range, image_file, output_file,
                           quiet_stack, run_tool, swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Segment one image')
+    parser = ToolParser(description='Segment one image')
     parser.add_argument('img', type=image_file, help='image file')
     parser.add_argument('config', type=config_file,
                         help="config file, or 'mmseg::<dir>/<config>.py'")

@@ -12,7 +12,6 @@ CONFIG is a file or ``mmseg::<dir>/<name>.py``. A file at ``--out`` that is neit
 (what a failed download leaves) nor an earlier stand-in is kept unless ``--force``
 (:func:`mita_seg.apis.make_standin_checkpoint`).
 """
-import argparse
 import os.path as osp
 import sys
 
@@ -21,10 +20,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
 from mita_seg.cli import (KeyValueAction, config_file, int_range, output_file,  # noqa: E402
                           quiet_stack, run_tool)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
+    parser = ToolParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     parser.add_argument('config', type=config_file,
                         help="config file, or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('--out', type=output_file('--out', ('.pth', )), required=True,

@@ -24,7 +24,9 @@ Usage (``--help`` lists every option; the defaults are the study's,
 ``--dataset`` picks the scenes (local: a region's own pixels decide its label; longrange:
 labels need distant evidence) and with them the models, data, schedule and work dir
 (:data:`projects.swap_study.settings.DATASETS`); ``--kind-budgets`` the taxonomy's
-comparison at equal cost (:mod:`projects.swap_study.kinds`).
+comparison at equal cost (:mod:`projects.swap_study.kinds`); ``--paper-reduction`` the
+paper's compression (MiTA at 42% fewer model FLOPs in the sweep, a budget of the taxonomy and
+the plans); ``--no-plans-across-kinds`` the plans with MiTA candidates only.
 
 A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
 is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
@@ -39,9 +41,10 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mita_seg.cli import KeyValueAction, add_dense_attn_arg, int_range, output_dir  # noqa: E402
+from mita_seg.cli import (KeyValueAction, ToolParser, add_dense_attn_arg, int_range,  # noqa: E402
+                          output_dir)
 # the study's defaults (torch-free: parsed against before the stack is loaded)
-from projects.swap_study.cli import add_study_args  # noqa: E402
+from projects.swap_study.cli import add_study_args, float_range  # noqa: E402
 from projects.swap_study.settings import DATA, DATASETS, StudySettings, default  # noqa: E402
 
 MODEL_NAMES = sorted({n for d in DATASETS.values() for n in d.models})
@@ -50,7 +53,7 @@ MODEL_NAMES = sorted({n for d in DATASETS.values() for n in d.models})
 def build_parser():
     """The tool's arguments, their defaults the study's (:mod:`projects.swap_study.settings`);
     an argument of a ``StudySettings`` field has its name as ``dest``."""
-    p = argparse.ArgumentParser(
+    p = ToolParser(
         description='MiTA swap study: train, swap without retraining, fine-tune, measure')
     add = p.add_argument
     add('--dataset', choices=sorted(DATASETS), default='local', help='the scenes: local '
@@ -76,6 +79,16 @@ def build_parser():
     add('--data-val', type=int_range(1), help='validation images if written (default: '
         f"local {DATA['val']}, longrange the tool's)")
     add_study_args(add)
+    add('--paper-reduction', type=float_range(0, 0.99), default=default('paper_reduction'),
+        metavar='FRACTION', help="the paper's compression: MiTA at the pool side whose "
+        "model FLOPs come nearest this fraction below the unswapped model's, for each "
+        '--paper-topks, in the sweep; the first also a budget of the taxonomy and the plans '
+        '(0: no such rows)')
+    add('--paper-topks', type=int_range(1), nargs='+', default=list(default('paper_topks')),
+        metavar='K', help='the k of the settings at --paper-reduction')
+    add('--no-plans-across-kinds', dest='plans_across_kinds', action='store_false',
+        help='no calibrated plans across kinds (per-layer candidates of every kind of '
+        '--kinds near each plan budget), only the MiTA plans')
     add('--threads', type=int_range(1), help="torch's intra-op threads (default: torch's choice)")
     add('--workers', type=int_range(0), default=default('workers'),
         help='dataloader worker processes')

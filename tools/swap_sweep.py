@@ -10,8 +10,10 @@ setting) and a plot of mIoU against cost.
 Cost: the attention multiply-adds (one MAC = one FLOP, mmengine's convention) of every
 global attention layer, counted per image on the first test image(s) as the model runs
 them (all crops in slide mode), and the whole-model count (a jit trace with attention
-handles, times the crops of the test mode). ``--mita-plan`` adds a row for a swap plan
-(per-layer settings, ``tools/calibrate_swap.py``) after the uniform settings.
+handles, times the crops of the test mode). ``--swap-attn SETTING`` (any kind, ``--mita-cfg``'s
+keys over it, as every tool reads it) and ``--settings`` add rows after the grid,
+``--mita-plan`` a row for a swap plan (per-layer settings, ``tools/calibrate_swap.py``)
+after them.
 
 Each row says what ran: a pool larger than the patch grid runs on the grid and its row is
 labelled with the landmarks used (``MiTA M=16x16 k=49 (asked M=20x20)``), ``k >= N`` is
@@ -22,6 +24,7 @@ Usage::
 
     python tools/swap_sweep.py CONFIG CHECKPOINT --pool-sizes 5 7 --topks 25 49 \\
         [--mita-cfg router_topk=1 with_shared_expert=True layers=[0,1] include_head=True] \\
+        [--swap-attn 4:16] [--settings agent:7 window:7] \\
         [--merge-ratios 0.2 0.4] [--mita-plan PLAN.json] \\
         [--work-dir DIR] [--out DIR/table.md] [--plot DIR/sweep.png] [--cfg-options k=v ...]
 """
@@ -33,17 +36,17 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
-from mita_seg.apis import check_mita_cfg  # noqa: E402
 from mita_seg.cli import (KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
                           checkpoint_file, config_file, ensure_parent, int_range, output_dir,
                           output_file, quiet_stack, run_tool, setting_arg)
-from mita_seg.setting import MITA_KEYS  # noqa: E402
+from mita_seg.cli.core import ToolParser  # noqa: E402
+from mita_seg.cli.swap_args import sweep_swaps  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Sweep MiTA (pool size, top-k) settings '
-                                     'on a checkpoint trained with standard attention',
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ToolParser(description='Sweep MiTA (pool size, top-k) settings '
+                        'on a checkpoint trained with standard attention',
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('config', type=config_file,
                         help="test config file, or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('checkpoint', type=checkpoint_file,
@@ -76,13 +79,9 @@ def parse_args(argv=None):
                         help="print the config dump and mmseg's per-class tables")
     args = parser.parse_args(argv)
     quiet_stack()
-    if not isinstance(args.swap_attn, str):   # a whole setting: one more row
-        args.settings.insert(0, args.swap_attn)
-    if args.mita_cfg:     # router_topk at most the M = P*P landmarks of every pool swept
-        try:
-            check_mita_cfg(args.mita_cfg, ('pool_size', 'topk'), pool_sizes=args.pool_sizes)
-        except ValueError as e:
-            parser.error(f'--mita-cfg with --pool-sizes {min(args.pool_sizes)}: {e}')
+    # --swap-attn, --mita-cfg and --mita-plan read as every tool reads them; a whole setting
+    # (--mita-cfg's keys over it) is one more row, a plan one more row after the grid
+    args.swaps = sweep_swaps(parser, args, args.pool_sizes, args.settings)
     return args
 
 
@@ -100,18 +99,16 @@ def main(argv=None):
     out_png = args.plot or osp.join(cfg.work_dir, 'swap_sweep.png')
     runner = build_runner(cfg, args.verbose)
     # nothing to swap is an error before the baseline is evaluated
-    swap_model(copy.deepcopy(runner.model), dict(args.mita_cfg or {}), verbose=False)
+    swaps = args.swaps
+    swap_model(copy.deepcopy(runner.model), dict(swaps.swap_cfg), verbose=False)
     if args.merge_ratios:  # and nothing to merge too
         merge_model(copy.deepcopy(runner.model), args.merge_ratios[0], verbose=False)
-    plans = [args.mita_plan] if args.mita_plan is not None else []
-    for plan in plans:  # a plan for another model is an error before the baseline too
+    for plan in swaps.plans:  # a plan for another model is an error before the baseline too
         swap_model(copy.deepcopy(runner.model), dict(plan=plan), verbose=False)
-    mita_cfg = args.mita_cfg or {}
-    points = sweep_points(args.pool_sizes, args.topks,
-                          {k: v for k, v in mita_cfg.items() if k in MITA_KEYS},
-                          merge_ratios=args.merge_ratios, plans=plans, settings=args.settings)
-    rows = swap_sweep(runner, points, {k: v for k, v in mita_cfg.items() if k not in MITA_KEYS},
-                      args.flops_images,
+    points = sweep_points(args.pool_sizes, args.topks, swaps.grid_cfg,
+                          merge_ratios=args.merge_ratios, plans=swaps.plans,
+                          settings=swaps.settings)
+    rows = swap_sweep(runner, points, swaps.swap_cfg, args.flops_images,
                       progress=lambda line: print(f'[swap_sweep] {line}', flush=True))
 
     batch = next(iter(runner.test_dataloader))

@@ -21,7 +21,6 @@ weights-only. The console leaves out the config dump and mmseg's per-class table
 file keeps them; ``--verbose`` shows them). Multi-GPU / multi-node:
 ``tools/dist_test.sh CONFIG CHECKPOINT GPUS [ARGS]``.
 """
-import argparse
 import os
 import os.path as osp
 import sys
@@ -33,10 +32,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mita_seg.cli import (InputError, KeyValueAction, add_merge_args, add_mita_args,  # noqa: E402
                           checkpoint_file, config_file, float_range, int_range, output_dir,
                           quiet_stack, run_tool, swap_settings)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='MMSeg test (and eval) a model')
+    parser = ToolParser(description='MMSeg test (and eval) a model')
     parser.add_argument('config', type=config_file,
                         help="test config file, or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('checkpoint', type=checkpoint_file, help='checkpoint file')
@@ -72,7 +72,7 @@ def main(argv=None):
     quiet_stack()
     from mita_seg.apis import (build_runner, config_name, load_config, merge_model,
                                prepare_config, swap_model)
-    from mita_seg.models import MITA_DEFAULTS, current_plan
+    from mita_seg.models import current_plan
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
     if args.show or args.show_dir:
         hook = cfg.default_hooks.get('visualization')
@@ -99,7 +99,8 @@ def main(argv=None):
     swapped = ''
     if args.mita is not None:
         # the runner loads the checkpoint in test(); the swap keeps parameter names
-        swapped = f', {swap_model(runner.model, args.mita)} attention modules on MiTA'
+        n = swap_model(runner.model, args.mita)
+        swapped = f', {n} attention modules on {current_plan(runner.model).swapped_as()}'
     if args.merge_ratio is not None:
         swapped += (f', tokens merged (ToMe r={args.merge_ratio:g}) in '
                     f'{merge_model(runner.model, args.merge_ratio)} layers')
@@ -109,7 +110,7 @@ def main(argv=None):
         f'{k}: {v:.2f}' for k, v in metrics.items() if isinstance(v, float)))
     plan = current_plan(runner.model)
     if plan.layers:   # what the modules ran with, read from them
-        print(f'attention as evaluated: {plan.describe(MITA_DEFAULTS)}')
+        print(f'attention as evaluated: {plan.describe()}')
     if args.out:
         print(f'predictions: {args.out}')
     if args.show_dir:

@@ -15,7 +15,6 @@ without CUDA; ``--amp`` is bf16 on CPU; dense attention runs on PyTorch's fused 
 file in the work dir keeps everything; ``--verbose`` shows it). Multi-GPU / multi-node:
 ``tools/dist_train.sh CONFIG GPUS [ARGS]``.
 """
-import argparse
 import os.path as osp
 import sys
 
@@ -25,10 +24,11 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 # the arguments are parsed (and refused) before the mm stack is imported, in main()
 from mita_seg.cli import (KeyValueAction, add_dense_attn_arg, config_file, output_dir,  # noqa: E402
                           quiet_stack, run_tool)
+from mita_seg.cli.core import ToolParser  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description='Train a segmentor')
+    parser = ToolParser(description='Train a segmentor')
     parser.add_argument('config', type=config_file,
                         help="train config file, or 'mmseg::<dir>/<config>.py'")
     parser.add_argument('--work-dir', type=output_dir('--work-dir'),

@@ -11,7 +11,6 @@ Usage::
 
     python tools/train_demo.py [--iters N] [--work-dir work_dirs/demo] [--data-root DIR]
 """
-import argparse
 import os
 import os.path as osp
 import re
@@ -40,7 +39,7 @@ def run(cmd, log_path=None):
             lines.append(line)
             print(line, end='', flush=True)
     if proc.returncode:
-        raise SystemExit(f'{cmd[1]} failed with exit code {proc.returncode}')
+        raise SystemExit(f'error: {cmd[1]} failed with exit code {proc.returncode}')
     text = ''.join(lines)
     if log_path:
         with open(log_path, 'w') as f:
@@ -66,7 +65,8 @@ def majority_miou(data_root: str) -> float:
 def main(argv=None):
     sys.path.insert(0, ROOT)
     from mita_seg.cli import int_range, output_dir
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    from mita_seg.cli.core import ToolParser
+    parser = ToolParser(description=__doc__.split('\n')[0])
     parser.add_argument('--iters', type=int_range(1), default=300,
                         help='training iterations (the config has 600; 300 keep the demo to '
                         'a few minutes on 2 cores)')
@@ -102,7 +102,7 @@ def main(argv=None):
     test_s = time.time() - start
     found = re.findall(r'mIoU: ([0-9.]+)', out)
     if not found:
-        raise SystemExit('tools/test.py printed no mIoU')
+        raise SystemExit('error: tools/test.py printed no mIoU')
     with warnings.catch_warnings():  # mmengine's pkg_resources deprecation
         warnings.simplefilter('ignore')
         from mmengine.config import Config

@@ -1,5 +1,6 @@
-"""A calibrated swap (``tools/calibrate_swap.py``): per-layer MiTA settings chosen for a FLOP
-budget from a few training images, with no retraining.
+"""A calibrated swap (``tools/calibrate_swap.py``): per-layer attention settings (any kind of
+:data:`mita_seg.setting.KINDS`, or dense) chosen for a FLOP budget from a few training
+images, with no retraining.
 
 1. Cost in FLOPs: the project's counter (:mod:`mita_seg.analysis`, one ``mode='tensor'``
    forward of one crop at the config's crop size, as ``tools/get_flops.py`` counts) of the
@@ -27,7 +28,7 @@ import math
 import os.path as osp
 import random
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch

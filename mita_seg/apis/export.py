@@ -25,7 +25,7 @@ import torch
 from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
-from mita_seg.models import (SETTING_KEYS, NothingToSwapError, PlanError, SwapPlan,
+from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
                              attention_layers)
 from mita_seg.utils import load_local_checkpoint
 from .config import config_name, load_config, use_slim_inference
@@ -33,8 +33,8 @@ from .model import init_model
 
 # backbone type -> its MiTA version
 MITA_BACKBONES = {
-    **{t: 'MiTAVisionTransformer' for t in ('VisionTransformer', 'mmseg.VisionTransformer',
-                                           'MiTAVisionTransformer')},
+    **{t: 'MiTAVisionTransformer'
+       for t in ('VisionTransformer', 'mmseg.VisionTransformer', 'MiTAVisionTransformer')},
     **{t: 'MiTABEiT' for t in ('BEiT', 'mmseg.BEiT', 'MiTABEiT')},
     **{t: 'MiTAMAE' for t in ('MAE', 'mmseg.MAE', 'MiTAMAE')},
 }
@@ -62,17 +62,25 @@ def mita_config(cfg: Config, mita_cfg: dict) -> Config:
     if plan is not None:
         return _plan_config(cfg, plan)
     setting = mita_cfg.get('setting')  # a whole setting (--swap-attn 7:49, agent:7...)
-    settings = ({**setting.cfg()} if setting is not None else
-                {k: v for k, v in mita_cfg.items() if k in SETTING_KEYS})
+
+    def over(old: dict) -> dict:
+        """A MiTA config's ``mita_cfg`` with the swap's settings: a whole setting replaces
+        its setting keys (a key of another kind would be refused), single keys go over
+        them; the rest (``with_dwc``) stays."""
+        if setting is not None:
+            return {**{k: v for k, v in old.items() if k not in SETTING_KEYS},
+                    **setting.cfg()}
+        return {**old, **{k: v for k, v in mita_cfg.items() if k in SETTING_KEYS}}
+
     backbone = _mita_backbone(cfg)
-    backbone.mita_cfg = {**backbone.get('mita_cfg', {}), **settings}
+    backbone.mita_cfg = over(backbone.get('mita_cfg', {}))
     layers = mita_cfg.get('layers')
     backbone.mita_layers = list(layers) if layers is not None else None
     head = cfg.model.decode_head
     if (mita_cfg.get('include_head', False) and isinstance(head, dict)
             and head.get('type') in HEAD_TYPES):
         head.type = 'MiTASegmenterMaskTransformerHead'
-        head.mita_cfg = {**head.get('mita_cfg', {}), **settings}
+        head.mita_cfg = over(head.get('mita_cfg', {}))
     return _finish(cfg)
 
 
@@ -171,17 +179,28 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     return out_cfg, out_ckpt
 
 
+def _kinds(cfgs) -> str:
+    """The kinds of attention of settings dicts (None: dense), by name: ``MiTA``,
+    ``MiTA, agent``."""
+    names = [MiTASetting.from_cfg({k: v for k, v in c.items() if k in SETTING_KEYS}).swap_name
+             for c in cfgs if c is not None]
+    return ', '.join(dict.fromkeys(names)) or 'MiTA'
+
+
 def swap_comment(cfg: Config, source: str) -> str:
-    """The comment lines that open an exported config: what is on MiTA, what is not."""
+    """The comment lines that open an exported config: what is swapped, to which kind of
+    attention (``MiTA``, ``agent``...), and what is not."""
     backbone, head = cfg.model.backbone, cfg.model.get('decode_head')
     if backbone.get('mita_layer_cfgs') is not None:
         dense = sum(c is None for c in backbone.mita_layer_cfgs)
-        what = (f'MiTA per layer (a swap plan) in the backbone ({backbone.type}; '
-                f'{dense} of {len(backbone.mita_layer_cfgs)} layers dense)')
+        what = (f'{_kinds(backbone.mita_layer_cfgs)} per layer (a swap plan) in the backbone '
+                f'({backbone.type}; {dense} of {len(backbone.mita_layer_cfgs)} layers dense)')
     else:
         layers = backbone.get('mita_layers')
-        settings = ', '.join(f'{k}={v}' for k, v in backbone.get('mita_cfg', {}).items())
-        what = (f'MiTA in {"all" if layers is None else f"layers {list(layers)} of"} the '
+        mita_cfg = backbone.get('mita_cfg', {})
+        settings = ', '.join(f'{k}={v}' for k, v in mita_cfg.items())
+        what = (f'{_kinds([mita_cfg])} in '
+                f'{"all" if layers is None else f"layers {list(layers)} of"} the '
                 f'backbone\'s attention layers ({backbone.type}'
                 f'{"; " + settings if settings else ""})')
     lines = [f'MiTA version of {source} (tools/export_swapped.py): {what}']

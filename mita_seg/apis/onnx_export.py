@@ -29,7 +29,6 @@ difference. ``check='strict'``: end to end within float32 rounding (the model
 without near-ties); ``'none'``: no check.
 """
 import contextlib
-import logging
 import os
 import os.path as osp
 import tempfile
@@ -44,6 +43,7 @@ from mita_seg.engine.atomic_io import atomic_path
 from mita_seg.models import GridMismatchError
 from mita_seg.ops.bias import RelPosBias
 from mita_seg.ops.onnx import OnnxExportError, mita_translation_table, routing_ties
+from mita_seg.utils.stack_noise import quiet_exporter
 from .config import load_config
 from .model import init_model, physical_memory
 
@@ -306,10 +306,8 @@ def export_module(module: nn.Module, inputs: tuple, path: str, opset: int, table
                   input_names: List[str], output_names: List[str], what: str) -> None:
     """``torch.onnx.export(..., dynamo=True)`` of ``module`` to ``path``; an exporter
     failure as :class:`OnnxExportError` (its first line of the cause)."""
-    # the exporter's registry lists every torchvision op it skips: not ours to report
-    logging.getLogger('torch.onnx._internal.exporter._registration').setLevel(logging.ERROR)
-    try:
-        with torch.no_grad():
+    try:    # the exporter's notes a user can do nothing about silenced, not its errors
+        with torch.no_grad(), quiet_exporter():
             program = torch.onnx.export(
                 module, inputs, dynamo=True, opset_version=opset, verbose=False,
                 input_names=input_names, output_names=output_names,

@@ -63,7 +63,8 @@ class SweepPoint:
 
     def __post_init__(self):
         if self.method not in SWEEP_METHODS:
-            raise ValueError(f'sweep point method {self.method!r}: one of {", ".join(SWEEP_METHODS)}')
+            raise ValueError(f'sweep point method {self.method!r}: one of '
+                             f'{", ".join(SWEEP_METHODS)}')
         given = dict(setting=self.setting is not None, merge_ratio=self.merge_ratio is not None,
                      plan=self.plan is not None)
         needs = dict(setting=self.method in ('swap', 'swap+tome'),

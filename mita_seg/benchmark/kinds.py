@@ -7,25 +7,24 @@ import torch
 import torch.nn.functional as F
 
 from mita_seg.analysis.timing import median_time
-from mita_seg.ops import attend_kind, attention_flops, mita_attention
+from mita_seg.ops import attend
 from mita_seg.setting import MiTASetting
 
-from .common import describe, grid_side, random_inputs, timed_call
+from .common import (KINDS_SETTINGS, describe, grid_side, mac_ratio, mita_call, random_inputs,
+                     timed_call)
 
 __all__ = ['DEFAULT_SETTINGS', 'KindsLevel', 'attention_call', 'format_kinds_row']
 
 # the kinds at settings of about MiTA M = k = 49's attention cost at N = 1025 and less
-DEFAULT_SETTINGS = ('7:49', 'agent:7', 'block:8:4', 'topk:49', 'window:7')
+DEFAULT_SETTINGS = KINDS_SETTINGS
 
 
 def attention_call(setting, q, k, v, side):
     """A call of ``setting``'s attention on ``q, k, v`` (``[B, H, 1 + side^2, d]``: cls
     and a square grid), as a swapped module runs it."""
-    if setting.kind != 'mita':
-        return lambda: attend_kind(setting, q, k, v, (side, side), 1)
-    return lambda: mita_attention(q, k, v, (side, side), setting.pool_size, setting.topk,
-                                  setting.router_topk, 1, setting.with_shared_expert,
-                                  setting.shared_scale)
+    if not setting.is_mita:
+        return lambda: attend(setting, q, k, v, (side, side), 1)
+    return lambda: mita_call(setting, q, k, v, side)
 
 
 class KindsLevel:
@@ -55,8 +54,7 @@ class KindsLevel:
         H, d = self.heads, self.head_dim
         for N in tokens:
             side = grid_side(N)
-            macs = [attention_flops(1, H, N, d) / (H * s.attention_macs((side, side), N, d))
-                    for s in self.settings]
+            macs = [mac_ratio(s, H, N, d) for s in self.settings]
             for dtype, pass_ in itertools.product(dtypes, passes):
                 q, k, v, grad, _ = random_inputs(H, N, d, self.device, getattr(torch, dtype),
                                                  pass_ == 'fwd+bwd')

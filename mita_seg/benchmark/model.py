@@ -23,6 +23,7 @@ bound's)."""
 import torch
 
 from mita_seg.analysis.timing import interleaved_medians, peak_memory_rise
+from mita_seg.setting import DEFAULT_SETTING
 
 from .common import describe, model_config, profiled
 
@@ -58,6 +59,8 @@ class ModelLevel:
     :meth:`format_row` a row as printed.
 
     Args:
+        setting (MiTASetting, optional): the MiTA setting of the ``MiTA`` and ``bound``
+            columns. Default: None, MiTA's defaults (M = k = 49).
         memory (bool): measure each variant's peak memory (two calls of each before the
             timing). Default: True.
         rounds (int): rounds at least, a call of each variant per round. Default: 3.
@@ -65,12 +68,13 @@ class ModelLevel:
             many GiB. Default: 8.
     """
 
-    def __init__(self, models, images, dtypes=('float32', ), device='cpu', pool_size=7,
-                 topk=49, swap_head=False, merge_ratio=None, compile=False, rounds=3,
-                 memory=True, min_run_time=1.0, max_mmcv_gib=8.0, profile=False):
+    def __init__(self, models, images, dtypes=('float32', ), device='cpu', setting=None,
+                 swap_head=False, merge_ratio=None, compile=False, rounds=3, memory=True,
+                 min_run_time=1.0, max_mmcv_gib=8.0, profile=False):
         self.models, self.images, self.dtypes = list(models), list(images), list(dtypes)
         self.device = torch.device(device)
-        self.pool_size, self.topk, self.swap_head = pool_size, topk, swap_head
+        self.setting = DEFAULT_SETTING if setting is None else setting
+        self.swap_head = swap_head
         self.merge_ratio, self.compile, self.rounds = merge_ratio, compile, rounds
         self.memory, self.min_run_time, self.max_mmcv_gib = memory, min_run_time, max_mmcv_gib
         self.profile = profile
@@ -94,8 +98,7 @@ class ModelLevel:
                                   dense_attn='fast')).eval().to(self.device)
         m.load_state_dict(state)            # the same weights in each
         if variant in ('MiTA', 'bound', 'MiTA+c'):
-            swap_attention(m, include_head=self.swap_head, pool_size=self.pool_size,
-                           topk=self.topk, verbose=False)
+            swap_attention(m, self.setting, include_head=self.swap_head, verbose=False)
         if variant == 'bound':
             remove_attention_mixing(m)
         if variant == 'ToMe':
@@ -109,7 +112,7 @@ class ModelLevel:
         """``({variant: model}, the swap plan in words, test_cfg, patch size)``."""
         from mmseg.registry import MODELS as SEG_MODELS
 
-        from mita_seg.models import MITA_DEFAULTS, current_plan, dense_attn_of
+        from mita_seg.models import current_plan, dense_attn_of
         cfg = model_config(name)
         cfg.model.pop('data_preprocessor', None)
         torch.manual_seed(0)
@@ -118,7 +121,7 @@ class ModelLevel:
         models = {'mmseg': base}
         for variant in self.names[1:]:
             models[variant] = self._variant(cfg, state, variant)
-        plan = current_plan(models['MiTA']).describe(MITA_DEFAULTS)
+        plan = current_plan(models['MiTA']).describe()
         paths = {v: dense_attn_of(m) for v, m in models.items()}  # what each runs
         if paths['mmseg'] != 'mmseg' or paths['dense'] != 'fast':
             raise RuntimeError(f'{name}: the dense attention paths are {paths}; expected '
@@ -140,7 +143,7 @@ class ModelLevel:
             return what
         return what.format(swapped='; '.join(
             f'{name}: {plan}' for name, (_, plan, *_) in self.build().items()),
-            setting=f'(pool {self.pool_size}x{self.pool_size}, k={self.topk}), '
+            setting=f'{self.setting.text} ({self.setting.label}), '
             + ('the mask head too (--swap-head)' if self.swap_head else
                'the encoder only as the paper (--swap-head: the mask head too)'))
 

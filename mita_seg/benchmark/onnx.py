@@ -94,8 +94,7 @@ class OnnxLevel:
         variants = [('softmax', model, None)]
         for setting in self.settings:
             swapped = copy.deepcopy(model)
-            swap_attention(swapped, verbose=False, include_head=self.swap_head,
-                           **setting.cfg())
+            swap_attention(swapped, setting, include_head=self.swap_head, verbose=False)
             variants.append((f'MiTA {setting.text}', swapped, None))
         variants.append(('no mixing (bound)', swapped, no_mixing_table()))
         return variants

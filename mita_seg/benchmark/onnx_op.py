@@ -12,23 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from mita_seg.analysis.timing import cpu_description, interleaved_medians
-from mita_seg.ops import mita_attention
 
-from .common import grid_side
+from .common import grid_side, mita_call
 
 __all__ = ['onnx_op_header', 'onnx_op_rows', 'format_onnx_op_row', 'ort_profile',
            'format_ort_profile']
 
 
-def onnx_op_header(heads, head_dim, pool_size, topk, threads=None):
-    """The lines above the table of :func:`onnx_op_rows`."""
+def onnx_op_header(heads, head_dim, setting, threads=None):
+    """The lines above the table of :func:`onnx_op_rows` (MiTA at ``setting``, a
+    :class:`~mita_seg.setting.MiTASetting`)."""
     import onnxruntime
-    P, K = pool_size, topk
     lines = [f'# one attention layer in ONNX Runtime {onnxruntime.__version__} CPU, '
              f'{threads or "default"} intra-op threads, on {cpu_description()}; B=1, '
-             f'H={heads}, d={head_dim}, float32, forward; MiTA pool {P}x{P}, k={K} as '
-             'standard ONNX operators; speed-up = softmax ms / MiTA ms in this run; max '
-             '|diff| = ORT\'s MiTA against PyTorch\'s on the same inputs']
+             f'H={heads}, d={head_dim}, float32, forward; MiTA {setting.text} '
+             f'({setting.label}) as standard ONNX operators; speed-up = softmax ms / MiTA ms '
+             'in this run; max |diff| = ORT\'s MiTA against PyTorch\'s on the same inputs']
     header = (f"{'N':>6} | {'softmax ms':>10} {'MiTA ms':>9} | {'speed-up':>8} | "
               f"{'max |diff|':>10}")
     return lines + [header, '-' * len(header)]
@@ -40,12 +39,12 @@ class _Softmax(torch.nn.Module):
 
 
 class _MiTA(torch.nn.Module):
-    def __init__(self, side, pool_size, topk):
+    def __init__(self, side, setting):
         super().__init__()
-        self.side, self.pool_size, self.topk = side, pool_size, topk
+        self.side, self.setting = side, setting
 
     def forward(self, q, k, v):
-        return mita_attention(q, k, v, (self.side, self.side), self.pool_size, self.topk)
+        return mita_call(self.setting, q, k, v, self.side)
 
 
 def _session_run(module, inputs, feed, path, threads, N):
@@ -65,7 +64,7 @@ def _session_run(module, inputs, feed, path, threads, N):
     return out, lambda: [sess.run(None, feed) for _ in range(reps)], reps
 
 
-def onnx_op_rows(tokens, heads, head_dim, pool_size, topk, threads=None, min_run_time=1.0,
+def onnx_op_rows(tokens, heads, head_dim, setting, threads=None, min_run_time=1.0,
                  max_onnx_gib=8.0, profile=False):
     """One attention layer, softmax and MiTA, each exported alone and timed in turn in ONNX
     Runtime (ORT's default sessions, a pause before each call so that one session's
@@ -85,7 +84,7 @@ def onnx_op_rows(tokens, heads, head_dim, pool_size, topk, threads=None, min_run
             q, k, v = (torch.randn(1, H, N, d) for _ in range(3))
             feed = {'q': q.numpy(), 'k': k.numpy(), 'v': v.numpy()}
             runs, outs, per_call = [], [], []
-            mita_layer = _MiTA(grid_side(N), pool_size, topk)
+            mita_layer = _MiTA(grid_side(N), setting)
             for name, module in (('softmax', _Softmax()), ('mita', mita_layer)):
                 path = os.path.join(tmp, f'{name}-{N}.onnx')
                 out, run, reps = _session_run(module, (q, k, v), feed, path, threads, N)

@@ -1,16 +1,15 @@
-"""The operator level: MiTA against SDPA and mmseg's attention core, one call of each
-measured alone (``--level op``), or with BEiT's relative position bias (``--level op
---bias``)."""
+"""The operator level: MiTA at one setting (a :class:`~mita_seg.setting.MiTASetting`)
+against SDPA and mmseg's attention core, one call of each measured alone (``--level op``),
+or with BEiT's relative position bias (``--level op --bias``)."""
 import torch
 import torch.nn.functional as F
 
 from mita_seg.analysis.timing import median_time, peak_memory_rise
-from mita_seg.ops import (Inputs, RelPosBias, attention_flops, mita_attention, mita_flops,
-                          select_backend)
+from mita_seg.ops import Inputs, RelPosBias, select_backend
 from mita_seg.ops.bias import bias_index, table_size
 
-from .common import (describe, format_kernel_profile, grid_side, profiled, random_inputs,
-                     timed_call)
+from .common import (describe, format_kernel_profile, grid_side, mac_ratio, mita_call,
+                     profiled, random_inputs, timed_call)
 
 __all__ = ['mmcv_attention_core', 'auto_backend', 'op_header', 'op_rows', 'format_op_row',
            'op_bias_header', 'op_bias_rows', 'format_op_bias_row']
@@ -35,13 +34,13 @@ def auto_backend(head_dim, topk, device):
     return select_backend(Inputs(x, x, x, (1, 1), (1, 1), topk))
 
 
-def op_header(heads, head_dim, pool_size, topk, device):
+def op_header(heads, head_dim, setting, device):
     """The lines above the operator table: what runs, what the columns are, the header."""
     dev = torch.device(device)
-    auto = auto_backend(head_dim, topk, dev)
+    auto = auto_backend(head_dim, setting.topk, dev)
     lines = [
-        f'# operator: B=1, H={heads}, d={head_dim}, MiTA pool {pool_size}x{pool_size} '
-        f'(M={pool_size ** 2}), k={topk}; torch {torch.__version__}, {dev.type} '
+        f'# operator: B=1, H={heads}, d={head_dim}, MiTA {setting.text} ({setting.label}); '
+        f'torch {torch.__version__}, {dev.type} '
         f'({describe(dev)}); MiTA = the automatic backend ({auto}), blocked = the plain '
         'PyTorch one',
         '# ratio = time(alternative) / time(MiTA) measured in this run; '
@@ -54,14 +53,14 @@ def op_header(heads, head_dim, pool_size, topk, device):
     return lines + [header, '-' * len(header)]
 
 
-def _op_cases(tokens, dtypes, passes, heads, head_dim, pool_size, topk, dev, max_mmcv_gib):
+def _op_cases(tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gib):
     """The cases of the operator table: ``(N, dtype, pass, MAC ratio, runs)``, ``runs``
     the call of each alternative by name (None where skipped); the inputs live until the
     next case."""
     H, d = heads, head_dim
     for N in tokens:
         side = grid_side(N)
-        macs = attention_flops(1, H, N, d) / mita_flops(1, H, N, d, pool_size ** 2, topk)
+        macs = mac_ratio(setting, H, N, d)
         for dtype in dtypes:
             dt = getattr(torch, dtype)
             for pass_ in passes:
@@ -69,9 +68,8 @@ def _op_cases(tokens, dtypes, passes, heads, head_dim, pool_size, topk, dev, max
                 fns = {
                     'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
                     'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
-                    'MiTA': lambda: mita_attention(q, k, v, (side, side), pool_size, topk),
-                    'blocked': lambda: mita_attention(q, k, v, (side, side), pool_size,
-                                                      topk, backend='blocked'),
+                    'MiTA': lambda: mita_call(setting, q, k, v, side),
+                    'blocked': lambda: mita_call(setting, q, k, v, side, backend='blocked'),
                 }
                 # the mmcv path holds ~2 H N^2 floats: skip it where that does not fit
                 mmcv_bytes = 2 * H * N * N * dt.itemsize * (3 if pass_ == 'fwd+bwd' else 1)
@@ -83,7 +81,7 @@ def _op_cases(tokens, dtypes, passes, heads, head_dim, pool_size, topk, dev, max
                 del q, k, v, grad, runs
 
 
-def op_rows(tokens, dtypes, passes, heads, head_dim, pool_size, topk, device='cpu',
+def op_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',
             min_run_time=1.0, max_mmcv_gib=8.0, profile=False):
     """The operator table, a row (dict) per token count, dtype and pass: ``N``, ``dtype``,
     ``pass``, ``macs`` (softmax attention's multiply-adds over MiTA's), ``times`` and
@@ -95,8 +93,8 @@ def op_rows(tokens, dtypes, passes, heads, head_dim, pool_size, topk, device='cp
     (steady_allocator) glibc keeps memory resident that later peaks would reuse unseen.
     """
     dev = torch.device(device)
-    kernel = profile and auto_backend(head_dim, topk, dev) == 'fused_cpu'
-    args = (tokens, dtypes, passes, heads, head_dim, pool_size, topk, dev, max_mmcv_gib)
+    kernel = profile and auto_backend(head_dim, setting.topk, dev) == 'fused_cpu'
+    args = (tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gib)
     peaks = [{name: peak_memory_rise(run, dev)[1] for name, run in runs.items() if run}
              for *_, runs in _op_cases(*args)]
     for (N, dtype, pass_, macs, runs), mems in zip(_op_cases(*args), peaks):
@@ -127,16 +125,15 @@ def _bias_backends(dev):
     return ['fused_cpu', 'varlen'] if dev.type == 'cpu' else ['varlen']
 
 
-def op_bias_header(heads, head_dim, pool_size, topk, device):
+def op_bias_header(heads, head_dim, setting, device):
     """The lines above the table of :func:`op_bias_rows`."""
     dev = torch.device(device)
     backends = _bias_backends(dev)
     lines = [
-        f'# operator with relative position bias: B=1, H={heads}, d={head_dim}, MiTA pool '
-        f'{pool_size}x{pool_size} (M={pool_size ** 2}), k={topk}; torch '
-        f'{torch.__version__}, {dev.type} ({describe(dev)}); SDPA+B = SDPA with the dense '
-        '[H, N, N] bias gathered from the table in each call through a precomputed index '
-        '(as mmseg\'s BEiTAttention)',
+        f'# operator with relative position bias: B=1, H={heads}, d={head_dim}, MiTA '
+        f'{setting.text} ({setting.label}); torch {torch.__version__}, {dev.type} '
+        f'({describe(dev)}); SDPA+B = SDPA with the dense [H, N, N] bias gathered from the '
+        'table in each call through a precomputed index (as mmseg\'s BEiTAttention)',
         '# ms = median time; +B = with the bias; overhead = time(+B) / time(without), '
         'vs SDPA+B = time(SDPA+B) / time(MiTA backend +B), all in this run']
     cols = ['SDPA', 'SDPA+B'] + [n + s for n in backends for s in ('', '+B')]
@@ -146,7 +143,7 @@ def op_bias_header(heads, head_dim, pool_size, topk, device):
     return lines + [header, '-' * len(header)]
 
 
-def _bias_calls(q, k, v, side, table, pool_size, topk, backends, dt):
+def _bias_calls(q, k, v, side, table, setting, backends, dt):
     """The calls of a row of :func:`op_bias_rows` by column, each MiTA backend with and
     without the bias, SDPA without it and with the dense bias gathered from ``table``."""
     N, dev = q.shape[2], q.device
@@ -159,14 +156,13 @@ def _bias_calls(q, k, v, side, table, pool_size, topk, backends, dt):
             q, k, v, attn_mask=table[:, index].to(dt)),
     }
     for n in backends:
-        fns[n] = lambda n=n: mita_attention(q, k, v, (side, side), pool_size, topk,
-                                            backend=n)
-        fns[n + '+B'] = lambda n=n: mita_attention(
-            q, k, v, (side, side), pool_size, topk, backend=n, rel_pos_bias=bias)
+        fns[n] = lambda n=n: mita_call(setting, q, k, v, side, backend=n)
+        fns[n + '+B'] = lambda n=n: mita_call(setting, q, k, v, side, backend=n,
+                                              rel_pos_bias=bias)
     return fns
 
 
-def op_bias_rows(tokens, dtypes, passes, heads, head_dim, pool_size, topk, device='cpu',
+def op_bias_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',
                  min_run_time=1.0):
     """The operator with BEiT's relative position bias: the bias's overhead on each
     implementation, and MiTA against SDPA with the dense bias, all measured in one run. A
@@ -186,7 +182,7 @@ def op_bias_rows(tokens, dtypes, passes, heads, head_dim, pool_size, topk, devic
                 # float32 as the model's parameter (BEiT's tables train from zero to ~+-1)
                 table = torch.randn(H, table_size((side, side)), generator=g).to(
                     dev).requires_grad_(train)
-                fns = _bias_calls(q, k, v, side, table, pool_size, topk, backends, dt)
+                fns = _bias_calls(q, k, v, side, table, setting, backends, dt)
                 times = {}
                 for name, f in fns.items():
                     run = timed_call(f, pass_, (q, k, v) + ((table, ) if '+B' in name else ()),

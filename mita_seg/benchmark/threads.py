@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from mita_seg.analysis.timing import interleaved_medians
-from mita_seg.ops import mita_attention
 
-from .common import grid_side, random_inputs
+from .common import grid_side, mita_call, random_inputs
 
 __all__ = ['thread_counts', 'thread_header', 'thread_rows', 'format_thread_row']
 
@@ -17,11 +16,12 @@ def thread_counts(threads=None):
     return sorted({1, threads or torch.get_num_threads()})
 
 
-def thread_header(heads, head_dim, pool_size, topk, device='cpu', threads=None):
-    """The lines above the table of :func:`thread_rows`."""
+def thread_header(heads, head_dim, setting, device='cpu', threads=None):
+    """The lines above the table of :func:`thread_rows` (MiTA at ``setting``, a
+    :class:`~mita_seg.setting.MiTASetting`)."""
     dev_type = torch.device(device).type
-    lines = [f'# thread scaling: B=1, H={heads}, d={head_dim}, pool {pool_size}x{pool_size}, '
-             f'k={topk}, forward, no_grad; {dev_type}; SDPA and MiTA at '
+    lines = [f'# thread scaling: B=1, H={heads}, d={head_dim}, MiTA {setting.text} '
+             f'({setting.label}), forward, no_grad; {dev_type}; SDPA and MiTA at '
              f'{thread_counts(threads)} threads timed in turn (a call of each per round)']
     header = (f"{'N':>6} {'dtype':>8} {'threads':>7} | {'SDPA ms':>9} {'MiTA ms':>9} | "
               f"{'vs SDPA':>7} {'MiTA x':>7}")
@@ -35,8 +35,8 @@ def _on(threads, fn):
     return run
 
 
-def thread_rows(tokens, dtypes, heads, head_dim, pool_size, topk, device='cpu',
-                threads=None, min_run_time=1.0):
+def thread_rows(tokens, dtypes, heads, head_dim, setting, device='cpu', threads=None,
+                min_run_time=1.0):
     """SDPA and MiTA timed in turn on one thread and on ``threads`` (all of them in each
     round, so the host's drift falls on every figure alike): whether MiTA's ratio to SDPA
     holds with more threads. A row (dict) per token count, dtype and thread count: ``N``,
@@ -50,7 +50,7 @@ def thread_rows(tokens, dtypes, heads, head_dim, pool_size, topk, device='cpu',
         for dtype in dtypes:
             q, k, v, _, _ = random_inputs(H, N, d, dev, getattr(torch, dtype), False)
             fns = [lambda: F.scaled_dot_product_attention(q, k, v),
-                   lambda: mita_attention(q, k, v, (side, side), pool_size, topk)]
+                   lambda: mita_call(setting, q, k, v, side)]
             runs = [_on(t, fn) for t in counts for fn in fns]
             with torch.no_grad():
                 times = interleaved_medians(runs, min_run_time, rounds=5, device=dev)

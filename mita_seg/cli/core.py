@@ -2,18 +2,20 @@
 one ``error:`` line of a user error (:func:`run_tool`). Imports no torch and no mm stack,
 so a tool parses its arguments, and refuses a bad one, before it imports what it runs.
 
-- Arguments wrong on their own are refused while parsing, with argparse's usage line and
-  exit status 2, before anything is imported, built or loaded: the argument types below
-  (:func:`input_file`, :func:`config_file`, :func:`checkpoint_file`, :func:`image_file`,
-  :func:`output_file`, :func:`output_dir`, :func:`int_range`, :func:`float_range`,
-  :func:`device_name`) and :class:`KeyValueAction` (``--cfg-options``; ``--mita-cfg``
-  builds on it). Each message names the argument, the value, and what to give instead.
+- Arguments wrong on their own are refused while parsing, with one ``error: <message>``
+  line and exit status 2, before anything is imported, built or loaded: the argument types
+  below (:func:`input_file`, :func:`config_file`, :func:`checkpoint_file`,
+  :func:`image_file`, :func:`output_file`, :func:`output_dir`, :func:`int_range`,
+  :func:`float_range`, :func:`device_name`) and :class:`KeyValueAction` (``--cfg-options``;
+  ``--mita-cfg`` builds on it), through the tool's :class:`ToolParser` (argparse's parser
+  without the usage block). Each message names the argument, the value, and what to give
+  instead.
 - Errors a user fixes by changing the command line, the config or the checkpoint but that
   show only once a file is read or a model built (:func:`user_errors`: a config that does
   not parse, a file that is no image or no checkpoint, a checkpoint that does not fit, a
   ``--cfg-options`` value the model cannot be built with, a layer that does not exist...)
-  end the tool through :func:`run_tool` with one ``error: <message>`` line and exit status
-  1. Library code raises them without importing this module
+  end the tool through :func:`run_tool` with the same ``error: <message>`` line and exit
+  status 1. Library code raises them without importing this module
   (:class:`~mita_seg.utils.errors.InputError` and the error classes of its modules).
 
 Output paths are checked while parsing too (:func:`output_file`, :func:`output_dir`): a
@@ -25,6 +27,7 @@ computed.
 import argparse
 import os
 import os.path as osp
+import re
 import shlex
 import sys
 import tempfile
@@ -34,10 +37,10 @@ from mita_seg.utils.errors import InputError
 from mita_seg.utils.stack_noise import is_stack_noise, quiet_stack
 
 __all__ = [
-    'InputError', 'user_errors', 'run_tool', 'input_file', 'config_file', 'checkpoint_file',
-    'image_file', 'output_file', 'output_dir', 'int_range', 'float_range', 'device_name',
-    'KeyValueAction', 'DeferredHelp', 'quiet_stack', 'is_stack_noise', 'ensure_parent',
-    'python_command'
+    'InputError', 'user_errors', 'run_tool', 'ToolParser', 'print_error', 'input_file',
+    'config_file', 'checkpoint_file', 'image_file', 'output_file', 'output_dir', 'int_range',
+    'float_range', 'device_name', 'KeyValueAction', 'DeferredHelp', 'quiet_stack',
+    'is_stack_noise', 'ensure_parent', 'python_command'
 ]
 
 # What a user fixes by changing the command line, the config or the checkpoint, by module.
@@ -69,6 +72,11 @@ def user_errors() -> Tuple[type, ...]:
     return tuple(found)
 
 
+def print_error(message: str) -> None:
+    """Print the one shape of every tool error: ``error: <message>`` on stderr."""
+    print(f'error: {message}', file=sys.stderr, flush=True)
+
+
 def run_tool(main: Callable[[], object]) -> None:
     """Run a tool's ``main()``; a user error (:func:`user_errors`) prints
     ``error: <message>`` and exits with status 1."""
@@ -80,8 +88,24 @@ def run_tool(main: Callable[[], object]) -> None:
         msg = str(e)
         if isinstance(e, OSError) and e.filename is not None and e.strerror:
             msg = f'{e.filename}: {e.strerror}'     # not "[Errno 21] Is a directory: 'x'"
-        print(f'error: {msg}', file=sys.stderr)
+        print_error(msg)
         sys.exit(1)
+
+
+# argparse's "argument NAME: " before a message that starts with NAME itself
+_NAMED_TWICE = re.compile(r'^argument (\S+): (?=\1[ :])')
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse's parser whose errors have the one shape of every tool error: a usage
+    error (an argument wrong on its own, a missing or unknown one, a bad combination) prints
+    ``error: <message>`` on stderr, no usage block, and exits with status 2 (``--help``
+    shows the usage); argparse's ``argument --out: --out 'x' ...`` names the argument once.
+    Every tool builds its parser from this class."""
+
+    def error(self, message: str):
+        print_error(_NAMED_TWICE.sub('', message))
+        self.exit(2)
 
 
 # --------------------------------------------------------------------------- paths in

@@ -17,10 +17,10 @@ fit to the model when the model is built (exit status 1). :func:`swap_settings` 
 :func:`~mita_seg.swap_attention`.
 """
 import argparse
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from mita_seg.apis.mita_cfg import check_mita_cfg, mita_cfg_rules
-from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_KEYS, MiTASetting,
+from mita_seg.setting import (MITA, MITA_DEFAULTS, MITA_KEYS, SETTING_KEYS, MiTASetting,
                               MiTASettingError)
 from .core import DeferredHelp, KeyValueAction
 
@@ -66,7 +66,7 @@ class MiTACfgAction(KeyValueAction):
 def swap_attn_arg(text: str):
     """``--swap-attn``'s ``type``: ``'none'``, ``'mita'`` or a setting
     (:meth:`~mita_seg.setting.MiTASetting.parse`: a bad one is a usage error)."""
-    if text in ('none', 'mita'):
+    if text in ('none', MITA):
         return text
     try:
         return MiTASetting.parse(text)
@@ -187,6 +187,60 @@ def swap_settings(parser: argparse.ArgumentParser,
             return dict(rest, setting=swap.replace(**keys))
         except MiTASettingError as e:
             parser.error(f'--swap-attn {swap.text} with --mita-cfg: {e}')
-    if swap == 'mita' or args.mita_cfg is not None:
+    if swap == MITA or args.mita_cfg is not None:
         return dict(args.mita_cfg or {})
     return None
+
+
+class SweepSwaps(NamedTuple):
+    """What a sweep's ``--swap-attn`` / ``--mita-cfg`` / ``--mita-plan`` ask for
+    (:func:`sweep_swaps`).
+
+    Attributes:
+        grid_cfg (dict): ``--mita-cfg``'s MiTA keys (``router_topk``...), over every
+            ``(pool size, top-k)`` of the grid.
+        swap_cfg (dict): its layer keys (``layers``, ``include_head``), for every swap.
+        settings (list[MiTASetting]): whole settings to sweep besides the grid: the one of
+            ``--swap-attn`` (any kind, ``--mita-cfg``'s keys over it, as
+            :func:`swap_settings` reads it), then ``more``.
+        plans (list[SwapPlan]): the plan of ``--mita-plan``, if any.
+    """
+    grid_cfg: Dict[str, Any]
+    swap_cfg: Dict[str, Any]
+    settings: List[MiTASetting]
+    plans: List[Any]
+
+
+def sweep_swaps(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                pool_sizes: Sequence[int], more: Sequence[MiTASetting] = ()) -> SweepSwaps:
+    """The swaps of a tool that sweeps MiTA's ``(pool size, top-k)`` grid
+    (``tools/swap_sweep.py``; :func:`add_mita_args` with ``swap_flag=False`` and
+    ``exclude=('pool_size', 'topk')``): :func:`swap_settings` reads ``--swap-attn``,
+    ``--mita-cfg`` and ``--mita-plan`` as every tool does, and a whole setting or a plan
+    becomes one more point of the sweep.
+
+    Raises:
+        SystemExit: what :func:`swap_settings` refuses; a key of another kind in
+            ``--mita-cfg`` (``window=5``) without a whole setting of that kind; a
+            ``router_topk`` above the ``M`` landmarks of one of ``pool_sizes`` (usage
+            errors, status 2).
+    """
+    from mita_seg.setting import MITA_KEYS, SETTING_KEYS
+    swap = swap_settings(parser, args) or {}
+    mita_cfg = dict(args.mita_cfg or {})
+    whole = isinstance(getattr(args, 'swap_attn', None), MiTASetting)
+    others = [k for k in mita_cfg if k in SETTING_KEYS and k not in MITA_KEYS]
+    if others and not whole:
+        parser.error(f'--mita-cfg {others[0]}={mita_cfg[others[0]]!r}: the swept grid '
+                     '(pool sizes x top-ks) is MiTA\'s, which has no such key; give it with '
+                     'a whole setting of its kind (--swap-attn agent:7, block:8:4, window:7...)')
+    if mita_cfg:     # router_topk at most the M = P*P landmarks of every pool swept
+        try:
+            check_mita_cfg(mita_cfg, ('pool_size', 'topk'), pool_sizes=pool_sizes)
+        except ValueError as e:
+            parser.error(f'--mita-cfg with --pool-sizes {min(pool_sizes)}: {e}')
+    return SweepSwaps(
+        grid_cfg={k: v for k, v in mita_cfg.items() if k in MITA_KEYS},
+        swap_cfg={k: v for k, v in mita_cfg.items() if k not in SETTING_KEYS},
+        settings=([swap['setting']] if whole else []) + list(more),
+        plans=[swap['plan']] if 'plan' in swap else [])

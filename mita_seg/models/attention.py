@@ -55,6 +55,10 @@ class MiTASettingsMixin:
         image of at least one patch). A reduction is logged once per setting, by an eager
         forward (a ``torch.compile``'d one skips the log rather than break its graph)."""
         asked = self.setting
+        if torch.jit.is_tracing():   # a jit trace (FLOP counting) sees sizes as tensors
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore', torch.jit.TracerWarning)
+                num_tokens, hw_shape = int(num_tokens), tuple(int(s) for s in hw_shape)
         ran = asked.fit(hw_shape, num_tokens)
         if ran == asked:
             return asked
@@ -285,6 +289,7 @@ def _log_once(message: str, *key) -> None:
     if key not in _ADAPTED:
         _ADAPTED.add(key)
         print_log(message, logger='current')
+
 
 def layer_indices(num_layers: int, layers: Optional[Iterable[int]],
                   name: str = 'layers') -> List[int]:

@@ -19,7 +19,8 @@ it; ``swap_attention`` swaps ``<owner>.layers.<i>.attn``); ``setting`` is ``"den
 layer keeps softmax attention) or a setting of any kind as
 :meth:`~mita_seg.setting.MiTASetting.cfg` writes it (``kind`` and the keys that kind reads;
 MiTA's :data:`~mita_seg.models.MITA_KEYS` without ``kind``; those not given are the
-defaults, a key the kind does not read an error). A layer entry may carry more keys (``error``, ``gflops``).
+defaults, a key the kind does not read an error). A layer entry may carry more keys
+(``error``, ``gflops``).
 A plan names every swappable attention layer of its model: applied to a model with other
 layers it is an error naming them.
 """

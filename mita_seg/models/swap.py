@@ -116,8 +116,9 @@ def swap_attention(model: nn.Module,
     ``'block:8:4'``, ``'topk:49'``, ``'window:7'``) or as a
     :class:`~mita_seg.setting.MiTASetting`; the other kinds of attention than MiTA are the
     paper's taxonomy, training-free on the same parameters (ViT family and Segmenter's head;
-    BEiT/MAE take MiTA only). The setting is checked once, here (a
-    :class:`~mita_seg.setting.MiTASetting` when it was made), and travels as that object.
+    BEiT/MAE take MiTA only). The setting is checked when it is made (single keys: here,
+    before the model changes) and travels whole: every layer swapped now holds that very
+    object.
 
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair, landmarks, pair
-from .selected_keys import no_bias as _no_bias, attend_grid, check_grid_args
+from .selected_keys import attend_grid, check_grid_args, no_bias
 
 __all__ = ['agent_attention', 'attend_setting']
 
@@ -79,7 +79,7 @@ def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
     """``agent`` attention of a setting (:class:`~mita_seg.setting.MiTASetting`: its
     ``pool_size``, at most the grid, and ``shared_scale``), every token off the grid global
     (:func:`mita_seg.ops.attend`)."""
-    _no_bias('agent', rel_pos_bias)
+    no_bias('agent', rel_pos_bias)
     (h, w), (ph, pw) = pair(hw_shape, 'hw_shape'), pair(setting.pool_size, 'pool_size')
     return agent_attention(q, k, v, (h, w), (min(ph, h), min(pw, w)), num_prefix_tokens,
                            setting.shared_scale)

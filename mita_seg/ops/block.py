@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .routing import IntPair, pair
-from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import (attend_grid, attend_selected, check_count, check_grid_args,
+                            no_bias)
 
 __all__ = ['block_attention', 'block_tables', 'attend_setting']
 
@@ -131,6 +132,6 @@ def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
                    rel_pos_bias=None) -> Tensor:
     """``block`` attention of a setting (its ``block_size``, ``num_blocks``), every token off
     the grid global (:func:`mita_seg.ops.attend`)."""
-    _no_bias('block', rel_pos_bias)
+    no_bias('block', rel_pos_bias)
     return block_attention(q, k, v, hw_shape, setting.block_size, setting.num_blocks,
                            num_prefix_tokens)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair
-from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import (attend_grid, attend_selected, check_count, check_grid_args,
+                            no_bias)
 
 __all__ = ['topk_attention', 'attend_setting']
 
@@ -71,5 +72,5 @@ def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
                    rel_pos_bias=None) -> Tensor:
     """``topk`` attention of a setting (its ``topk``), every token off the grid global
     (:func:`mita_seg.ops.attend`)."""
-    _no_bias('topk', rel_pos_bias)
+    no_bias('topk', rel_pos_bias)
     return topk_attention(q, k, v, hw_shape, setting.topk, num_prefix_tokens)

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .routing import IntPair, pair
-from .selected_keys import no_bias as _no_bias, attend_grid, attend_selected, check_count, check_grid_args
+from .selected_keys import (attend_grid, attend_selected, check_count, check_grid_args,
+                            no_bias)
 
 __all__ = ['window_attention', 'neighbour_table', 'attend_setting']
 
@@ -88,5 +89,5 @@ def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
                    rel_pos_bias=None) -> Tensor:
     """``window`` attention of a setting (its ``window``), every token off the grid global
     (:func:`mita_seg.ops.attend`)."""
-    _no_bias('window', rel_pos_bias)
+    no_bias('window', rel_pos_bias)
     return window_attention(q, k, v, hw_shape, setting.window, num_prefix_tokens)

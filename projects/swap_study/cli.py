@@ -1,11 +1,71 @@
 """The command line of ``tools/swap_study.py``: the argument types of its settings
-(``7:49+tome0.5``, plan budgets, calibration candidates) and the arguments of
-:class:`~projects.swap_study.settings.StudySettings`' fields, their defaults the settings'."""
+(``7:49+tome0.5``, plan budgets, calibration candidates, numbers in a range) and the arguments
+of :class:`~projects.swap_study.settings.StudySettings`' fields, their defaults the settings'.
+The project's own argparse types (``mita_seg.cli`` is the tools' command line, not a library
+a project builds on), with the messages of the tools' types; no torch or mm stack at import."""
 import argparse
+from typing import Callable, Optional
 
-from mita_seg.cli import float_range, int_range, merge_ratio, setting_arg, setting_or_dense_arg
-from mita_seg.setting import KINDS, MiTASetting, MiTASettingError
+from mita_seg.setting import MITA, OTHER_KINDS, MiTASetting, MiTASettingError
 from .settings import MODEL_TRAIN_ITERS, default
+
+__all__ = ['int_range', 'float_range', 'setting_arg', 'merge_ratio', 'merged_swap', 'spelled',
+           'plan_budget', 'train_iters', 'mita_budget', 'add_study_args']
+
+
+def _number_range(cast: type, low=None, high=None, low_open: bool = False) -> Callable:
+    """An argparse ``type``: ``cast(text)`` in ``[low, high]`` (``(low, high]`` with
+    ``low_open``; a bound None is open), else a usage error naming the text and the bounds."""
+    bounds = ' and '.join(([f'{">" if low_open else ">="} {low}'] if low is not None else [])
+                          + ([f'<= {high}'] if high is not None else []))
+
+    def check(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f'{text!r} is not {"an int" if cast is int else "a number"}'
+                + (f' ({bounds})' if bounds else '')) from None
+        if value != value or (low is not None and (value < low or (low_open and value == low))) \
+                or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f'{text!r}: must be {bounds}')
+        return value
+    check.__name__ = cast.__name__
+    return check
+
+
+def int_range(low: Optional[int] = None, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[low, high]`` (a bound None is open)."""
+    return _number_range(int, low, high)
+
+
+def float_range(low: Optional[float] = None, high: Optional[float] = None,
+                low_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``; a bound None is open)."""
+    return _number_range(float, low, high, low_open)
+
+
+def setting_arg(text: str) -> MiTASetting:
+    """An argparse ``type``: :meth:`MiTASetting.parse` (a bad one is a usage error)."""
+    try:
+        return MiTASetting.parse(text)
+    except MiTASettingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def merge_ratio(text: str) -> float:
+    """An argparse ``type``: a ToMe merge ratio, a number in ``[0, 0.5]``
+    (:func:`mita_seg.ops.token_merge.check_ratio`, imported when one is given)."""
+    from mita_seg.ops.token_merge import MAX_MERGE_RATIO, check_ratio
+    try:
+        return check_ratio(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            str(e) if 'outside' in str(e) else
+            f'{text!r} is not a number: give the fraction of grid tokens merged, in '
+            f'[0, {MAX_MERGE_RATIO}], e.g. 0.3') from None
+
 
 def merged_swap(text):
     """``'7:49+tome0.5'`` -> ``(MiTASetting 7:49, 0.5)``: MiTA with ToMe at ratio 0.5."""
@@ -26,7 +86,10 @@ def merged_swap(text):
 
 def spelled(text):
     """A candidate: ``dense`` or a MiTA setting, as its spelling."""
-    setting = setting_or_dense_arg(text)
+    try:
+        setting = MiTASetting.parse_or_dense(text)
+    except MiTASettingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return 'dense' if setting is None else setting.text
 
 
@@ -55,7 +118,7 @@ def train_iters(text):
 def mita_budget(text):
     """A MiTA setting (``7:49``) whose attention MACs are a budget of the taxonomy."""
     setting = setting_arg(text)
-    if setting.kind != 'mita':
+    if setting.kind != MITA:
         raise argparse.ArgumentTypeError(f'{text!r}: a budget is a MiTA setting (7:49), the '
                                          'other kinds are matched to its cost')
     return setting
@@ -103,7 +166,7 @@ def add_study_args(add):
         metavar='P:K', help='budgets of the taxonomy: each of --kinds, MiTA and ToMe at the '
         "encoder attention MACs of each of these MiTA settings (none: no such rows)")
     add('--kinds', nargs='+', default=list(D('kinds')),
-        choices=[k for k in KINDS if k != 'mita'], help='attention kinds set beside MiTA')
+        choices=list(OTHER_KINDS), help='attention kinds set beside MiTA')
     add('--plan-budgets', type=plan_budget, nargs='*', default=list(D('plan_budgets')),
         metavar='P:K|tome', help='FLOP budgets of the calibrated per-layer plans (none: no '
         'plans)')

@@ -13,9 +13,12 @@ from mita_seg.evaluation import ACCURACY_KEYS
 from mita_seg.setting import MiTASetting
 
 from .settings import DATASETS, LONGRANGE_SEGMENTER, StudySettings
-from .study import ONE_KEY, data_options, evaluate, schedule, train
+from .runner import data_options, evaluate
+from .sweep import ONE_KEY
+from .training import schedule, train
 
-__all__ = ['NO_MIXING', 'LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination', 'format_check']
+__all__ = ['NO_MIXING', 'LONGRANGE_CONFIGS', 'LONGRANGE_ROOT', 'check_discrimination',
+           'format_check', 'run_check']
 
 LONGRANGE_ROOT = DATASETS['longrange'].data_root
 # the pair: (the model's directory under WORK_DIR, its config); the unswapped model's is the
@@ -46,7 +49,7 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
 
     Returns:
         dict: ``seed``, ``iters``, and per model (``unswapped``, ``local window``) the
-        test row of :func:`~projects.swap_study.study.evaluate` with ``train_seconds``;
+        test row of :func:`~projects.swap_study.runner.evaluate` with ``train_seconds``;
         ``no mixing``: the unswapped model swapped to each of :data:`NO_MIXING` without
         retraining, ``{spelling: test row}``.
     """

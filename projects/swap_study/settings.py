@@ -1,13 +1,14 @@
 """The swap study's settings and defaults, with no torch or mmengine import (the command,
 ``tools/swap_study.py``, parses against them before the stack is loaded):
-:class:`StudySettings` (what the study runs, its defaults the command's) and the defaults of
-the study as ``make swap-study`` runs it (its models, data and work dir)."""
+:class:`StudySettings` (what the study runs, its defaults the command's), the defaults of
+the study as ``make swap-study`` runs it (its models, data and work dir) and a setting in file
+names (:func:`tag_of`)."""
 import json
 import os.path as osp
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
-from mita_seg.setting import CALIBRATION_CANDIDATES, KINDS, MiTASetting
+from mita_seg.setting import CALIBRATION_CANDIDATES, MITA, OTHER_KINDS, MiTASetting
 
 # the calibration's per-layer candidates in the study: finer steps of cost than
 # calibrate_swap's default (P 4/5/7 x k 16/49/100), so that the knapsack has settings to trade
@@ -16,6 +17,9 @@ STUDY_CANDIDATES = ('dense', ) + tuple(
     f'{p}:{k}' for p in (4, 5, 6, 7, 8, 9, 10) for k in (8, 16)) + ('7:49', '4:16:route',
                                                                     '7:16:route')
 PAPER = MiTASetting.parse('7:49')   # the paper's M = k = 49
+# the paper's compression: 42% fewer model FLOPs (the sweep gets MiTA settings there, at the
+# pool side each model's own FLOP count puts nearest it; the taxonomy and the plans a budget)
+PAPER_REDUCTION = 0.42
 
 # The study as `make swap-study` runs it (tools/swap_study.py's defaults beyond the settings'):
 # its models, standard-attention configs on the 256x256 data (32x32 grid, N = 1025 with cls),
@@ -91,8 +95,9 @@ class StudySettings:
         control (bool): also train the unswapped model for ``finetune_iters`` more
             iterations (what the fine-tune gains from training alone). Default: True.
         exact_check (bool): evaluate route-only MiTA with every key (must equal the
-            unswapped mIoU) and the destructive control, every token reading one key
-            (``1:1:route``). Default: True.
+            unswapped mIoU) and the destructive controls, every token reading one key
+            (``1:1:route``) and each token alone (``window:1``, on the models whose
+            attention runs windows; a note names the others). Default: True.
         selection (MiTASetting, optional): the setting of the token-selection maps; None
             for none. Default: ``7:49``.
         selection_images (int): validation images mapped. Default: 2.
@@ -107,13 +112,28 @@ class StudySettings:
             ToMe (the MLPs of MiTA layers merged). Default: ((``7:49``, 0.5), ).
         kind_budgets (tuple[MiTASetting]): the budgets of the taxonomy's comparison: each
             attention kind of ``kinds`` (and MiTA, and ToMe) at the encoder's attention MACs
-            of each of these MiTA settings (:mod:`projects.swap_study.kinds`); none for no
-            comparison. Default: (``7:49``, ``7:16``, ``4:16``).
+            of each of these MiTA settings (:mod:`projects.swap_study.kinds`), then the
+            paper's compression (``paper_reduction``); none for no comparison.
+            Default: (``7:49``, ``7:16``, ``4:16``).
         kinds (tuple[str]): the attention kinds compared with MiTA.
             Default: ('agent', 'block', 'topk', 'window').
         plan_budgets (tuple[str]): FLOP budgets of the calibrated plans: a setting (``7:49``)
             the FLOPs of every layer on it, ``'tome'`` the reduction of the largest ToMe
-            ratio. Default: ('7:49', '7:16', '4:16', 'tome').
+            ratio; then the paper's compression (``paper_reduction``); none for no plans.
+            Default: ('7:49', '7:16', '4:16', 'tome').
+        paper_reduction (float): the paper's compression, a fraction of the
+            unswapped model's FLOPs: for each k of ``paper_topks`` the sweep adds the MiTA
+            setting (square pool) whose model FLOPs come nearest it, found on each model's
+            own FLOP count (:func:`projects.swap_study.sweep.paper_settings`); the first
+            (the paper's k = 49) is also a budget of the taxonomy (when ``kind_budgets``
+            has any) and of the plans (when ``plan_budgets`` has any). 0 for none.
+            Default: :data:`PAPER_REDUCTION` (0.42).
+        paper_topks (tuple[int]): the k of those settings. Default: (49, 16, 100).
+        plans_across_kinds (bool): also calibrate, at each plan budget, a plan whose
+            per-layer candidates add to the MiTA ones each other kind of ``kinds`` at its
+            setting nearest each budget that is a setting (attention MACs:
+            :func:`mita_seg.analysis.equal_cost.settings_near`), so that layers may get
+            different kinds. Default: True.
         calibration_images (int): training images each plan is calibrated on. Default: 16.
         calibration_counts (tuple[int]): further image counts, calibrated at the first
             budget only (how the plan moves with the images). Default: (4, 8).
@@ -155,8 +175,11 @@ class StudySettings:
     merged_swaps: Tuple[Tuple[MiTASetting, float], ...] = ((PAPER, 0.5), )
     kind_budgets: Tuple[MiTASetting, ...] = tuple(MiTASetting.parse(b)
                                                   for b in ('7:49', '7:16', '4:16'))
-    kinds: Tuple[str, ...] = ('agent', 'block', 'topk', 'window')
+    kinds: Tuple[str, ...] = OTHER_KINDS
     plan_budgets: Tuple[str, ...] = ('7:49', '7:16', '4:16', 'tome')
+    paper_reduction: float = PAPER_REDUCTION
+    paper_topks: Tuple[int, ...] = (49, 16, 100)
+    plans_across_kinds: bool = True
     calibration_images: int = 16
     calibration_counts: Tuple[int, ...] = (4, 8)
     calibration_candidates: Optional[Tuple[str, ...]] = STUDY_CANDIDATES
@@ -207,13 +230,19 @@ class StudySettings:
             if bad:
                 raise ValueError(f'{name}: {bad[0]!r} is not a MiTASetting; give e.g. '
                                  "MiTASetting.parse('7:49')")
-        if any(b.kind != 'mita' for b in self.kind_budgets):
+        if any(b.kind != MITA for b in self.kind_budgets):
             raise ValueError(f'kind_budgets: give MiTA settings (7:49), got '
                              f"{' '.join(b.text for b in self.kind_budgets)}")
-        bad = sorted(k for k in self.kinds if k not in KINDS or k == 'mita')
+        bad = sorted(k for k in self.kinds if k not in OTHER_KINDS)
         if bad:
-            raise ValueError(f'kinds: {bad}: give some of '
-                             f"{', '.join(k for k in KINDS if k != 'mita')} (MiTA is always in)")
+            raise ValueError(f"kinds: {bad}: give some of {', '.join(OTHER_KINDS)} (MiTA is "
+                             'always in)')
+        if not 0 <= self.paper_reduction < 1 or (self.paper_reduction and not (
+                self.paper_topks and all(isinstance(k, int) and k >= 1
+                                         for k in self.paper_topks))):
+            raise ValueError('paper_reduction must be in [0, 1) (0.42: 42% fewer model FLOPs; '
+                             '0: none), with paper_topks ints >= 1; got '
+                             f'{self.paper_reduction} and {self.paper_topks}')
         if self.finetune_lr_mult <= 0 or self.speed_min_run_time <= 0:
             raise ValueError('finetune_lr_mult and speed_min_run_time must be > 0, got '
                              f'{self.finetune_lr_mult} and {self.speed_min_run_time}')
@@ -274,6 +303,12 @@ def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def tag_of(setting: MiTASetting) -> str:
+    """A setting in file names: ``p7_k49``, ``p4x6_k16``, ``p7_k49_route``."""
+    text = setting.text.replace(':route', '_route').replace(':', '_k')
+    return 'p' + text.replace(' ', '_').replace('=', '')
 
 
 def default(name: str) -> Any:

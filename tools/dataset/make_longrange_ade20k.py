@@ -15,6 +15,7 @@ import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+from mita_seg.cli import ToolParser  # noqa: E402
 from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, DEFAULT_LAYOUT, KINDS,  # noqa: E402
                                                 LAYOUTS, classes, make_split, preview,
                                                 write_scenes_file)
@@ -30,7 +31,7 @@ def parse_kinds(text: str) -> Tuple[str, ...]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         description='Write a synthetic ADE20K-layout dataset whose labels need long-range '
         'evidence (a global cue, retrieval of a distant object, fine detail)')
     parser.add_argument('--out', default='data/ade/longrange_ade20k', help='output folder')

@@ -15,7 +15,6 @@ Usage::
 
     python tools/dataset/make_tiny_ade20k.py --out data/ade/tiny_ade20k --train 200 --val 40
 """
-import argparse
 import os
 import os.path as osp
 import sys
@@ -124,8 +123,8 @@ def make_split(out: str, split: str, num: int, size: int, seed: int) -> None:
 
 def parse_args(argv=None):
     sys.path.insert(0, ROOT)
-    from mita_seg.cli import output_dir   # a folder that can be written, checked while parsing
-    parser = argparse.ArgumentParser(description='Write a tiny synthetic ADE20K-layout dataset')
+    from mita_seg.cli import ToolParser, output_dir   # a folder that can be written
+    parser = ToolParser(description='Write a tiny synthetic ADE20K-layout dataset')
     parser.add_argument('--out', type=output_dir('--out'), default='data/ade/tiny_ade20k',
                         help='output folder')
     parser.add_argument('--train', type=int, default=200, help='training images')

@@ -39,67 +39,26 @@ mean biases are box sums of the 2-D table (an integral image in float64, as
 :func:`mita_seg.ops.bias.landmark_bias` computes them), and each routed logit's bias is read
 from the table at the index mmseg's ``relative_position_index`` would hold.
 
-The package is in two parts. This module holds what needs torch alone (the settings, the
-error, the routing-aware tie check, :func:`mita_translation_table`); :mod:`.graph` builds the
-graph, importing ``onnxscript`` at its top, and is imported only when a table is built
-(:func:`mita_translation_table`), so ``import mita_seg.ops.onnx`` works without onnxscript.
+The package is in three parts, each importing only those before it. :mod:`.common` holds
+what both others need, with torch alone (the settings, the error, the landmarks' averaging
+matrices, the tile size, why a call cannot be translated); this module adds the routing-aware
+tie check and :func:`mita_translation_table`, and re-exports :mod:`.common`'s names;
+:mod:`.graph` builds the graph, importing ``onnxscript`` at its top, and is imported only when a
+table is built (:func:`mita_translation_table`), so ``import mita_seg.ops.onnx`` works without
+onnxscript.
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..bias import RelPosBias, landmark_bias
-from ..blocked import default_block_size
 from ..global_tokens import split_tokens
 from ..routing import mita_routing
+from .common import (FORMULATIONS, TIE_RTOL, OnnxExportError, onnx_block_size,
+                     onnx_unsupported, pool_matrix)
 
 __all__ = ['OnnxExportError', 'FORMULATIONS', 'TIE_RTOL', 'pool_matrix',
            'mita_translation_table', 'onnx_unsupported', 'onnx_block_size', 'routing_ties']
-
-FORMULATIONS = ('tiles', 'gather')
-# A routing decision is a near-tie when its margin is at most this share of the largest
-# |score| (|router logit|) of its batch item and head: float32 rounding of the scores is
-# about 1e-7 of them, so two correct implementations may decide such a row either way.
-TIE_RTOL = 1e-5
-
-
-class OnnxExportError(ValueError):
-    """A MiTA call (or an environment) the ONNX translation cannot export; the message says
-    what to change."""
-
-
-def pool_matrix(hw_shape: Tuple[int, int], pool_size: Tuple[int, int]) -> np.ndarray:
-    """``[Ph*Pw, h*w]`` float32: row ``m`` averages landmark ``m``'s region of the row-major
-    grid, the regions of ``adaptive_avg_pool2d`` (``[floor(i h / P), ceil((i + 1) h / P))``)."""
-    (h, w), (ph, pw) = hw_shape, pool_size
-    P = np.zeros((ph, pw, h, w), np.float32)
-    for i in range(ph):
-        r0, r1 = (i * h) // ph, -(-((i + 1) * h) // ph)
-        for j in range(pw):
-            c0, c1 = (j * w) // pw, -(-((j + 1) * w) // pw)
-            P[i, j, r0:r1, c0:c1] = 1.0 / ((r1 - r0) * (c1 - c0))
-    return P.reshape(ph * pw, h * w)
-
-
-def onnx_block_size(num_tokens: int, router_topk: int, num_experts: int) -> int:
-    """Tile size ``T`` of the ONNX graph: four times the blocked backend's choice
-    (:func:`~mita_seg.ops.blocked.default_block_size`), in ``[8, 64]`` (16 at N = 1025, 64 at
-    N = 4097 with 49 experts): ONNX Runtime runs a batched MatMul as one small GEMM per tile,
-    whose call costs more than padding slots."""
-    return int(min(64, max(8, 4 * default_block_size(num_tokens * router_topk, num_experts))))
-
-
-def onnx_unsupported(dtype: torch.dtype, shape: Tuple[int, ...]) -> List[str]:
-    """Why a MiTA call of these inputs cannot be translated (empty when it can)."""
-    why = []
-    if dtype != torch.float32:
-        why.append(f'the ONNX translation runs float32 inputs, got {dtype}: export the '
-                   'model in float32')
-    if len(shape) != 4 or not all(isinstance(s, int) for s in shape):
-        why.append(f'the ONNX translation needs static shapes [B, H, N, d], got {shape}: '
-                   'export with a fixed input shape (no dynamic_shapes)')
-    return why
 
 
 def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],

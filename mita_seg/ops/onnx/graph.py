@@ -22,7 +22,7 @@ from onnxscript import opset18 as op
 from .. import mita  # noqa: F401  (registers torch.ops.mita_seg.mita_attention)
 from ..bias import table_size
 from ..blocked import num_tiles
-from . import OnnxExportError, onnx_block_size, onnx_unsupported, pool_matrix
+from .common import OnnxExportError, onnx_block_size, onnx_unsupported, pool_matrix
 
 __all__ = ['Call', 'Values', 'translation_table', 'mita_call_graph', 'mita_graph']
 

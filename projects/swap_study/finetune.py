@@ -1,0 +1,62 @@
+"""Stage 4 of the study: the swap at each fine-tune setting written as a MiTA config +
+checkpoint pair (:func:`~mita_seg.apis.export_swapped`, ``tools/export_swapped.py``) and
+fine-tuned with the Runner; as a control, the unswapped model trained for the same
+iterations from the same checkpoint with the same schedule."""
+import os.path as osp
+
+from mita_seg.apis import export_swapped, load_config
+from mita_seg.setting import MiTASetting
+from .model_study import ModelStudy
+from .rows import study_row
+from .runner import evaluate
+from .settings import tag_of
+from .training import schedule, train
+
+__all__ = ['run', 'control']
+
+
+def run(study: ModelStudy, setting: MiTASetting) -> None:
+    """Export the swap at ``setting`` (:func:`~mita_seg.apis.export_swapped`) and fine-tune
+    it."""
+    s, tag = study.s, tag_of(setting)
+    ft_dir = osp.join(study.work_dir, f'finetune_{tag}')
+
+    def do_finetune():
+        out_cfg, out_ckpt = export_swapped(study.config, study.ckpt,
+                                           osp.join(ft_dir, 'export'), setting.cfg(),
+                                           study.opts)
+        cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
+        ft_ckpt, ft_s, _ = train(cfg, osp.join(ft_dir, 'train'), s.verbose, s.reuse)
+        values = evaluate(load_config(out_cfg), ft_ckpt, osp.join(ft_dir, 'test'), s)
+        return dict(values, exported=[out_cfg, out_ckpt], checkpoint=ft_ckpt,
+                    seconds=round(ft_s, 1))
+
+    ft = study.stage(f'export MiTA {setting.label} and fine-tune it '
+                     f'{s.finetune_iters} iterations', do_finetune)
+    if ft is not None:
+        study.add_row(study_row(f'MiTA {setting.label}, fine-tuned {s.finetune_iters} it',
+                                'finetune', setting.num_experts, setting.topk, ft, study.base),
+                      exported=ft['exported'], checkpoint=ft['checkpoint'],
+                      train_seconds=ft['seconds'])
+
+
+def control(study: ModelStudy) -> None:
+    """The unswapped model trained as long as the fine-tune, from the same checkpoint."""
+    s = study.s
+
+    def do_control():
+        cfg = schedule(load_config(study.config, study.opts), s.finetune_iters,
+                       s.finetune_lr_mult)
+        cfg.load_from = study.ckpt
+        c_ckpt, c_s, _ = train(cfg, osp.join(study.work_dir, 'control', 'train'),
+                               s.verbose, s.reuse)
+        values = evaluate(load_config(study.config, study.opts), c_ckpt,
+                          osp.join(study.work_dir, 'control', 'test'), s)
+        return dict(values, checkpoint=c_ckpt, seconds=round(c_s, 1))
+
+    ctl = study.stage(f'control: unswapped, trained {s.finetune_iters} more iterations',
+                      do_control)
+    if ctl is not None:
+        study.add_row(study_row(f'unswapped, trained {s.finetune_iters} it more (control)',
+                                'control', None, None, ctl, study.base),
+                      checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
