@@ -183,8 +183,10 @@ def _mita_macs(s, hw, n, d, t):
 
 def _mita_fit(s, hw, n):
     pool = _clamped_pool(s, hw)
-    return dataclasses.replace(s, pool_size=pool, topk=min(s.topk, n),
-                               router_topk=min(s.router_topk, pool[0] * pool[1]))
+    fitted = (pool, min(s.topk, n), min(s.router_topk, pool[0] * pool[1]))
+    if fitted == (s.pool, s.topk, s.router_topk):
+        return s                                    # runs as asked: no new setting
+    return dataclasses.replace(s, pool_size=pool, topk=fitted[1], router_topk=fitted[2])
 
 
 def _mita_candidates(grid):
@@ -267,7 +269,8 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (
 # MiTA's kind, and the kinds of the taxonomy beside it.
 MITA = 'mita'
 OTHER_KINDS: Tuple[str, ...] = tuple(k for k in KINDS if k != MITA)
-SETTING_RULES['kind'] = (f"one of {', '.join(repr(k) for k in KINDS)}", lambda x: x in KINDS)
+SETTING_RULES['kind'] = (f"one of {', '.join(repr(k) for k in KINDS)}",
+                         lambda x: isinstance(x, str) and x in KINDS)
 
 
 class MiTASettingError(ValueError):
@@ -367,8 +370,10 @@ class MiTASetting:
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         check_settings({k: v for k, v in given.items() if k != 'kind'})
         check_settings({'kind': self.kind})
-        check_kind_keys(self.kind, [k for k, v in given.items()
-                                    if k != 'kind' and v != SETTING_DEFAULTS[k]])
+        off = [k for k, v in given.items() if k != 'kind' and (
+            pool_pair(v) != pool_pair(SETTING_DEFAULTS[k]) if k == 'pool_size'
+            else v != SETTING_DEFAULTS[k])]
+        check_kind_keys(self.kind, off)
         ph, pw = pool_pair(self.pool_size)
         object.__setattr__(self, 'pool_size', ph if ph == pw else (ph, pw))
 
@@ -438,13 +443,18 @@ class MiTASetting:
 
     def replace(self, **settings) -> 'MiTASetting':
         """This setting with some keys (:data:`SETTING_KEYS`) changed, e.g. ``topk=16``; with
-        another ``kind``, that kind's setting of the keys given over the defaults.
+        another ``kind``, that kind's setting: the keys both kinds read kept (``4:16`` with
+        ``kind='agent'`` is ``agent:4``), the keys given over them, the rest the defaults.
 
         Raises:
             MiTASettingError: an unknown key, a bad value, or a key the kind does not read.
         """
-        if settings.get('kind', self.kind) != self.kind:
-            return MiTASetting.from_cfg(settings)
+        kind = settings.get('kind', self.kind)
+        if kind != self.kind:
+            if not SETTING_RULES['kind'][1](kind):
+                check_settings({'kind': kind})
+            kept = {k: getattr(self, k) for k in self.record.keys if k in KINDS[kind].keys}
+            return MiTASetting.from_cfg({**kept, **settings})
         check_settings({'kind': self.kind, **settings},
                        {k: SETTING_RULES[k] for k in SETTING_KEYS})
         return dataclasses.replace(self, **settings)

@@ -229,3 +229,39 @@ def test_swap_settings_of_a_tool_that_always_swaps():
     assert got == dict(include_head=True, setting=MiTASetting.parse('agent:5'))
     with pytest.raises(SystemExit):
         parse(['--swap-attn', 'none'], swap_flag=False)
+
+
+def test_single_keys_over_mixed_kinds_change_nothing_when_refused(segmenter):
+    """A key that one swapped layer's kind does not read: every layer's new setting is made
+    before any changes, so the model is left as it was."""
+    from mita_seg import swap_attention
+    from mita_seg.models import MiTASettingsMixin, SwapPlan, attention_layers
+    model = copy.deepcopy(segmenter)
+    names = [n for n, _, _ in attention_layers(model)]
+    plan = SwapPlan({n: MiTASetting.parse('4:16' if i == 0 else 'agent:3')
+                     for i, n in enumerate(names)})
+    swap_attention(model, plan=plan, verbose=False)
+    before = [m.setting for m in model.modules() if isinstance(m, MiTASettingsMixin)]
+    with pytest.raises(MiTASettingError, match='topk is not a setting of agent attention'):
+        swap_attention(model, topk=8, include_head=True, verbose=False)
+    assert [m.setting for m in model.modules() if isinstance(m, MiTASettingsMixin)] == before
+    # another kind keeps the keys both kinds read: 4:16 as agent is agent:4
+    assert MiTASetting.parse('4:16').replace(kind='agent').text == 'agent:4'
+    with pytest.raises(MiTASettingError, match="kind must be one of"):
+        MiTASetting.from_cfg(dict(kind=['agent']))                # a list: the rule, no crash
+
+
+def test_a_compiled_first_forward_finds_the_operator():
+    """The operator of a kind is imported when the setting is set, not in the forward: a
+    module whose first forward is compiled has no graph break for the import."""
+    import subprocess
+    import sys
+    code = ('import torch, torch._dynamo as dynamo\n'
+            'from mita_seg.models import MiTAAttention\n'
+            'm = MiTAAttention(32, 2, kind="window", window=3).eval()\n'
+            'x = torch.randn(1, 1 + 8 * 8, 32)\n'
+            'e = dynamo.explain(lambda t: m(t, hw_shape=(8, 8)))(x)\n'
+            'print("breaks", e.graph_break_count)\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=600)
+    assert 'breaks 0' in out.stdout, out.stdout + out.stderr[-2000:]

@@ -12,7 +12,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
-from mita_seg.ops import attend
+from mita_seg.ops import attend, operator_of
 from mita_seg.setting import (DEFAULT_SETTING, KINDS, MITA_DEFAULTS, MITA_KEYS,  # noqa: F401
                               SETTING_DEFAULTS,
                               SETTING_KEYS, SETTING_RULES, MiTASetting, MiTASettingError,
@@ -46,6 +46,7 @@ class MiTASettingsMixin:
                 f'{type(self).__name__} runs {", ".join(self.supported_kinds)} attention, not '
                 f'{setting.kind}: {KINDS[setting.kind].title} does not take its relative '
                 'position bias; give it a MiTA setting (e.g. 7:49)')
+        operator_of(setting)   # imported now, not in a (compiled) forward
         self.__dict__['setting'] = setting
 
     def setting_on(self, num_tokens: int, hw_shape: Tuple[int, int]) -> MiTASetting:
@@ -172,6 +173,13 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                           'attention matrix); proj_drop and dropout_layer still apply')
         if not isinstance(with_dwc, bool):  # the message of the rule
             check_settings(dict(with_dwc=with_dwc))
+        keys = dict(pool_size=pool_size, topk=topk, router_topk=router_topk,
+                    with_shared_expert=with_shared_expert, shared_scale=shared_scale, kind=kind,
+                    block_size=block_size, num_blocks=num_blocks, window=window)
+        off = [k for k, v in keys.items() if v != SETTING_DEFAULTS[k]]
+        if setting is not None and off:
+            raise MiTASettingError(f'MiTAAttention: give a setting or single keys, not both; '
+                                   f'got setting={setting.text!r} and {", ".join(off)}')
         self.configure(setting or MiTASetting(pool_size, topk, router_topk, with_shared_expert,
                                               shared_scale, kind, block_size, num_blocks,
                                               window))

@@ -5,7 +5,8 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 
-from mita_seg.setting import SETTING_KEYS, SETTING_RULES, MiTASetting, check_settings
+from mita_seg.setting import (DEFAULT_SETTING, SETTING_KEYS, SETTING_RULES, MiTASetting,
+                              check_settings)
 from mita_seg.utils.modules import is_attention_module
 from .attention import (MiTASettingsMixin, can_use_mita, layer_indices, use_dense,
                         use_mita)
@@ -108,17 +109,18 @@ def swap_attention(model: nn.Module,
     inference alike.
 
     With ``plan`` (:class:`~mita_seg.models.plan.SwapPlan`, or the path of its JSON file),
-    each attention layer (:func:`attention_layers`) gets its own setting: MiTA settings as
-    above, or dense, which puts a swapped layer back on the standard attention it replaced.
+    each attention layer (:func:`attention_layers`) gets its own whole setting, of any kind
+    (the keys its entry leaves out at their defaults, on a layer already swapped too), or
+    dense, which puts a swapped layer back on the standard attention it replaced.
 
     ``setting`` chooses the attention whole, as a user spells it
     (:meth:`~mita_seg.setting.MiTASetting.parse`: ``'7:49'``, ``'agent:7'``,
     ``'block:8:4'``, ``'topk:49'``, ``'window:7'``) or as a
     :class:`~mita_seg.setting.MiTASetting`; the other kinds of attention than MiTA are the
     paper's taxonomy, training-free on the same parameters (ViT family and Segmenter's head;
-    BEiT/MAE take MiTA only). The setting is checked when it is made (single keys: here,
-    before the model changes) and travels whole: every layer swapped now holds that very
-    object.
+    BEiT/MAE take MiTA only). The setting is checked when it is made (single keys: every
+    layer's new setting is made before the model changes) and travels whole: every layer
+    swapped now holds that very object.
 
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.
@@ -167,6 +169,7 @@ def swap_attention(model: nn.Module,
             plan = SwapPlan.load(plan)
         swapped, left_by_choice = _apply_plan(model, plan)
     else:
+        targets = []   # (owner, the indices of its layers to swap)
         for owner_name, owner in model.named_modules():
             prefix = f'{owner_name}.' if owner_name else ''
             if isinstance(owner, PATCH_EMBED_OWNERS):
@@ -183,8 +186,16 @@ def swap_attention(model: nn.Module,
             else:
                 continue
             ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
-            use_mita(owner, ids, setting, **mita_cfg)
+            targets.append((owner, ids))
             swapped += [f'{prefix}layers.{i}.attn' for i in ids]
+        if setting is None:   # every layer's new setting made (and refused) before any changes
+            for owner, ids in targets:
+                for i in ids:
+                    attn = owner.layers[i].attn
+                    own = attn.setting if isinstance(attn, MiTASettingsMixin) else DEFAULT_SETTING
+                    own.replace(**mita_cfg)
+        for owner, ids in targets:
+            use_mita(owner, ids, setting, **mita_cfg)
 
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():

@@ -8,7 +8,7 @@ from .flops import (agent_flops_per_head, attention_flops, bias_flops_per_head,
                     block_flops_per_head, global_flops_per_head, mita_flops_per_head,
                     topk_flops_per_head, window_flops_per_head)
 from .fused_cpu import mita_attention_fused_cpu
-from .kinds import attend
+from .kinds import attend, operator_of
 from .mita import check_mita_args, mita_attention, mita_flops
 from .reference import mita_attention_reference
 from .routing import MiTARouting, mita_routing
@@ -23,5 +23,5 @@ __all__ = [
     'AUTO_ORDER', 'select_backend', 'check_mita_args', 'RelPosBias', 'bias_flops_per_head',
     'global_flops_per_head', 'agent_attention', 'block_attention', 'topk_attention',
     'window_attention', 'agent_flops_per_head', 'block_flops_per_head', 'topk_flops_per_head',
-    'window_flops_per_head', 'attend'
+    'window_flops_per_head', 'attend', 'operator_of'
 ]

@@ -9,10 +9,23 @@ from torch import Tensor
 from .bias import RelPosBias
 from .routing import IntPair
 
-__all__ = ['attend']
+__all__ = ['attend', 'operator_of']
 
 # 'module:function' -> the function (imported once)
 _OPERATORS: Dict[str, Callable[..., Tensor]] = {}
+
+
+def operator_of(setting) -> Callable[..., Tensor]:
+    """The operator function of ``setting``'s kind (its record's ``operator``), imported
+    the first time. A module that runs a setting resolves it when the setting is set
+    (``MiTASettingsMixin.configure``), so that a ``torch.compile``'d forward finds it
+    without an import (which dynamo does not trace)."""
+    name = setting.record.operator
+    fn = _OPERATORS.get(name)
+    if fn is None:
+        module, attr = name.split(':')
+        fn = _OPERATORS[name] = getattr(importlib.import_module(module), attr)
+    return fn
 
 
 def attend(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
@@ -29,9 +42,5 @@ def attend(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``.
     """
-    name = setting.record.operator
-    fn = _OPERATORS.get(name)
-    if fn is None:
-        module, attr = name.split(':')
-        fn = _OPERATORS[name] = getattr(importlib.import_module(module), attr)
+    fn = _OPERATORS.get(setting.record.operator) or operator_of(setting)
     return fn(setting, q, k, v, hw_shape, num_prefix_tokens, global_tokens, rel_pos_bias)
