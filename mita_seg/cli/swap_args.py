@@ -225,7 +225,6 @@ def sweep_swaps(parser: argparse.ArgumentParser, args: argparse.Namespace,
             ``router_topk`` above the ``M`` landmarks of one of ``pool_sizes`` (usage
             errors, status 2).
     """
-    from mita_seg.setting import MITA_KEYS, SETTING_KEYS
     swap = swap_settings(parser, args) or {}
     mita_cfg = dict(args.mita_cfg or {})
     whole = isinstance(getattr(args, 'swap_attn', None), MiTASetting)

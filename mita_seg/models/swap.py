@@ -188,14 +188,21 @@ def swap_attention(model: nn.Module,
             ids = [i for i in ids if can_use_mita(owner.layers[i].attn)]
             targets.append((owner, ids))
             swapped += [f'{prefix}layers.{i}.attn' for i in ids]
-        if setting is None:   # every layer's new setting made (and refused) before any changes
-            for owner, ids in targets:
-                for i in ids:
-                    attn = owner.layers[i].attn
-                    own = attn.setting if isinstance(attn, MiTASettingsMixin) else DEFAULT_SETTING
-                    own.replace(**mita_cfg)
+        # every layer's setting is made (or refused) before any layer changes: the whole
+        # one, or the single keys over a swapped layer's own, over the defaults (made once)
+        # for a layer swapped now
+        fresh = setting
+        planned = []
         for owner, ids in targets:
-            use_mita(owner, ids, setting, **mita_cfg)
+            for i in ids:
+                attn = owner.layers[i].attn
+                if setting is None and isinstance(attn, MiTASettingsMixin):
+                    planned.append((owner, i, attn.setting.replace(**mita_cfg)))
+                else:
+                    fresh = fresh or DEFAULT_SETTING.replace(**mita_cfg)
+                    planned.append((owner, i, fresh))
+        for owner, i, new in planned:
+            use_mita(owner, [i], new)
 
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():

@@ -42,5 +42,5 @@ def attend(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
     Returns:
         Tensor: ``[B, H, N, d]`` in ``q.dtype``.
     """
-    fn = _OPERATORS.get(setting.record.operator) or operator_of(setting)
-    return fn(setting, q, k, v, hw_shape, num_prefix_tokens, global_tokens, rel_pos_bias)
+    return operator_of(setting)(setting, q, k, v, hw_shape, num_prefix_tokens, global_tokens,
+                                rel_pos_bias)
