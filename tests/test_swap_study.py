@@ -705,3 +705,17 @@ def test_verdicts_follow_the_rules_per_seed():
     assert claim(_result(control=(-20.0, -10.0, -25.0)), 2)[0].verdict == (
         'cannot tell: `1:1:route` loses under 15 on seed 2; holds on 3 of 3 seeds')
     assert claim(_result(control=None), 2)[0].rule == 'cannot tell'
+
+
+def test_study_docs_refuse_a_broken_json_in_one_line(tmp_path):
+    """A committed JSON cut short or of another shape is an InputError naming the file (one
+    ``error:`` line from tools/study_docs.py), not a JSONDecodeError traceback."""
+    from mita_seg.utils.errors import InputError
+    from projects.swap_study.docs import RUNS, load_runs
+    for text in ('{', '[1]'):
+        for run in RUNS:
+            path = tmp_path / run.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        with pytest.raises(InputError, match=r"is not the study's JSON .*git checkout"):
+            load_runs(str(tmp_path))

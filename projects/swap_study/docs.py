@@ -75,7 +75,14 @@ def load_runs(root: str) -> Dict[str, Loaded]:
     out = {}
     for run in RUNS:
         with open(osp.join(root, run.path), encoding='utf-8') as f:
-            study = json.load(f)
+            try:
+                study = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise InputError(f'{run.path} is not the study\'s JSON ({e}): restore it '
+                                 f'(git checkout -- {run.path})') from None
+        if not isinstance(study, dict) or not isinstance(study.get('models'), list):
+            raise InputError(f'{run.path} is not the study\'s JSON (no "models" list): restore '
+                             f'it (git checkout -- {run.path})')
         res = next((m for m in study['models'] if m['name'] == run.model), None)
         if res is None:
             raise InputError(f"{run.path} has no model {run.model!r} (it has "
