@@ -32,6 +32,22 @@ def test_op_level(tools):
     assert 'fwd.routed' in out and 'bwd.routed' in out, out  # --profile: the kernel's phases
 
 
+def test_json_record_holds_what_was_printed(tools, tmp_path):
+    """``--json``: the command, the machine (CPU, threads, commit), and each level's header
+    lines and rows as printed, written whole."""
+    import json
+    path = tmp_path / 'bench.json'
+    _, out = tools('tools/benchmark.py', '--level', 'op', '--tokens', 65, '--dtypes',
+                   'float32', '--passes', 'fwd', '--min-run-time', 0.01, '--json', path)
+    record = json.loads(path.read_text())
+    assert record['command'].startswith('python tools/benchmark.py --level op')
+    assert record['machine']['cpu'] in out and record['machine']['threads'] >= 1
+    (level, ) = record['levels']
+    assert all(line in out for line in level['header'])
+    assert len(level['rows']) == len(_rows(out, 65)) == 1, out
+    assert f'# wrote {path}' in out
+
+
 def test_op_level_runs_the_setting_given(tools):
     # --settings, spelt as every tool spells a setting: the whole setting runs (route-only
     # here), the header says which, and the MAC ratio is its formula's

@@ -689,3 +689,95 @@ def test_lowp_gemm_path_by_cpu_and_setting(monkeypatch):
     assert _C.lowp_gemm_path(torch.bfloat16) == _C.lowp_gemm_path(torch.float16) == 'float32'
     monkeypatch.setenv('MITA_CPU_BF16_GEMM', '1')
     assert _C.lowp_gemm_path(torch.float64) == 'float32'
+
+
+HEADS_DTYPES = {'fp32': (torch.float32, '0'), 'bf16': (torch.bfloat16, '0'),
+                'bf16-lowp-gemms': (torch.bfloat16, '1'), 'fp16-lowp-gemms': (torch.float16, '1')}
+
+
+def _projection(B, N, H, d, dtype, seed=7, grad=False):
+    """q, k, v [B, H, N, d] as the module makes them: views of one qkv projection."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, N, 3 * H * d, generator=g).to(dtype).requires_grad_(grad)
+    return qkv, qkv.reshape(B, N, 3, H, d).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+@pytest.mark.parametrize('shared', [True, False], ids=['shared', 'route-only'])
+@pytest.mark.parametrize('dtype', list(HEADS_DTYPES), ids=list(HEADS_DTYPES))
+@pytest.mark.parametrize('case', list(LOWP_CASES.values()), ids=list(LOWP_CASES))
+def test_heads_read_in_the_projection_and_written_as_tokens(case, dtype, shared,
+                                                            monkeypatch):
+    """``[B, H, N, d]`` views of a qkv projection (``[B, N, 3, H, d]`` permuted, as the
+    module makes them) are read in place and out is written ``[B, N, H, d]`` (the module's
+    ``[B, N, C]``): the kernel on contiguous ``[BH, N, d]`` copies, the same routing and the
+    same outputs (bf16/fp16 bit for bit: read into buffers either way; float32 to rounding,
+    as BLAS may round with another leading dimension), with and without the bf16/fp16 GEMMs
+    (forced on: their packing reads the rows too), router top-1 and top-2, with a bias."""
+    dtype, lowp = HEADS_DTYPES[dtype]
+    monkeypatch.setenv('MITA_CPU_BF16_GEMM', lowp)
+    B, H, h, w, p, s, d, pool, topk, r, with_bias = case
+    N, BH = p + h * w + s, B * H
+    _, (q, k, v) = _projection(B, N, H, d, dtype)
+    extra = ()
+    if with_bias:
+        bias = _bias(H, h, w)
+        extra = (*landmark_bias(bias, pool), bias.table, h, w)
+
+    def run(q, k, v):
+        return FusedState(*_C.mita_forward(q, k, v, h, w, *pool, p, topk, r, shared,
+                                           1.0 / d, False, *extra))
+
+    views = run(q, k, v)
+    copies = run(*(t.reshape(BH, N, d) for t in (q, k, v)))
+    assert not q.is_contiguous() and views.out.shape == (B, N, H, d)
+    assert views.out.is_contiguous() and views.out.dtype == dtype
+    as_tokens = lambda t: t.view(B, H, N, d).transpose(1, 2)  # noqa: E731
+    for name in ('keys', 'choice', 'offsets', 'order'):
+        assert torch.equal(getattr(views, name), getattr(copies, name)), name
+    same = torch.equal if dtype != torch.float32 else \
+        lambda a, b: torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5) is None
+    assert same(views.out, as_tokens(copies.out))
+    if dtype != torch.float32:
+        assert same(views.out_float, as_tokens(copies.out_float))
+    for name in ('lse', 'landmarks', 'shared_values'):
+        assert same(getattr(views, name), getattr(copies, name)), name
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('global_tokens', [(0, 0), (1, 0)], ids=['no-global', 'global-cls'])
+def test_gradients_through_projection_views(dtype, global_tokens):
+    """The backward of the fused op fed by views of a qkv projection (its output
+    ``[B, N, H, d]``, read back as ``[BH, N, d]``): the gradients of the projection, and the
+    output, are those of contiguous copies (with a global cls token: the log-sum-exp merge)."""
+    B, H, h, w, d = 2, 3, 7, 11, 16
+    N = 1 + h * w
+    g = torch.randn(B, H, N, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    res = []
+    for copy in (False, True):
+        qkv, qkv_views = _projection(B, N, H, d, dtype, grad=True)
+        q, k, v = (t.contiguous() if copy else t for t in qkv_views)
+        out = mita_attention(q, k, v, (h, w), (3, 3), 10, num_prefix_tokens=1,
+                             backend='fused_cpu', global_tokens=global_tokens)
+        res.append((out, *torch.autograd.grad((out.float() * g.float()).sum(), qkv)))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_fake_forward_of_projection_views():
+    """The forward's fake gives ``[B, N, H, d]`` outputs for ``[B, H, N, d]`` views (what
+    torch.compile sees), and the operator's result is their transpose: the module's
+    ``[B, N, C]`` reshape is a view, in the custom op and in autograd."""
+    from mita_seg.ops import fused_cpu
+    B, H, h, w, d = 2, 3, 7, 11, 16
+    N = 1 + h * w
+    for dtype in (torch.float32, torch.bfloat16):
+        _, qkv = _projection(B, N, H, d, dtype, seed=2)
+        assert not qkv[0].is_contiguous()
+        args = list(qkv) + [h, w, 3, 3, 1, 10, 1, True, 1.0 / d, False]
+        torch.library.opcheck(fused_cpu._fused_fwd, args,
+                              test_utils=('test_schema', 'test_faketensor'))
+    for grad in (False, True):
+        _, (q, k, v) = _projection(B, N, H, d, torch.float32, seed=2, grad=grad)
+        out = mita_attention(q, k, v, (h, w), (3, 3), 10, backend='fused_cpu')
+        assert out.transpose(1, 2).is_contiguous(), grad

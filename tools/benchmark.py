@@ -47,8 +47,8 @@ if os.environ.get(MMAP_ENV) is None and __name__ == '__main__':
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mita_seg.cli import merge_ratio, run_tool  # noqa: E402
-from mita_seg.cli.core import ToolParser  # noqa: E402
+from mita_seg.cli import merge_ratio, output_file, run_tool  # noqa: E402
+from mita_seg.cli.core import ToolParser, ensure_parent  # noqa: E402
 from mita_seg.benchmark import kinds, model, onnx, onnx_op, op, threads  # noqa: E402
 from mita_seg.benchmark.common import (DEFAULT_SETTING, MODELS, TokenCountError,  # noqa: E402
                                        grid_side, level_settings)
@@ -157,6 +157,10 @@ def parse_args(argv=None):
     p.add_argument('--max-mmcv-gib', type=float_range(0), default=8.0,
                    help='skip the mmcv path (mmseg as released at the model level) where its '
                    'N x N weights exceed this many GiB')
+    p.add_argument('--json', metavar='FILE', type=output_file('--json', ('.json', )),
+                   help='also write what was printed as data: the command, the machine (CPU '
+                   'and vector units, threads, versions, commit), each level\'s header '
+                   'lines and measured rows (written whole at the end)')
     args = p.parse_args(argv)
     try:   # the default, a setting the level takes, a pool that fits the grid
         args.settings = level_settings(args.level, args.settings, args.tokens,
@@ -180,11 +184,17 @@ def parse_args(argv=None):
     return args
 
 
-def show(lines, rows, fmt):
-    """Print a level's header lines, then each row as it is measured."""
+def show(lines, rows, fmt, record=None):
+    """Print a level's header lines, then each row as it is measured; with ``record`` (a
+    list), append the level's lines and rows to it."""
+    lines = list(lines)
     print('\n'.join(lines), flush=True)
+    done = []
     for row in rows:
         print(fmt(row), flush=True)
+        done.append(row)
+    if record is not None:
+        record.append(dict(header=lines, rows=done))
 
 
 def main(argv=None):
@@ -202,40 +212,57 @@ def main(argv=None):
     cases = dict(tokens=args.tokens, dtypes=args.dtypes, **shape, device=args.device,
                  min_run_time=args.min_run_time)
     t0 = time.time()
+    levels = []
     if args.level in ('op', 'all') and args.bias:
         show(op.op_bias_header(**shape, device=args.device),
-             op.op_bias_rows(passes=args.passes, **cases), op.format_op_bias_row)
+             op.op_bias_rows(passes=args.passes, **cases), op.format_op_bias_row, levels)
     elif args.level in ('op', 'all'):
         show(op.op_header(**shape, device=args.device),
              op.op_rows(passes=args.passes, **cases, max_mmcv_gib=args.max_mmcv_gib,
-                        profile=args.profile), op.format_op_row)
+                        profile=args.profile), op.format_op_row, levels)
     if args.level in ('model', 'all'):
         level = model.ModelLevel(
             args.models, args.images, args.model_dtypes, args.device, args.settings[0],
             args.swap_head, args.merge_ratio, args.compile, args.rounds, args.memory,
             args.min_run_time, args.max_mmcv_gib, args.profile)
-        show(level.header(), level.rows(), level.format_row)
+        show(level.header(), level.rows(), level.format_row, levels)
     if args.level == 'onnx':
         level = onnx.OnnxLevel(
             args.models, args.onnx_sizes, args.settings, args.threads,
             args.swap_head, args.min_run_time, args.max_onnx_gib,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
-        show(onnx.onnx_header(args.threads), level.rows(), onnx.format_onnx_line)
+        show(onnx.onnx_header(args.threads), level.rows(), onnx.format_onnx_line, levels)
     if args.level == 'onnx-op':
         show(onnx_op.onnx_op_header(**shape, threads=args.threads),
              onnx_op.onnx_op_rows(args.tokens, **shape, threads=args.threads,
                                   min_run_time=args.min_run_time,
                                   max_onnx_gib=args.max_onnx_gib, profile=args.profile),
-             onnx_op.format_onnx_op_row)
+             onnx_op.format_onnx_op_row, levels)
     if args.level == 'kinds':
         level = kinds.KindsLevel(args.settings, args.heads, args.head_dim, args.device)
         show(level.header(), level.rows(args.tokens, args.dtypes, args.passes,
-                                        args.min_run_time), kinds.format_kinds_row)
+                                        args.min_run_time), kinds.format_kinds_row, levels)
     if args.level == 'threads':
         show(threads.thread_header(**shape, device=args.device, threads=args.threads),
              threads.thread_rows(**cases, threads=args.threads),
-             threads.format_thread_row)
+             threads.format_thread_row, levels)
     print(f'# done in {time.time() - t0:.0f} s')
+    if args.json:
+        write_record(args.json, argv, levels, time.time() - t0)
+
+
+def write_record(path, argv, levels, seconds):
+    """The run as JSON at ``path`` (written whole): the command, when, the machine, the
+    seconds and each level's header lines and rows (values JSON cannot hold as text)."""
+    import json
+
+    from mita_seg.analysis.timing import machine
+    from mita_seg.engine.atomic_io import atomic_write_text
+    record = dict(command='python tools/benchmark.py ' + ' '.join(
+        sys.argv[1:] if argv is None else argv), finished=time.strftime('%Y-%m-%d %H:%M:%S'),
+        seconds=round(seconds, 1), machine=machine(), levels=levels)
+    atomic_write_text(json.dumps(record, indent=1, default=str) + '\n', ensure_parent(path))
+    print(f'# wrote {path}')
 
 
 if __name__ == '__main__':

@@ -24,7 +24,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 __all__ = ['MMAP_ENV', 'median_time', 'interleaved_medians', 'peak_memory_rise',
-           'steady_allocator', 'cpu_description']
+           'steady_allocator', 'cpu_description', 'machine']
 
 # glibc reads its mmap threshold from this variable at start-up: a benchmark sets it low
 # (and re-executes itself) so that freed buffers go back to the OS and peaks are exact.
@@ -280,3 +280,24 @@ def cpu_description() -> str:
         cpus = f'{os.cpu_count()} vCPUs' + (f' under {vendor}' if vendor else '')
     text = name + (f' ({where[0]})' if where else '') + f', {cpus}'
     return text + (f', {vector_units(flags)}' if flags else '')
+
+
+def machine() -> dict:
+    """What a measurement ran on, for its record: the CPU in words (name, family, vCPUs,
+    vector units: :func:`cpu_description`), torch's threads, the versions and the commit the
+    code ran at (``git describe --always --dirty``; None outside a checkout)."""
+    import platform
+
+    import mmcv
+    import mmengine
+    import mmseg
+    try:
+        commit = subprocess.run(['git', 'describe', '--always', '--dirty'], capture_output=True,
+                                text=True, timeout=30, cwd=os.path.dirname(__file__),
+                                ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(cpu=cpu_description(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+                torch=torch.__version__, mmseg=mmseg.__version__,
+                mmengine=mmengine.__version__, mmcv=mmcv.__version__,
+                python=platform.python_version(), commit=commit)

@@ -128,8 +128,10 @@ class FusedState(NamedTuple):
     """What the fused forward returns and its backward reads (``_C.mita_forward``'s list, in
     this order; ``FusedState`` in the C++). ``BH`` rows of ``N`` tokens, ``M`` experts of
     ``K`` keys, ``r`` choices per query; float tensors in the compute dtype (float32, float64
-    for float64 inputs) unless said otherwise."""
-    out: Tensor            # [BH, N, d] in the inputs' dtype
+    for float64 inputs) unless said otherwise. For ``[B, H, N, d]`` inputs (the kernel reads
+    their rows in place, any strides) ``out`` and ``out_float`` are ``[B, N, H, d]``: the
+    module's ``[B, N, C]``, its ``[B, H, N, d]`` result their ``transpose(1, 2)``."""
+    out: Tensor            # [BH, N, d] ([B, N, H, d]) in the inputs' dtype
     lse: Tensor            # [BH, N] log-sum-exp of each query's M + r K logits
     keys: Tensor           # [BH, M, K] int64, each expert's keys
     choice: Tensor         # [BH, N, r] int64, each query's experts
@@ -139,7 +141,7 @@ class FusedState(NamedTuple):
     probs: Tensor          # [BH, M, N] softmax(S) (empty unless shared and saved for backward)
     shared_logits: Tensor  # [BH, N, M] Ls (empty unless shared and saved for backward)
     shared_values: Tensor  # [BH, M, d] V_R (empty route-only)
-    out_float: Tensor      # [BH, N, d] out in float32 for bf16/fp16 inputs (empty otherwise)
+    out_float: Tensor      # out in float32 for bf16/fp16 inputs (empty otherwise)
 
 
 @torch.library.custom_op('mita_seg::fused_fwd', mutates_args=())
@@ -156,18 +158,20 @@ def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, h: int, w: int, ph: int, pw: int
 @_fused_fwd.register_fake
 def _(q, k, v, h, w, ph, pw, prefix, topk, router_topk, shared, shared_scale, save_probs,
       bias_q=None, bias_k=None, table=None, window_h=0, window_w=0):
-    BH, N, d = q.shape
+    N, d = q.shape[-2:]
+    BH = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+    shape = (q.shape[0], N, q.shape[1], d) if q.dim() == 4 else (BH, N, d)   # out's
     M, r = ph * pw, router_topk
     long, acc = dict(dtype=torch.long), dict(dtype=routing_dtype(q.dtype))
     saved = BH if shared and save_probs else 0
     return list(FusedState(
-        out=torch.empty_like(q), lse=q.new_empty(BH, N, **acc),
+        out=q.new_empty(shape), lse=q.new_empty(BH, N, **acc),
         keys=q.new_empty(BH, M, topk, **long), choice=q.new_empty(BH, N, r, **long),
         offsets=q.new_empty(BH, M + 1, **long), order=q.new_empty(BH, N * r, **long),
         landmarks=q.new_empty(BH, M, d, **acc), probs=q.new_empty(saved, M, N, **acc),
         shared_logits=q.new_empty(saved, N, M, **acc),
         shared_values=q.new_empty(BH if shared else 0, M, d, **acc),
-        out_float=q.new_empty((BH, N, d) if acc['dtype'] != q.dtype else (0, ), **acc)))
+        out_float=q.new_empty(shape if acc['dtype'] != q.dtype else (0, ), **acc)))
 
 
 @torch.library.custom_op('mita_seg::fused_bwd', mutates_args=())
@@ -257,16 +261,18 @@ def profile(enable: bool) -> Dict[str, float]:
 
 
 class MiTAFused(torch.autograd.Function):
-    """MiTA on ``[BH, N, d]`` CPU tensors (float32/float64, or bf16/fp16 computed in
-    float32 inside the kernel), routing included.
+    """MiTA on ``[B, H, N, d]`` CPU tensors of any strides (float32/float64, or bf16/fp16
+    computed in float32 inside the kernel), routing included: the forward reads q, k, v
+    where they are (views of the qkv projection: no copies) and writes its output as
+    ``[B, N, H, d]`` (the module's ``[B, N, C]``: no transpose after).
 
     ``apply(q, k, v, bias_q, bias_k, table, window, hw_shape, pool_size, prefix, topk,
-    router_topk, shared, shared_scale, with_lse)`` returns ``[BH, N, d]`` (``with_lse``:
-    ``(out, lse [BH, N])`` in the compute dtype, both differentiable, for a merge by
-    log-sum-exp); gradients flow to q, k, v (not through the indices) and, with a relative
-    position bias (``window`` ``(Wh, Ww)``; ``(0, 0)`` and None tensors without), to
-    ``bias_q [H, M, N]``, ``bias_k [H, N, M]`` and ``table [H, T]`` (in the compute dtype:
-    float32, float64 for float64 inputs).
+    router_topk, shared, shared_scale, with_lse)`` returns that ``[B, N, H, d]`` output
+    (``with_lse``: ``(out, lse [BH, N])`` in the compute dtype, both differentiable, for a
+    merge by log-sum-exp); gradients flow to q, k, v (not through the indices) and, with a
+    relative position bias (``window`` ``(Wh, Ww)``; ``(0, 0)`` and None tensors without),
+    to ``bias_q [H, M, N]``, ``bias_k [H, N, M]`` and ``table [H, T]`` (in the compute
+    dtype: float32, float64 for float64 inputs).
     """
 
     @staticmethod
@@ -290,12 +296,21 @@ class MiTAFused(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse=None):
+        # The backward's kernel takes [BH, N, d]: q, k, v and the [B, N, H, d] tensors
+        # (out, grad_out) copied to it (training pays these copies, inference does not).
         q, k, v, table, *state = ctx.saved_tensors
-        dq, dk, dv, *dbias = _fused_bwd(q, k, v, *ctx.args, state, grad_out.contiguous(),
-                                        table, *ctx.window, grad_lse)
+        B, H, N, d = q.shape
+        heads = lambda t: t.reshape(B * H, N, d).contiguous()  # noqa: E731
+        state = FusedState(*state)
+        state = state._replace(**{f: heads(getattr(state, f).transpose(1, 2))
+                                  for f in ('out', 'out_float') if getattr(state, f).numel()})
+        dq, dk, dv, *dbias = _fused_bwd(heads(q), heads(k), heads(v), *ctx.args, list(state),
+                                        heads(grad_out.transpose(1, 2)), table, *ctx.window,
+                                        grad_lse)
         # dbias_q, dbias_k, dtable: empty where there is no such input or no gradient
         dbias = [g if g.numel() else None for g in dbias]
-        return (dq, dk, dv, *dbias) + (None, ) * 9
+        return (dq.view(B, H, N, d), dk.view(B, H, N, d), dv.view(B, H, N, d),
+                *dbias) + (None, ) * 9
 
 
 def mita_attention_fused_cpu(inp):
@@ -304,13 +319,13 @@ def mita_attention_fused_cpu(inp):
     (``inp.global_kv``) by merging the kernel's log-sum-exp with theirs.
 
     Returns:
-        Tensor: ``[B, H, N, d]`` in ``q.dtype``; differentiable with respect to q, k, v and
-        the bias table.
+        Tensor: ``[B, H, N, d]`` in ``q.dtype``, the ``transpose(1, 2)`` of a contiguous
+        ``[B, N, H, d]`` without global keys; differentiable with respect to q, k, v and the
+        bias table.
     """
     q, k, v, bias, pool_size = inp.q, inp.k, inp.v, inp.bias, inp.pool_size
     B, H, N, d = q.shape
     shared_scale = 1.0 / d if inp.shared_scale is None else float(inp.shared_scale)
-    qb, kb, vb = (t.reshape(B * H, N, d) for t in (q, k, v))
     bias_q = bias_k = table = None
     window = (0, 0)
     if bias is not None:
@@ -322,10 +337,10 @@ def mita_attention_fused_cpu(inp):
     if q.dtype in (torch.bfloat16, torch.float16):
         lowp_gemm_path(q.dtype)  # warns where a forced path fell back
     with_lse = inp.global_kv is not None
-    res = MiTAFused.apply(qb, kb, vb, bias_q, bias_k, table, window, tuple(inp.hw_shape),
+    res = MiTAFused.apply(q, k, v, bias_q, bias_k, table, window, tuple(inp.hw_shape),
                           tuple(pool_size), inp.num_prefix_tokens, inp.topk, inp.router_topk,
                           inp.with_shared_expert, shared_scale, with_lse)
     if not with_lse:
-        return res.view(B, H, N, d)
-    out, lse = res[0].view(B, H, N, d), res[1].view(B, H, N)
+        return res.transpose(1, 2)
+    out, lse = res[0].transpose(1, 2), res[1].view(B, H, N)
     return merge_lse(out, lse, *attend_with_lse(q, *inp.global_kv)).to(q.dtype)

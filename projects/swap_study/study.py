@@ -81,13 +81,10 @@ finished study), and trained checkpoints already there
 import json
 import os
 import os.path as osp
-import platform
 import time
 from typing import Callable, Optional, Sequence, Tuple
 
-import torch
-
-from mita_seg.analysis.timing import cpu_description
+from mita_seg.analysis.timing import machine
 from . import finetune, head, kinds, native, plans, selection, sweep, training
 from .figures import plot_kinds, plot_native, plot_study
 from .model_study import ModelStudy
@@ -117,28 +114,6 @@ class Progress:
         if self.log_file:
             with open(self.log_file, 'a') as f:
                 f.write(f'{time.strftime("%H:%M:%S")} {text}\n')
-
-
-def machine() -> dict:
-    """The CPU in words (name, family, vCPUs, vector units:
-    :func:`mita_seg.analysis.timing.cpu_description`), torch's threads, the versions and
-    the commit the code ran at (``git describe --always --dirty``; None outside a
-    checkout)."""
-    import subprocess
-
-    import mmcv
-    import mmengine
-    import mmseg
-    try:
-        commit = subprocess.run(['git', 'describe', '--always', '--dirty'], capture_output=True,
-                                text=True, timeout=30, cwd=os.path.dirname(__file__),
-                                ).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return dict(cpu=cpu_description(), cores=os.cpu_count(), threads=torch.get_num_threads(),
-                torch=torch.__version__, mmseg=mmseg.__version__,
-                mmengine=mmengine.__version__, mmcv=mmcv.__version__,
-                python=platform.python_version(), commit=commit)
 
 
 def study_model(name: str, config: str, work_dir: str, settings: StudySettings,

@@ -1,8 +1,10 @@
 // Fused MiTA on CPU: routing and read-out in one forward, and a backward that reuses what the
 // forward saved (FlashAttention's pattern). Shapes: q, k, v [BH, N, d] (float32 or float64;
 // bf16/fp16 computed in float32: the forward's phases read them a tile or a row at a time
-// through as_compute / widen, the backward converts them on entry), M = Ph * Pw experts of
-// K keys, R router choices per query.
+// through rows_as_compute / widen, the backward converts them on entry; the forward also
+// takes [B, H, N, d] of any row strides, views of the qkv projection read in place, and then
+// writes out as [B, N, H, d], see Rows), M = Ph * Pw experts of K keys, R router choices per
+// query.
 //
 // Forward, parallel phases (parallel_tasks; each thread holds one BLAS thread, SerialBlas):
 //   1. landmarks   per (bh, m): R[m] = mean of q over the adaptive-pool bin m of the grid.
@@ -350,15 +352,29 @@ inline void widen(T* __restrict__ dst, const In* __restrict__ src, int64_t n) {
   }
 }
 
-// src[0 .. n) as T: src itself when In = T, else widened into buf. The phases read bf16/fp16
-// q, k, v through it a tile or a row at a time (no float32 copies of the whole inputs).
+// rows x d values of src (row stride ld) as T: src itself when In = T (*ld_out = ld), else
+// widened into buf (*ld_out = d). The phases read bf16/fp16 q, k, v through it a tile or a
+// row at a time (no float32 copies of the whole inputs).
+// With pack, rows apart (ld > d) are copied too (*ld_out = d), for a GEMM operand of few
+// rows: the router's 128 queries, rows of the qkv projection 3 C apart (9 KB at C = 768),
+// span 1.2 MB and a page every other row, their copy 32 KB.
 template <typename T, typename In>
-inline const T* as_compute(const In* src, int64_t n, std::vector<T>& buf) {
+inline const T* rows_as_compute(const In* src, int64_t rows, int64_t d, int64_t ld,
+                                std::vector<T>& buf, int64_t* ld_out, bool pack = false) {
   if constexpr (std::is_same<In, T>::value) {
-    return src;
+    if (!pack || ld == d) {
+      *ld_out = ld;
+      return src;
+    }
+    if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy(src + r * ld, src + r * ld + d, buf.data() + r * d);
+    *ld_out = d;
+    return buf.data();
   } else {
-    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-    widen(buf.data(), src, n);
+    if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
+    for (int64_t r = 0; r < rows; ++r) widen(buf.data() + r * d, src + r * ld, d);
+    *ld_out = d;
     return buf.data();
   }
 }
@@ -682,6 +698,34 @@ struct Geometry {
   int64_t BH, N, d, h, w, ph, pw, prefix, M, K, R;
 };
 
+// The token rows of a [B, H, N, d] tensor whose rows are contiguous (stride 1 in d), by
+// (bh, n), bh = b H + h: q, k, v as the module makes them (views of the qkv projection,
+// [B, N, 3, H, d] permuted: no copies), the forward's out as [B, N, H, d] (the module's
+// [B, N, C]: no transpose after), or [BH, N, d] (H = 1).
+template <typename X>
+struct Rows {
+  X* p;
+  int64_t H, sb, sh, ld;  // heads; strides of b, h and n (ld: between a head's rows)
+
+  X* head(int64_t bh) const { return p + (bh / H) * sb + (bh % H) * sh; }
+  X* row(int64_t bh, int64_t n) const { return head(bh) + n * ld; }
+};
+
+// t [B, H, N, d] or [BH, N, d] with rows_in_place(t)
+template <typename X>
+Rows<X> rows_of(const torch::Tensor& t) {
+  X* p = static_cast<X*>(t.data_ptr());
+  const int64_t ld = t.size(-2) > 1 ? t.stride(-2) : t.size(-1);
+  if (t.dim() == 3) return {p, 1, t.stride(0), 0, ld};
+  return {p, t.size(1), t.stride(0), t.stride(1), ld};
+}
+
+// Whether the GEMMs can read t's rows where they are: each row contiguous, rows apart by at
+// least d (BLAS's leading dimension; overlapping rows, e.g. expanded, are copied).
+inline bool rows_in_place(const torch::Tensor& t) {
+  return t.stride(-1) == 1 && (t.size(-2) <= 1 || t.stride(-2) >= t.size(-1));
+}
+
 // ---- BEiT's relative position bias (mita_seg/ops/bias.py), never formed as N x N. Tokens
 // are [cls, Wh x Ww grid] (prefix 1, grid = window, N = 1 + Wh Ww: checked on entry); the
 // bias of query token i towards key token j is table[h, index(i, j)], h = bh % H, with
@@ -735,7 +779,7 @@ struct Bias {
 // adaptive_avg_pool2d: rows [floor(i h / Ph), ceil((i + 1) h / Ph)), columns likewise.
 // Summed in row-major order and divided by the count, as ATen does.
 template <typename T, typename In>
-void landmarks_phase(const In* q, T* R, const Geometry& g) {
+void landmarks_phase(const Rows<const In>& q, T* R, const Geometry& g) {
   PhaseTimer timer(kLandmarks);
   parallel_tasks(0, g.BH * g.M, 4, [&](Tasks& tasks) {
     std::vector<T> row;
@@ -745,10 +789,11 @@ void landmarks_phase(const In* q, T* R, const Geometry& g) {
       const int64_t c0 = j * g.w / g.pw, c1 = ((j + 1) * g.w + g.pw - 1) / g.pw;
       T* out = R + t * g.d;
       std::fill(out, out + g.d, T(0));
-      for (int64_t r = r0; r < r1; ++r) {  // the bin's tokens of grid row r: contiguous
-        const T* x = as_compute(q + (bh * g.N + g.prefix + r * g.w + c0) * g.d,
-                                (c1 - c0) * g.d, row);
-        for (int64_t c = 0; c < c1 - c0; ++c) axpy(out, T(1), x + c * g.d, g.d);
+      for (int64_t r = r0; r < r1; ++r) {  // the bin's tokens of grid row r
+        int64_t ld;
+        const T* x = rows_as_compute(q.row(bh, g.prefix + r * g.w + c0), c1 - c0, g.d, q.ld,
+                                     row, &ld);
+        for (int64_t c = 0; c < c1 - c0; ++c) axpy(out, T(1), x + c * ld, g.d);
       }
       const T count = static_cast<T>((r1 - r0) * (c1 - c0));
       for (int64_t c = 0; c < g.d; ++c) out[c] /= count;
@@ -871,7 +916,8 @@ std::pair<int64_t, int64_t> landmark_blocks(const Geometry& g, int64_t most) {
 // at the end), or null. With a bias, S += bq[h] (the landmarks' mean bias) before the top-k
 // and the softmax.
 template <typename T, typename In>
-void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs, T* vr,
+void experts_phase(const Rows<const In>& k, const Rows<const In>& v, const T* R, int64_t* keys,
+                   T* probs, T* vr,
                    bool shared, const Bias<T>& bias, const Geometry& g, LowpPath lp) {
   PhaseTimer timer(kExperts);
   const auto [blocks, LB] = landmark_blocks(g, probs ? 32 : 64);
@@ -889,8 +935,8 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
     for (int64_t t : tasks) {
       const int64_t bh = t / blocks, m0 = (t % blocks) * LB, L = std::min(g.M, m0 + LB) - m0;
       const T* r = R + (bh * g.M + m0) * d;
-      const In* kb = k + bh * g.N * d;
-      const In* vb = v + bh * g.N * d;
+      const In* kb = k.head(bh);
+      const In* vb = v.head(bh);
       for (int64_t c = 0; c < L * d; ++c) rc[c] = r[c] * scale;  // (R / sqrt(d)) as ATen
       for (int64_t l = 0; l < L; ++l) top[l].start(g.K);
       std::fill(mx.begin(), mx.end(), neg_inf);
@@ -898,7 +944,9 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
       for (int64_t j0 = 0; j0 < g.N; j0 += TN) {
         const int64_t n = std::min(g.N, j0 + TN) - j0;
         T* s = probs ? probs + (bh * g.M + m0) * g.N : local.data();  // [L, n], row stride n
-        gemm(false, true, L, n, d, rc.data(), d, as_compute(kb + j0 * d, n * d, kv), d, s, n);
+        int64_t ld;
+        const T* kt = rows_as_compute(kb + j0 * k.ld, n, d, k.ld, kv, &ld);
+        gemm(false, true, L, n, d, rc.data(), d, kt, ld, s, n);
         if (bias.on())  // S [L, n] += bq[h, m0 .. m0 + L, j0 .. j0 + n]
           for (int64_t l = 0; l < L; ++l)
             axpy(s + l * n, T(1), bias.bq + (bias.head(bh) * g.M + m0 + l) * g.N + j0, n);
@@ -925,13 +973,13 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
             const int64_t np = (n + 1) / 2 * 2;
             pb.resize(L * np);
             narrow_rows(pb.data(), s, L, n, n, np);
-            pack_b(lp, false, n, d, [&](int64_t r) { return vb + (j0 + r) * d; }, vpk, tmp);
+            pack_b(lp, false, n, d, [&](int64_t r) { return vb + (j0 + r) * v.ld; }, vpk, tmp);
             lowp_gemm(lp, L, d, np, pb.data(), np, vpk.data(), acc.data(), d, j0 > 0);
             continue;
           }
         }
-        gemm(false, false, L, d, n, s, n, as_compute(vb + j0 * d, n * d, kv), d, acc.data(), d,
-             j0 > 0);
+        const T* vt = rows_as_compute(vb + j0 * v.ld, n, d, v.ld, kv, &ld);
+        gemm(false, false, L, d, n, s, n, vt, ld, acc.data(), d, j0 > 0);
       }
       for (int64_t l = 0; l < L; ++l) {
         top[l].finish(keys + (bh * g.M + m0 + l) * g.K);
@@ -956,7 +1004,8 @@ void experts_phase(const In* k, const In* v, const T* R, int64_t* keys, T* probs
 // shared logit is -inf: out is then not written). Phase 5 (R = 1) or 6 merges the routed
 // partials into out and lse.
 template <typename T, typename In>
-void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, T* out, T* lse,
+void router_phase(const Rows<const In>& q, const T* R, const T* vr, T* ls, int64_t* choice,
+                  const Rows<T>& out, T* lse,
                   T shared_scale, bool shared, const Bias<T>& bias, const Geometry& g) {
   PhaseTimer timer(kRouter);
   constexpr int64_t CH = 128;
@@ -975,8 +1024,9 @@ void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, 
         rs_of = bh;
       }
       T* lg = ls ? ls + (bh * g.N + n0) * M : local.data();
-      gemm(false, true, G, M, d, as_compute(q + (bh * g.N + n0) * d, G * d, qc), d, rs.data(),
-           d, lg, M);
+      int64_t ldq;
+      const T* qt = rows_as_compute(q.row(bh, n0), G, d, q.ld, qc, &ldq, true);
+      gemm(false, true, G, M, d, qt, ldq, rs.data(), d, lg, M);
       if (bias.on())  // Ls [G, M] += bk[h, n0 .. n0 + G] (contiguous rows)
         axpy(lg, T(1), bias.bk + (bias.head(bh) * g.N + n0) * M, G * M);
       for (int64_t n = 0; n < G; ++n) {
@@ -1013,12 +1063,12 @@ void router_phase(const In* q, const T* R, const T* vr, T* ls, int64_t* choice, 
         ln[n] = m + std::log(s);
         inv[n] = T(1) / s;
       }
-      T* o = out + (bh * g.N + n0) * d;
-      gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, o, d);
+      T* o = out.row(bh, n0);
+      gemm(false, false, G, d, M, p.data(), M, vr + bh * M * d, d, o, out.ld);
       for (int64_t n = 0; n < G; ++n) {
         const T f = inv[n];
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) o[n * d + c] *= f;
+        for (int64_t c = 0; c < d; ++c) o[n * out.ld + c] *= f;
       }
     }
   });
@@ -1045,13 +1095,14 @@ void group_items(const int64_t* choice, int64_t BH, int64_t NR, int64_t M, int64
   });
 }
 
-// Copies the rows idx[0..K) of x ([N, d]) to dst ([K, d]), as T.
+// Copies the rows idx[0..K) of x ([N, d], row stride ld) to dst ([K, d]), as T.
 template <typename T, typename In>
-inline void gather_rows(T* dst, const In* x, const int64_t* idx, int64_t K, int64_t d) {
-  for (int64_t j = 0; j < std::min(K, kAhead); ++j) prefetch_row(x + idx[j] * d, d);
+inline void gather_rows(T* dst, const In* x, int64_t ld, const int64_t* idx, int64_t K,
+                        int64_t d) {
+  for (int64_t j = 0; j < std::min(K, kAhead); ++j) prefetch_row(x + idx[j] * ld, d);
   for (int64_t j = 0; j < K; ++j) {
-    if (j + kAhead < K) prefetch_row(x + idx[j + kAhead] * d, d);
-    widen(dst + j * d, x + idx[j] * d, d);
+    if (j + kAhead < K) prefetch_row(x + idx[j + kAhead] * ld, d);
+    widen(dst + j * d, x + idx[j] * ld, d);
   }
 }
 
@@ -1087,10 +1138,10 @@ inline void merge_partials(T* o, T* lse, const T* part, const T* part_lse, int64
 // lse at once (each query has one item); with R > 1 written to o_items [BH, N R, d] and
 // lse_items [BH, N R] for phase 6. With a bias, each logit gets table[h, index(query, key)].
 template <typename T, typename In>
-void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
-                  const int64_t* offsets, const int64_t* order, T* o_items, T* lse_items,
-                  T* out, T* lse, T scale, const Bias<T>& bias, const Geometry& g,
-                  LowpPath lp) {
+void routed_phase(const Rows<const In>& q, const Rows<const In>& k, const Rows<const In>& v,
+                  const int64_t* keys, const int64_t* offsets, const int64_t* order,
+                  T* o_items, T* lse_items, const Rows<T>& out, T* lse, T scale,
+                  const Bias<T>& bias, const Geometry& g, LowpPath lp) {
   PhaseTimer timer(kRouted);
   const int64_t NR = g.N * g.R, K = g.K, d = g.d, R = g.R;
   parallel_tasks(0, g.BH * g.M, 1, [&](Tasks& tasks) {
@@ -1110,26 +1161,27 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
       const int64_t* idx = keys + t * K;
       if (lowp) {
         if constexpr (is_lowp<In>) {  // gathered and packed in one pass: K_e^T, V_e
-          const In* kh = k + bh * g.N * d;
-          const In* vh = v + bh * g.N * d;
-          pack_b(lp, true, d, K, [&](int64_t c) { return kh + idx[c] * d; }, kpk, tmp);
-          pack_b(lp, false, K, d, [&](int64_t r) { return vh + idx[r] * d; }, vpk, tmp);
+          const In* kh = k.head(bh);
+          const In* vh = v.head(bh);
+          pack_b(lp, true, d, K, [&](int64_t c) { return kh + idx[c] * k.ld; }, kpk, tmp);
+          pack_b(lp, false, K, d, [&](int64_t r) { return vh + idx[r] * v.ld; }, vpk, tmp);
         }
       } else {
-        gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
-        gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+        gather_rows(kloc.data(), k.head(bh), k.ld, idx, K, d);
+        gather_rows(vloc.data(), v.head(bh), v.ld, idx, K, d);
       }
       const int64_t* ord = order + bh * NR + off[m];
       qbuf.resize(lowp ? 0 : G * d); lbuf.resize(G * K); obuf.resize(G * d); lsebuf.resize(G);
       T* qp = qbuf.data();
       T* lg = lbuf.data();
-      const In* qs = q + bh * g.N * d;
-      for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qs + ord[i] / R * d, d);
+      const In* qs = q.head(bh);
+      const int64_t lq = q.ld;
+      for (int64_t i = 0; i < std::min(G, kAhead); ++i) prefetch_row(qs + ord[i] / R * lq, d);
       if (lowp) {  // the queries' rows as they are (d padded to even), the scale after
         qb.resize(G * dp);
         for (int64_t i = 0; i < G; ++i) {
-          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * d, d);
-          std::copy(qs + ord[i] / R * d, qs + ord[i] / R * d + d, qb.data() + i * dp);
+          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * lq, d);
+          std::copy(qs + ord[i] / R * lq, qs + ord[i] / R * lq + d, qb.data() + i * dp);
           if (dp > d) qb[i * dp + d] = In(0.f);
         }
         if constexpr (is_lowp<In>) {
@@ -1139,9 +1191,9 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
         }
       } else {
         for (int64_t i = 0; i < G; ++i) {
-          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * d, d);
+          if (i + kAhead < G) prefetch_row(qs + ord[i + kAhead] / R * lq, d);
           T* row = qp + i * d;
-          widen(row, qs + ord[i] / R * d, d);
+          widen(row, qs + ord[i] / R * lq, d);
 #pragma omp simd
           for (int64_t c = 0; c < d; ++c) row[c] *= scale;
         }
@@ -1162,14 +1214,14 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
         }
       }
       if (!lowp) gemm(false, false, G, d, K, lg, K, vloc.data(), d, op, d);  // [G, d]
-      if (R == 1)
+      if (R == 1)  // item = query
         for (int64_t i = 0; i < std::min(G, kAhead); ++i)
-          prefetch_row<1>(out + (bh * NR + ord[i]) * d, d);
+          prefetch_row<1>(out.row(bh, ord[i]), d);
       for (int64_t i = 0; i < G; ++i) {
         const int64_t item = bh * NR + ord[i];
         if (R == 1) {
-          if (i + kAhead < G) prefetch_row<1>(out + (bh * NR + ord[i + kAhead]) * d, d);
-          merge_partials(out + item * d, lse + item, op + i * d, &lsebuf[i], 1, d);
+          if (i + kAhead < G) prefetch_row<1>(out.row(bh, ord[i + kAhead]), d);
+          merge_partials(out.row(bh, ord[i]), lse + item, op + i * d, &lsebuf[i], 1, d);
         } else {
           std::copy(op + i * d, op + i * d + d, o_items + item * d);
           lse_items[item] = lsebuf[i];
@@ -1181,12 +1233,14 @@ void routed_phase(const In* q, const In* k, const In* v, const int64_t* keys,
 
 // ---- Forward phase 6 (R > 1): each query's R routed partials merged into its output.
 template <typename T>
-void merge_phase(const T* o_items, const T* lse_items, T* out, T* lse, const Geometry& g) {
+void merge_phase(const T* o_items, const T* lse_items, const Rows<T>& out, T* lse,
+                 const Geometry& g) {
   PhaseTimer timer(kMerge);
   const int64_t R = g.R, d = g.d;
   parallel_tasks(0, g.BH * g.N, 256, [&](Tasks& tasks) {
     for (int64_t i : tasks)
-      merge_partials(out + i * d, lse + i, o_items + i * R * d, lse_items + i * R, R, d);
+      merge_partials(out.row(i / g.N, i % g.N), lse + i, o_items + i * R * d,
+                     lse_items + i * R, R, d);
   });
 }
 
@@ -1296,8 +1350,8 @@ void routed_backward_phase(const T* q, const T* k, const T* v, const In* q_in, c
           lowp_gemm(lp, G, K, dp, doa.data(), dp, vt_pk.data(), dsp, K, false);  // dP
         }
       } else {
-        gather_rows(kloc.data(), k + bh * g.N * d, idx, K, d);
-        gather_rows(vloc.data(), v + bh * g.N * d, idx, K, d);
+        gather_rows(kloc.data(), k + bh * g.N * d, d, idx, K, d);
+        gather_rows(vloc.data(), v + bh * g.N * d, d, idx, K, d);
         qbuf.resize(G * d); dobuf.resize(G * d);
         for (int64_t i = 0; i < G; ++i) {
           const int64_t row = item_row(i);
@@ -1608,17 +1662,26 @@ void bias_means_backward_phase(const T* gq, const T* gk, T* dtable, int64_t H, i
 
 // ---- Entry points: checks (every index read from a tensor is range-checked before it
 // addresses memory), allocation, dispatch on float32 / float64.
-void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
-               const torch::Tensor& v) {
+void check_dtypes(const char* name, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name,
               ": CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(), name,
-              ": q, k, v must be [BH, N, d], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const auto t = q.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
               name, ": q must be float32, float64, bfloat16 or float16, got ", t);
   TORCH_CHECK(k.scalar_type() == t && v.scalar_type() == t, name,
               ": q, k, v must have the same dtype");
+}
+
+// q, k, v: [BH, N, d] (the backward), or [B, H, N, d] too (the forward, heads forward:
+// whose rows it reads in place).
+void check_qkv(const char* name, const torch::Tensor& q, const torch::Tensor& k,
+               const torch::Tensor& v, bool heads = false) {
+  TORCH_CHECK((q.dim() == 3 || (heads && q.dim() == 4)) && k.sizes() == q.sizes() &&
+                  v.sizes() == q.sizes(), name, ": q, k, v must be [BH, N, d]",
+              heads ? " or [B, H, N, d]" : "", ", got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  check_dtypes(name, q, k, v);
 }
 
 // Elements [e0, e1) of src converted into dst (both contiguous).
@@ -1700,7 +1763,8 @@ torch::Tensor float_tensor(const char* name, const char* what, torch::Tensor t,
 
 Geometry geometry(const char* name, const torch::Tensor& q, int64_t h, int64_t w, int64_t ph,
                   int64_t pw, int64_t prefix, int64_t topk, int64_t router_topk) {
-  const Geometry g{q.size(0), q.size(1), q.size(2), h, w, ph, pw, prefix, ph * pw, topk,
+  const int64_t BH = q.dim() == 4 ? q.size(0) * q.size(1) : q.size(0);  // [B, H, N, d]
+  const Geometry g{BH, q.size(-2), q.size(-1), h, w, ph, pw, prefix, ph * pw, topk,
                    router_topk};
   TORCH_CHECK(h >= 1 && w >= 1 && prefix >= 0 && prefix + h * w <= g.N, name,
               ": grid ", h, "x", w, " after ", prefix, " prefix tokens does not fit N = ", g.N);
@@ -1794,11 +1858,14 @@ struct FusedState {
   }
 };
 
-// q, k, v: [BH, N, d]; the grid is tokens prefix .. prefix + h w, pooled to ph x pw;
+// q, k, v: [BH, N, d], or [B, H, N, d] with any strides (views of the qkv projection: read
+// in place; rows with stride 1 in d, else copied); the grid is tokens prefix .. prefix + h w,
+// pooled to ph x pw;
 // topk keys per expert, router_topk experts per query; with a relative position bias
 // (window_h, window_w > 0): bias_q [H, M, N] and bias_k [H, N, M] (the landmarks' mean bias,
 // mita_seg.ops.bias.landmark_bias) and the table [H, T] (see bias_tensors). Returns the
-// FusedState as a list: out [BH, N, d], lse [BH, N] (over all M + r K logits of each query),
+// FusedState as a list: out [BH, N, d] ([B, N, H, d] for [B, H, N, d] inputs: the module's
+// [B, N, C], out.transpose(1, 2) the result), lse [BH, N] (over all M + r K logits of each query),
 // keys [BH, M, K], choice [BH, N, r], offsets [BH, M + 1], order [BH, N r] (grouping),
 // landmarks R [BH, M, d], probs [BH, M, N] (softmax(S); empty unless shared and save_probs),
 // shared_logits Ls [BH, N, M] (empty unless shared and save_probs), shared_values V_R
@@ -1816,13 +1883,16 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
                                         const c10::optional<torch::Tensor>& table,
                                         int64_t window_h, int64_t window_w) {
   const char* name = "mita_forward";
-  check_qkv(name, q, k, v);
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  check_qkv(name, q, k, v, true);
+  for (auto* t : {&q, &k, &v})
+    if (!rows_in_place(*t)) *t = t->contiguous();
   const auto in_dtype = q.scalar_type();
   const auto opts = q.options().dtype(in_dtype == at::kDouble ? at::kDouble : at::kFloat);
   const auto lopts = opts.dtype(at::kLong);
   const Geometry g = geometry(name, q, h, w, ph, pw, prefix, topk, router_topk);
-  auto out = torch::empty(q.sizes(), opts);  // in the compute dtype
+  const int64_t H = q.dim() == 4 ? q.size(1) : 1;
+  auto out = q.dim() == 4 ? torch::empty({q.size(0), g.N, H, g.d}, opts)  // [B, N, H, d]
+                          : torch::empty(q.sizes(), opts);  // in the compute dtype
   const BiasTensors bt = bias_tensors(name, g, out, table, window_h, window_w, true, bias_q,
                                       bias_k);
   auto lse = torch::empty({g.BH, g.N}, opts);
@@ -1840,27 +1910,28 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in_dtype, "mita_forward", [&] {
     using In = scalar_t;  // q, k, v; bf16/fp16 read as float32 a tile or a row at a time
     using T = std::conditional_t<std::is_same<In, double>::value, double, float>;
-    const In* qp = q.data_ptr<In>();
-    const In* kp = k.data_ptr<In>();
-    const In* vp = v.data_ptr<In>();
+    const Rows<const In> qp = rows_of<const In>(q), kp = rows_of<const In>(k),
+                         vp = rows_of<const In>(v);
+    // out's rows as the phases write them: (bh, n) -> out[b, n, h] (or out[bh, n])
+    const Rows<T> orows{out.data_ptr<T>(), H, g.N * H * g.d, g.d, H * g.d};
     const Bias<T> bias = bt.view<T>();
     const LowpPath lp = lowp_path<In>();  // bf16/fp16 read-out GEMMs (see lowp_gemm)
     auto opt = [](torch::Tensor& t) { return t.numel() ? t.data_ptr<T>() : nullptr; };
     landmarks_phase<T>(qp, R.data_ptr<T>(), g);
     experts_phase<T>(kp, vp, R.data_ptr<T>(), keys.data_ptr<int64_t>(), opt(probs), opt(vr),
                      shared, bias, g, lp);
-    router_phase<T>(qp, R.data_ptr<T>(), opt(vr), opt(ls), choice.data_ptr<int64_t>(),
-                    out.data_ptr<T>(), lse.data_ptr<T>(), static_cast<T>(shared_scale), shared,
+    router_phase<T>(qp, R.data_ptr<T>(), opt(vr), opt(ls), choice.data_ptr<int64_t>(), orows,
+                    lse.data_ptr<T>(), static_cast<T>(shared_scale), shared,
                     bias, g);
     group_items(choice.data_ptr<int64_t>(), g.BH, g.N * g.R, g.M,
                 offsets.data_ptr<int64_t>(), order.data_ptr<int64_t>());
     routed_phase<T>(qp, kp, vp, keys.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                    order.data_ptr<int64_t>(), opt(o_items), opt(lse_items), out.data_ptr<T>(),
+                    order.data_ptr<int64_t>(), opt(o_items), opt(lse_items), orows,
                     lse.data_ptr<T>(),
                     static_cast<T>(1.0 / std::sqrt(static_cast<double>(g.d))), bias, g, lp);
     if (g.R > 1)
-      merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), out.data_ptr<T>(),
-                     lse.data_ptr<T>(), g);
+      merge_phase<T>(o_items.data_ptr<T>(), lse_items.data_ptr<T>(), orows, lse.data_ptr<T>(),
+                     g);
   });
   const bool wide = in_dtype == out.scalar_type();
   return FusedState{wide ? out : convert({out}, in_dtype)[0], lse, keys, choice, offsets, order,
