@@ -92,30 +92,18 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
              ) -> torch.Tensor:
     """The operator as one opaque node, for calls that need no gradient (torch.library
-    takes primitive arguments: :class:`Inputs` flattened). Its output's layout depends on
-    the backend alone (what the fake says), whatever the layout of ``q``: the fused CPU
-    kernel's ``[B, H, N, d]`` is the ``transpose(1, 2)`` of a contiguous ``[B, N, H, d]``
-    (the module's ``[B, N, C]``, with no copy), the other backends' is contiguous."""
+    takes primitive arguments: :class:`Inputs` flattened). Its output is contiguous,
+    whatever the backend and the layout of ``q`` (what the fake says; inductor, compiling a
+    whole segmenter, held the fused kernel's ``[B, N, H, d]`` layout to a contiguous one,
+    so the op does not pass it on)."""
     bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
-    out = _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
-                      with_shared_expert, shared_scale, bias, block_size,
-                      (global_prefix, global_suffix)), backend)
-    if _tokens_major(backend):
-        return out.transpose(1, 2).contiguous().transpose(1, 2)
-    return out.contiguous()
-
-
-def _tokens_major(backend: str) -> bool:
-    """Whether :func:`_mita_op`'s output on ``backend`` is ``[B, N, H, d]`` in memory."""
-    return backend == 'fused_cpu'
+    return _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
+                       with_shared_expert, shared_scale, bias, block_size,
+                       (global_prefix, global_suffix)), backend).contiguous()
 
 
 @_mita_op.register_fake
-def _(q, k, v, h, w, ph, pw, topk, router_topk, num_prefix_tokens, with_shared_expert,
-      shared_scale, block_size, backend, *args):
-    B, H, N, d = q.shape
-    if _tokens_major(backend):
-        return q.new_empty(B, N, H, d).transpose(1, 2)
+def _(q, k, v, *args):
     return q.new_empty(q.shape)   # contiguous (empty_like would copy q's strides)
 
 
