@@ -767,8 +767,8 @@ def test_gradients_through_projection_views(dtype, global_tokens):
 def test_fake_forward_of_projection_views():
     """The forward's fake gives ``[B, N, H, d]`` outputs for ``[B, H, N, d]`` views (what
     torch.compile sees), and the fused backend's result is their transpose: the module's
-    ``[B, N, C]`` reshape is a view where a gradient is needed (the custom op of the calls
-    that need none returns a contiguous output)."""
+    ``[B, N, C]`` reshape is a view, where a gradient is needed and where none is (the
+    custom op of those calls returns a contiguous ``[B, N, H, d]``, its fake too)."""
     from mita_seg.ops import fused_cpu
     B, H, h, w, d = 2, 3, 7, 11, 16
     N = 1 + h * w
@@ -781,4 +781,10 @@ def test_fake_forward_of_projection_views():
     for grad in (False, True):
         _, (q, k, v) = _projection(B, N, H, d, torch.float32, seed=2, grad=grad)
         out = mita_attention(q, k, v, (h, w), (3, 3), 10, backend='fused_cpu')
-        assert (out.transpose(1, 2) if grad else out).is_contiguous(), grad
+        assert out.transpose(1, 2).is_contiguous(), grad
+        x = out.transpose(1, 2).reshape(B, N, H * d)   # the module's head merge
+        assert x.data_ptr() == out.data_ptr(), grad
+    _, qkv = _projection(B, N, H, d, torch.float32, seed=2)
+    torch.library.opcheck(torch.ops.mita_seg.mita_attention.default,
+                          list(qkv) + [h, w, 3, 3, 10, 1, 1, True, 1.0 / d, 64, 'fused_cpu'],
+                          test_utils=('test_schema', 'test_faketensor'))

@@ -454,7 +454,8 @@ def _check_layers(module: nn.Module, img: torch.Tensor, table: dict, opset: int,
                             (args['ph'], args['pw']), args['topk'], args['router_topk'],
                             args['num_prefix_tokens'], args['shared_scale'], bias,
                             global_tokens=(args['global_prefix'], args['global_suffix']))
-        checks.append(compare_layer(name, out, ref, ties))
+        # the op's output (PyTorch's and the node's) is [B, N, H, d]: compared as [B, H, N, d]
+        checks.append(compare_layer(name, out.transpose(1, 2), ref.transpose(1, 2), ties))
         backends.add(args['backend'])
 
     with torch.no_grad(), _MiTACalls(module, check):

@@ -24,15 +24,15 @@ _ROW = "{name:>16} {image:>10} {N:>6} {label:>18} | "
 
 
 def no_mixing_table():
-    """A translation of MiTA's node to ``out = v``: the model with its attention mixing
-    removed and its projections kept, the bound any attention in the same graph stays
-    under (measurement only: not attention)."""
+    """A translation of MiTA's node to ``out = v`` (as ``[B, N, H, d]``): the model with its
+    attention mixing removed and its projections kept, the bound any attention in the same
+    graph stays under (measurement only: not attention)."""
     from onnxscript import opset18 as op
 
     import mita_seg.ops  # noqa: F401  (registers torch.ops.mita_seg.mita_attention)
 
     def no_mixing(q, k, v, *args, **kwargs):
-        return op.Identity(v)
+        return op.Transpose(v, perm=[0, 2, 1, 3])   # [B, N, H, d], as the op returns
 
     return {torch.ops.mita_seg.mita_attention.default: no_mixing}
 

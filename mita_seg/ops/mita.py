@@ -92,19 +92,22 @@ def _mita_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, 
              window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
              ) -> torch.Tensor:
     """The operator as one opaque node, for calls that need no gradient (torch.library
-    takes primitive arguments: :class:`Inputs` flattened). Its output is contiguous,
-    whatever the backend and the layout of ``q`` (what the fake says; inductor, compiling a
-    whole segmenter, held the fused kernel's ``[B, N, H, d]`` layout to a contiguous one,
-    so the op does not pass it on)."""
+    takes primitive arguments: :class:`Inputs` flattened). Returns ``[B, N, H, d]``,
+    contiguous whatever the backend and the layout of ``q``: the module's ``[B, N, C]``,
+    so its head merge is a view (the fused CPU kernel writes this layout: no copy; the
+    other backends' ``[B, H, N, d]`` is copied once, here instead of in the module).
+    :func:`mita_attention` hands on its ``transpose(1, 2)``."""
     bias = None if bias_table is None else RelPosBias(bias_table, (window_h, window_w))
-    return _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
-                       with_shared_expert, shared_scale, bias, block_size,
-                       (global_prefix, global_suffix)), backend).contiguous()
+    out = _run(Inputs(q, k, v, (h, w), (ph, pw), topk, router_topk, num_prefix_tokens,
+                      with_shared_expert, shared_scale, bias, block_size,
+                      (global_prefix, global_suffix)), backend)
+    return out.transpose(1, 2).contiguous()                          # [B, N, H, d]
 
 
 @_mita_op.register_fake
 def _(q, k, v, *args):
-    return q.new_empty(q.shape)   # contiguous (empty_like would copy q's strides)
+    B, H, N, d = q.shape
+    return q.new_empty(B, N, H, d)   # contiguous, as the op returns it
 
 
 def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_experts: int,
@@ -196,7 +199,9 @@ def mita_attention(q: torch.Tensor,
             Default: (0, 0).
 
     Returns:
-        Tensor: ``[B, H, N, d]``, the dtype of ``q``.
+        Tensor: ``[B, H, N, d]``, the dtype of ``q``; where no gradient is needed, the
+        ``transpose(1, 2)`` of a contiguous ``[B, N, H, d]`` (the module's ``[B, N, C]``
+        is then a view).
     """
     hw_shape, pool_size, topk = check_mita_args(q, k, v, hw_shape, pool_size, topk,
                                                 router_topk, num_prefix_tokens, shared_scale,
@@ -229,7 +234,7 @@ def mita_attention(q: torch.Tensor,
                                                           global_suffix=global_tokens[1])
     return _mita_op(q, k, v, *hw_shape, *pool_size, topk, router_topk, num_prefix_tokens,
                     with_shared_expert, shared_scale, block_size, name, *bias_args,
-                    **global_args)
+                    **global_args).transpose(1, 2)                  # [B, H, N, d]
 
 
 def attend_setting(setting, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -366,17 +366,12 @@ inline const T* rows_as_compute(const In* src, int64_t rows, int64_t d, int64_t 
       *ld_out = ld;
       return src;
     }
-    if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
-    for (int64_t r = 0; r < rows; ++r)
-      std::copy(src + r * ld, src + r * ld + d, buf.data() + r * d);
-    *ld_out = d;
-    return buf.data();
-  } else {
-    if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
-    for (int64_t r = 0; r < rows; ++r) widen(buf.data() + r * d, src + r * ld, d);
-    *ld_out = d;
-    return buf.data();
   }
+  if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
+  // widened, or copied (packed) when In = T
+  for (int64_t r = 0; r < rows; ++r) widen(buf.data() + r * d, src + r * ld, d);
+  *ld_out = d;
+  return buf.data();
 }
 
 // Set by the tests to run the torch::mm fallback of gemm (used where BLAS is not linked).

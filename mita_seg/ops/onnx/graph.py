@@ -494,6 +494,7 @@ def translation_table(formulation: str = 'tiles', tile_size: Optional[int] = Non
         B, H, N, d = _static_shape(q)
         c = Call(B, H, N, d, num_prefix_tokens, h, w, ph, pw, topk, router_topk,
                  with_shared_expert, shared_scale, window_h, window_w, formulation, tile_size)
-        return mita_call_graph(q, k, v, c, bias_table, (global_prefix, global_suffix))
+        out = mita_call_graph(q, k, v, c, bias_table, (global_prefix, global_suffix))
+        return op.Transpose(out, perm=[0, 2, 1, 3])     # [B, N, H, d], as the op returns
 
     return {torch.ops.mita_seg.mita_attention.default: translation}
