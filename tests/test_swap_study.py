@@ -707,6 +707,43 @@ def test_verdicts_follow_the_rules_per_seed():
     assert claim(_result(control=None), 2)[0].rule == 'cannot tell'
 
 
+def test_plan_across_kinds_against_every_uniform_kind_per_seed():
+    """Point 7 of issue 56: the plan across kinds at a budget minus the best uniform kind of
+    each seed (ToMe and kinds outside the budget's tolerance aside), and minus the MiTA-only
+    plan, judged by the same rules; no such plan: no test (the doc says so)."""
+    from projects.swap_study.docs import Loaded, Run, _plans
+    from projects.swap_study.verdicts import judge, plan_tests
+
+    res = _result()   # at 7:49: MiTA 79 / 79 / 79, agent 75 / 78 / 70, block 78 / 80 / 77
+    assert plan_tests([res]) == []
+    seeds = ('1', '2', '3')
+
+    def plan(values, across, images=16, budget='7:49'):
+        return dict(kind='plan', setting=f'plan {across}', mIoU=sum(values) / 3,
+                    plan=dict(budget=budget, images=images),
+                    per_seed=dict(mIoU=dict(zip(seeds, values))), across_kinds=across)
+
+    tome = dict(kind='equal-cost', budget='7:49', attention='tome', within=True,
+                per_seed=dict(mIoU=dict(zip(seeds, (99.0, 99.0, 99.0)))))
+    wide = dict(kind='equal-cost', budget='7:49', attention='topk', within=False,
+                per_seed=dict(mIoU=dict(zip(seeds, (99.0, 99.0, 99.0)))))
+    res['rows'] += [plan((80.0, 79.5, 79.0), True), plan((50.0, 50.0, 50.0), True, images=4),
+                    plan((79.5, 80.0, 78.0), False), tome, wide]
+    over_uniform, over_mita = (judge(t, res) for t in plan_tests([res]))
+    # seed 1: 80 - max(79, 75, 78) = +1; seed 2: 79.5 - 80 (block) = -0.5; seed 3: 79 - 79
+    assert over_uniform.measured.values == {'1': 1.0, '2': -0.5, '3': 0.0}
+    assert over_uniform.measured.rows == 'best uniform kind by seed: mita / block / mita'
+    assert over_uniform.verdict == 'mixed (1 of 3 seeds)'
+    assert over_mita.measured.values == {'1': 0.5, '2': -0.5, '3': 1.0}
+    assert over_mita.verdict == 'mixed (2 of 3 seeds)'
+    loaded = Loaded(Run('toy', 'toy.json', 'toy', 'Toy'),
+                    dict(machine=dict(cpu='cpu', torch='t', threads=1), started='s',
+                         finished='f'), res)
+    lines = _plans({'segmenter': loaded, 'beit': loaded})
+    assert sum(line.startswith('| ') for line in lines) == 1 + 2   # the head, two tests
+    assert 'mixed (1 of 3 seeds)' in '\n'.join(lines)
+
+
 def test_study_docs_refuse_a_broken_json_in_one_line(tmp_path):
     """A committed JSON cut short or of another shape is an InputError naming the file (one
     ``error:`` line from tools/study_docs.py), not a JSONDecodeError traceback."""

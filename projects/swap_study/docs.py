@@ -21,8 +21,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from mita_seg.utils.errors import InputError
 from .report import equal_flops_table, evidence_table, kinds_markdown, native_tables, rows_table
 from .stats import pm
-from .verdicts import (CANNOT_TELL, CONTROL, PAPER_REDUCTION, RULES, claim_tests, control_row,
-                       equal_cost_row, judge)
+from .verdicts import (CANNOT_TELL, CONTROL, PAPER_REDUCTION, RULES, Test, claim_tests,
+                       control_row, equal_cost_row, judge, plan_tests)
 
 __all__ = ['Run', 'RUNS', 'CLAIM_RUNS', 'DOCS', 'load_runs', 'provenance', 'blocks',
            'render', 'generate', 'stale_docs', 'write_docs']
@@ -51,7 +51,7 @@ RUNS = (
 CLAIM_RUNS = ('segmenter', 'beit')
 # the blocks each doc holds (a doc with one missing, or with one not named here, is an error)
 DOCS = {
-    'docs/swap_study.md': ('claims', 'rules', 'segmenter-rows', 'segmenter-kinds',
+    'docs/swap_study.md': ('claims', 'plans', 'rules', 'segmenter-rows', 'segmenter-kinds',
                            'segmenter-selection', 'segmenter-native', 'beit-rows',
                            'beit-selection', 'beit1600-rows'),
     'README.md': ('readme', ),
@@ -107,22 +107,42 @@ def provenance(loaded: Loaded) -> str:
             + (f'`{commit}`.' if commit else 'not recorded in the JSON.'))
 
 
-def _claims(runs: Dict[str, Loaded]) -> List[str]:
-    """The paper's claims, each inequality a row, per model its values and verdict."""
-    models = [runs[k] for k in CLAIM_RUNS]
-    out = [f'- {provenance(r)}' for r in models] + ['']
-    head = ['claim (the paper\'s)', 'inequality tested, per seed']
+def _judged(models: Sequence[Loaded], tests: Sequence[Test], first: str,
+            label: Callable[[Test], str]) -> List[str]:
+    """``tests`` as a table, each inequality a row (``label`` its first cell, headed
+    ``first``), per model its values and verdict."""
+    head = [first, 'inequality tested, per seed']
     for r in models:
         head += [f'{r.run.title}: mean ± std (by seed)', 'verdict']
-    out += ['| ' + ' | '.join(head) + ' |', '|---|---|' + '---:|---|' * len(models)]
-    for t in claim_tests([r.res for r in models]):
-        cells = [f'**{t.claim}.** {t.words}' if t.words else f'{t.claim}. (continued)',
-                 t.inequality]
+    out = ['| ' + ' | '.join(head) + ' |', '|---|---|' + '---:|---|' * len(models)]
+    for t in tests:
+        cells = [label(t), t.inequality]
         for r in models:
             judged = judge(t, r.res)
             cells += [judged.cell(t.signed), judged.verdict]
         out.append('| ' + ' | '.join(cells) + ' |')
     return out
+
+
+def _claims(runs: Dict[str, Loaded]) -> List[str]:
+    """The paper's claims, each inequality a row, per model its values and verdict."""
+    models = [runs[k] for k in CLAIM_RUNS]
+    return [f'- {provenance(r)}' for r in models] + [''] + _judged(
+        models, claim_tests([r.res for r in models]), 'claim (the paper\'s)',
+        lambda t: f'**{t.claim}.** {t.words}' if t.words else f'{t.claim}. (continued)')
+
+
+def _plans(runs: Dict[str, Loaded]) -> List[str]:
+    """The plans across kinds against every uniform kind and the MiTA-only plan, per
+    budget, by the same rules."""
+    models = [runs[k] for k in CLAIM_RUNS]
+    tests = plan_tests([r.res for r in models])
+    out = [f'- {provenance(r)}' for r in models] + ['']
+    if not tests:
+        return out + ['(no plan across kinds in these JSONs: their runs predate the plans '
+                      'across kinds)']
+    return out + _judged(models, tests, 'question (this project\'s)',
+                         lambda t: f'**{t.words}**' if t.words else '(continued)')
 
 
 def _rules(runs: Dict[str, Loaded]) -> List[str]:
@@ -228,7 +248,8 @@ def _readme(runs: Dict[str, Loaded]) -> List[str]:
 def blocks(runs: Dict[str, Loaded]) -> Dict[str, Callable[[], List[str]]]:
     """Every block a doc may hold, by name, as a function giving its lines."""
     out: Dict[str, Callable[[], List[str]]] = {
-        'claims': lambda: _claims(runs), 'rules': lambda: _rules(runs),
+        'claims': lambda: _claims(runs), 'plans': lambda: _plans(runs),
+        'rules': lambda: _rules(runs),
         'readme': lambda: _readme(runs)}
     for key, loaded in runs.items():
         for name, fn in (('rows', _rows), ('kinds', _kinds), ('selection', _selection),

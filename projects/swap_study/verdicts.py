@@ -16,7 +16,7 @@ from .stats import mean_std
 
 __all__ = ['CONTROL', 'CONTROL_LOSS', 'WITHIN', 'PAPER_REDUCTION', 'PAPER_BAND', 'PRUNED_SHARE',
            'RULES', 'Measured', 'Test', 'Judged', 'control_row', 'control_losses', 'verdict',
-           'judge', 'claim_tests', 'equal_cost_row']
+           'judge', 'claim_tests', 'equal_cost_row', 'ACROSS', 'plan_row', 'plan_tests']
 
 # the destructive control (every token reads one key: no token mixing) and what it must lose,
 # on every seed, for a model's rows to decide anything
@@ -29,6 +29,8 @@ PAPER_REDUCTION = 42.0
 PAPER_BAND = 2.0
 # the share of tokens read by no routed expert, in every layer, that counts as "many"
 PRUNED_SHARE = 50.0
+# the field that marks a plan whose layers may take every kind (the study's ACROSS_MARK)
+ACROSS = 'across_kinds'
 
 NOT_MEASURED = 'not measured'
 CANNOT_TELL = 'cannot tell'
@@ -297,4 +299,55 @@ def claim_tests(results: Sequence[dict]) -> List[Test]:
         Test(7, '', 'the same share in the last layer minus the first, points > 0',
              lambda res: _selection(res, lambda s: s[-1] - s[0]), lambda v: v > 0),
     ]
+    return tests
+
+
+def plan_row(res: dict, budget: str, across: bool) -> Optional[dict]:
+    """The calibrated plan at ``budget`` across kinds (``across``) or among MiTA settings
+    only, calibrated on the most images; None if the result has none."""
+    plans = [r for r in res['rows'] if r['kind'] == 'plan' and r['plan']['budget'] == budget
+             and bool(r.get(ACROSS)) == across]
+    return max(plans, key=lambda r: r['plan']['images'], default=None)
+
+
+def _over_best_uniform(res: dict, budget: str) -> Optional[Measured]:
+    """The plan across kinds at ``budget`` minus, seed by seed, the best uniform kind of
+    that seed at the budget's cost (rows ``equal-cost`` within its tolerance; ToMe, which no
+    plan can take, aside); ``rows`` names each seed's best."""
+    plan = plan_row(res, budget, True)
+    uniform = [(r['attention'], _by_seed(r, 'mIoU')) for r in res['rows']
+               if r['kind'] == 'equal-cost' and r['budget'] == budget and r['within']
+               and r['attention'] != 'tome']
+    if plan is None or not uniform:
+        return None
+    values, best = {}, []
+    for seed, v in _by_seed(plan, 'mIoU').items():
+        have = [(u[seed], kind) for kind, u in uniform if seed in u]
+        if have:
+            top, kind = max(have)
+            values[seed] = v - top
+            best.append(kind)
+    return Measured(values, 'best uniform kind by seed: ' + ' / '.join(best))
+
+
+def plan_tests(results: Sequence[dict]) -> List[Test]:
+    """This project's question, not the paper's (its ``claim`` 0): does a calibrated plan
+    whose layers may take different kinds beat every uniform kind at equal FLOPs, and the
+    plan among MiTA settings only? One pair of tests per budget that any of ``results``
+    holds a plan across kinds for."""
+    budgets = dict.fromkeys(r['plan']['budget'] for res in results for r in res['rows']
+                            if r['kind'] == 'plan' and r.get(ACROSS))
+    tests = []
+    for i, b in enumerate(budgets):
+        tests += [
+            Test(0, '' if i else 'a plan across kinds beats every uniform kind at equal '
+                 'FLOPs',
+                 f'at the FLOPs of {b}: the calibrated plan across kinds minus the best '
+                 f'uniform kind of the same seed (rows `equal-cost` of budget {b}, each within '
+                 '10% of it, ToMe aside), mIoU > 0',
+                 lambda res, b=b: _over_best_uniform(res, b), lambda v: v > 0),
+            Test(0, '', f'at the FLOPs of {b}: the plan across kinds minus the plan among MiTA '
+                 f'settings only (rows `plan` of budget {b}), mIoU > 0',
+                 lambda res, b=b: _difference(plan_row(res, b, True), plan_row(res, b, False)),
+                 lambda v: v > 0)]
     return tests
