@@ -35,3 +35,8 @@ swap-study: setup
 .PHONY: study-docs
 study-docs:
 	$(PY) tools/study_docs.py
+
+# The README's speed table from the committed benchmark record (mita_seg/benchmark/docs.py)
+.PHONY: bench-docs
+bench-docs:
+	$(PY) tools/bench_docs.py

@@ -48,6 +48,58 @@ def test_json_record_holds_what_was_printed(tools, tmp_path):
     assert f'# wrote {path}' in out
 
 
+def test_readme_speed_table_is_what_the_committed_record_gives(tools):
+    """``make bench-docs``: the README's speed table is generated from the committed
+    record (a doc that differs fails here and in ``--check``)."""
+    import os.path as osp
+    from mita_seg.benchmark.docs import BENCH_DOCS
+    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    assert BENCH_DOCS.stale(root) == [], 'run make bench-docs'
+    code, out = tools('tools/bench_docs.py', '--check', check=False)
+    assert code == 0 and 'up to date' in out, out
+
+
+def test_speed_table_from_a_record(tmp_path):
+    """The table's ratios are images/s ratios of the record's medians (time of B over time
+    of A), MiTA's share of the bound is bound/dense over MiTA/dense, missing times are n/a;
+    a record without model rows, or broken, is one error naming what to change; the
+    generators see only their own markers."""
+    import json
+    from mita_seg.benchmark import docs
+    from mita_seg.utils.doc_blocks import DocBlocks
+    from mita_seg.utils.errors import InputError
+    record = dict(command='python tools/benchmark.py --level model', finished='today',
+                  seconds=10.0, machine=dict(cpu='a CPU', threads=2, torch='2', commit='abc'),
+                  levels=[dict(header=[], rows=[
+                      dict(name='vit', image='64x64', mode='whole', N=17, dtype='float32',
+                           times=dict(mmseg=4.0, dense=2.0, MiTA=1.25, bound=1.0)),
+                      dict(name='vit', image='32x32', mode='slide', N=5, dtype='float32',
+                           times=dict(mmseg=None, dense=2.0, MiTA=1.0, bound=None))])])
+    lines = docs.model_speed_table(record, 'r.json')
+    assert lines[0].startswith('Source: `r.json`: `python tools/benchmark.py --level model`, '
+                               'on a CPU, 2 threads') and 'commit `abc`' in lines[0]
+    assert lines[-2] == '| vit, whole 64x64 (N = 17) | float32 | 2.00x | 1.60x | 2.00x | 80% |'
+    assert lines[-1] == '| vit, slide 32x32 (N = 5) | float32 | n/a | 2.00x | n/a | n/a |'
+    with pytest.raises(InputError, match='no model-level rows'):
+        docs.model_speed_table(dict(record, levels=[]), 'r.json')
+    (tmp_path / 'docs' / 'benchmark').mkdir(parents=True)
+    (tmp_path / docs.MODEL_RECORD).write_text('{"cut')
+    (tmp_path / 'README.md').write_text('a\n<!-- bench-docs:model-speed:begin -->\n'
+                                        '<!-- bench-docs:model-speed:end -->\n'
+                                        '<!-- study-docs:other:begin -->\nkept\n'
+                                        '<!-- study-docs:other:end -->\n')
+    with pytest.raises(InputError, match='cannot be read.*git checkout'):
+        docs.BENCH_DOCS.stale(str(tmp_path))
+    (tmp_path / docs.MODEL_RECORD).write_text(json.dumps(record))
+    assert docs.BENCH_DOCS.write(str(tmp_path)) == ['README.md']
+    text = (tmp_path / 'README.md').read_text()
+    assert '| n/a |\n<!-- bench-docs:model-speed:end -->' in text and '\nkept\n' in text
+    assert docs.BENCH_DOCS.stale(str(tmp_path)) == []
+    other = DocBlocks('study-docs', '', {'README.md': ('gone', )}, lambda root: {})
+    with pytest.raises(InputError, match='marker study-docs:other names no block'):
+        other.stale(str(tmp_path))
+
+
 def test_op_level_runs_the_setting_given(tools):
     # --settings, spelt as every tool spells a setting: the whole setting runs (route-only
     # here), the header says which, and the MAC ratio is its formula's
