@@ -73,13 +73,14 @@ def test_speed_table_from_a_record(tmp_path):
                   levels=[dict(header=[], rows=[
                       dict(name='vit', image='64x64', mode='whole', N=17, dtype='float32',
                            times=dict(mmseg=4.0, dense=2.0, MiTA=1.25, bound=1.0)),
-                      dict(name='vit', image='32x32', mode='slide', N=5, dtype='float32',
+                      dict(name='vit', image='slide', size=[32, 48], mode='slide', N=5,
+                           dtype='float32',
                            times=dict(mmseg=None, dense=2.0, MiTA=1.0, bound=None))])])
     lines = docs.model_speed_table(record, 'r.json')
     assert lines[0].startswith('Source: `r.json`: `python tools/benchmark.py --level model`, '
                                'on a CPU, 2 threads') and 'commit `abc`' in lines[0]
     assert lines[-2] == '| vit, whole 64x64 (N = 17) | float32 | 2.00x | 1.60x | 2.00x | 80% |'
-    assert lines[-1] == '| vit, slide 32x32 (N = 5) | float32 | n/a | 2.00x | n/a | n/a |'
+    assert lines[-1] == '| vit, slide 32x48 (N = 5) | float32 | n/a | 2.00x | n/a | n/a |'
     with pytest.raises(InputError, match='no model-level rows'):
         docs.model_speed_table(dict(record, levels=[]), 'r.json')
     (tmp_path / 'docs' / 'benchmark').mkdir(parents=True)
@@ -240,12 +241,21 @@ def test_bound_removes_only_the_mixing(tiny_cfg):
 
 
 @pytest.mark.slow
-def test_model_level(tools):
+def test_model_level(tools, tmp_path):
     # the four variants (and ToMe) timed in turn on a small whole image, one row per dtype;
-    # the header says what was swapped (the encoder, as the paper)
+    # the header says what was swapped (the encoder, as the paper); --json: each row with
+    # its image's size, a record the README's table can be generated from
+    import json
+    from mita_seg.benchmark.docs import model_speed_table
+    path = tmp_path / 'model.json'
     _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
                    '--images', '64x80', '--dtypes', 'float32', 'bfloat16', '--settings', '2:8',
-                   '--rounds', 1, '--min-run-time', 0.01, '--merge-ratio', 0.25)
+                   '--rounds', 1, '--min-run-time', 0.01, '--merge-ratio', 0.25,
+                   '--json', path)
+    record = json.loads(path.read_text())
+    assert [r['size'] for r in record['levels'][0]['rows']] == [[64, 80], [64, 80]]
+    assert model_speed_table(record, 'model.json')[-1].startswith(
+        '| segmenter-vit-t, whole 64x80 (N = 21) | bfloat16 |')
     assert 'what runs: segmenter-vit-t: M=2x2 k=8: backbone.layers.0-11.attn; dense: ' \
            'decode_head.layers.0-1.attn' in out, out
     header = next(line for line in out.splitlines() if line.lstrip().startswith('model '))

@@ -716,6 +716,9 @@ def test_plan_across_kinds_against_every_uniform_kind_per_seed():
 
     res = _result()   # at 7:49: MiTA 79 / 79 / 79, agent 75 / 78 / 70, block 78 / 80 / 77
     assert plan_tests([res]) == []
+    from projects.swap_study.model_study import ACROSS_MARK
+    from projects.swap_study.verdicts import ACROSS
+    assert ACROSS == ACROSS_MARK      # the field the study writes is the one read here
     seeds = ('1', '2', '3')
 
     def plan(values, across, images=16, budget='7:49'):
@@ -729,11 +732,15 @@ def test_plan_across_kinds_against_every_uniform_kind_per_seed():
                 per_seed=dict(mIoU=dict(zip(seeds, (99.0, 99.0, 99.0)))))
     res['rows'] += [plan((80.0, 79.5, 79.0), True), plan((50.0, 50.0, 50.0), True, images=4),
                     plan((79.5, 80.0, 78.0), False), tome, wide]
+    # a MiTA-only plan on more images than the plans across kinds took, and plans at ToMe's
+    # budget (no equal-cost rows there: no test)
+    res['rows'] += [plan((0.0, 0.0, 0.0), False, images=32), plan((1, 1, 1), True, budget='tome')]
     over_uniform, over_mita = (judge(t, res) for t in plan_tests([res]))
     # seed 1: 80 - max(79, 75, 78) = +1; seed 2: 79.5 - 80 (block) = -0.5; seed 3: 79 - 79
     assert over_uniform.measured.values == {'1': 1.0, '2': -0.5, '3': 0.0}
     assert over_uniform.measured.rows == 'best uniform kind by seed: mita / block / mita'
     assert over_uniform.verdict == 'mixed (1 of 3 seeds)'
+    # against the MiTA-only plan on as many images (16), not the 32-image one
     assert over_mita.measured.values == {'1': 0.5, '2': -0.5, '3': 1.0}
     assert over_mita.verdict == 'mixed (2 of 3 seeds)'
     loaded = Loaded(Run('toy', 'toy.json', 'toy', 'Toy'),
@@ -742,6 +749,9 @@ def test_plan_across_kinds_against_every_uniform_kind_per_seed():
     lines = _plans({'segmenter': loaded, 'beit': loaded})
     assert sum(line.startswith('| ') for line in lines) == 1 + 2   # the head, two tests
     assert 'mixed (1 of 3 seeds)' in '\n'.join(lines)
+    # a seed some uniform kind lacks is left out, not judged against fewer kinds
+    del res['rows'][3]['per_seed']['mIoU']['2']                       # agent's seed 2
+    assert judge(plan_tests([res])[0], res).measured.values == {'1': 1.0, '3': 0.0}
 
 
 def test_study_docs_refuse_a_broken_json_in_one_line(tmp_path):

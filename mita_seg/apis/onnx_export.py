@@ -332,7 +332,8 @@ def write_onnx(module: nn.Module, shape: Tuple[int, int], path: str, opset: int 
     ``seg_logits``) to ``path``.
 
     Args:
-        table (dict, optional): the exporter's ``custom_translation_table``; None: MiTA's,
+        table (dict, optional): the exporter's ``custom_translation_table`` (MiTA's node
+            returns ``[B, N, H, d]``); None: MiTA's,
             :func:`mita_seg.ops.onnx.mita_translation_table`. Default: None.
 
     Raises:
@@ -550,9 +551,10 @@ def export_onnx(config: str, checkpoint: str, out: str,
         check (str): ``'routing'`` (each MiTA call against PyTorch with near-ties told apart,
             end to end against the model's noise floor), ``'strict'`` (end to end within
             float32 rounding) or ``'none'``. Default: 'routing'.
-        table (dict, optional): the exporter's ``custom_translation_table``; None: MiTA's
-            translation (:func:`mita_seg.ops.onnx.mita_translation_table` of
-            ``formulation``). Default: None.
+        table (dict, optional): the exporter's ``custom_translation_table`` (MiTA's node
+            returns ``[B, N, H, d]``); None: MiTA's translation
+            (:func:`mita_seg.ops.onnx.mita_translation_table` of ``formulation``).
+            Default: None.
 
     Returns:
         OnnxReport: what was written and how ORT's output compares.

@@ -23,6 +23,8 @@
 - :mod:`.onnx`: ONNX Runtime on the CPU: a checkpoint exported unswapped, swapped to MiTA
   at each setting and with MiTA's node exported as ``out = v`` (the bound), timed in turn;
 - :mod:`.onnx_op`: one attention layer in ONNX Runtime, softmax and MiTA exported alone;
+- :mod:`.docs`: the README's speed table, generated from a committed ``--json`` record of
+  the model level (``make bench-docs``);
 - :mod:`.common`: what the levels share (the models by name, token counts, seeded inputs,
   the fused kernel's profile).
 

@@ -10,7 +10,6 @@ import os.path as osp
 from typing import Dict, List
 
 from mita_seg.utils.doc_blocks import DocBlocks
-from .model import SLIDE_IMAGE
 from mita_seg.utils.errors import InputError
 
 __all__ = ['MODEL_RECORD', 'BENCH_DOCS', 'model_speed_table']
@@ -30,9 +29,13 @@ def _ratio(times: Dict[str, float], a: str, b: str) -> str:
 def model_speed_table(record: dict, path: str) -> List[str]:
     """The model level's rows of ``record`` (the JSON at ``path``): per model and input, the
     fast dense model over mmseg as released, MiTA over the fast dense model, the bound over
-    it and MiTA's share of the bound (images/s ratios of the run's medians)."""
+    it and MiTA's share of the bound (images/s ratios of the run's medians).
+
+    Raises:
+        InputError: ``record`` holds no model-level rows.
+    """
     levels = [lv for lv in record.get('levels', [])
-              if lv.get('rows') and 'times' in lv['rows'][0]]
+              if lv.get('rows') and {'times', 'mode', 'image'} <= set(lv['rows'][0])]
     if not levels:
         raise InputError(f'{path} holds no model-level rows (a record of tools/benchmark.py '
                          '--level model --json): point MODEL_RECORD in '
@@ -48,8 +51,10 @@ def model_speed_table(record: dict, path: str) -> List[str]:
             t = r['times']
             # MiTA/dense over bound/dense (the benchmark's "MiTA %bnd")
             share = f"{t['bound'] / t['MiTA']:.0%}" if t.get('MiTA') and t.get('bound') else 'n/a'
-            image = ('slide {}x{}'.format(*SLIDE_IMAGE) if r['image'] == 'slide'
-                     else f"{r['mode']} {r['image']}")
+            # the image as the record gives it (its size where it holds one: since 27e3aab)
+            image = (f"{r['mode']} {r['image']}" if r['image'] != r['mode'] else
+                     f"{r['mode']} {r['size'][0]}x{r['size'][1]}" if r.get('size') else
+                     f"{r['mode']} inference")
             out.append(f"| {r['name']}, {image} (N = {r['N']}) | {r['dtype']} | "
                        f"{_ratio(t, 'dense', 'mmseg')} | {_ratio(t, 'MiTA', 'dense')} | "
                        f"{_ratio(t, 'bound', 'dense')} | {share} |")

@@ -213,8 +213,9 @@ class ModelLevel:
         return cfg.get('mode', 'whole'), n, calls
 
     def rows(self):
-        """A row (dict) per model, image and dtype: ``name``, ``image``, ``mode``, ``N``,
-        ``dtype``, ``times`` (seconds per image by variant, the variants run), ``memory``
+        """A row (dict) per model, image and dtype: ``name``, ``image``, ``size`` (the
+        image's ``[h, w]``: ``slide`` is :data:`SLIDE_IMAGE`), ``mode``, ``N``, ``dtype``,
+        ``times`` (seconds per image by variant, the variants run), ``memory``
         (peak MiB by variant, None where not measured), ``kernel`` (``profile`` on CPU:
         seconds per image in the fused kernel of MiTA's call; else None). Memory first,
         every row, before any timing (see :func:`.op.op_rows`)."""
@@ -235,8 +236,9 @@ class ModelLevel:
                 kernel = None
                 if self.profile and self.device.type == 'cpu':  # the kernel's s per image
                     kernel = sum(profiled(calls['MiTA'], reps=2)[1].values())
-                yield dict(name=row[0], image=row[1], mode=mode, N=n, dtype=row[2],
-                           times=times, memory=peaks[row], kernel=kernel)
+                size = SLIDE_IMAGE if row[1] == 'slide' else row[1].split('x')
+                yield dict(name=row[0], image=row[1], size=[int(t) for t in size], mode=mode,
+                           N=n, dtype=row[2], times=times, memory=peaks[row], kernel=kernel)
 
     def format_row(self, row):
         """A row of :meth:`rows` as printed (and the kernel's share on a line below)."""

@@ -277,7 +277,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         # MiTA's experts' keys: the tokens that are not global
         setting = self.setting_on(N - sum(global_tokens), (h, w))
         x = attend(setting, q, k, v, (h, w), p, global_tokens)              # [B, H, N, d]
-        x = x.transpose(1, 2).reshape(B, N, C)   # a view on the op (no grad) or the fused kernel
+        x = x.transpose(1, 2).reshape(B, N, C)   # a view where [B, N, H, d] was written
         if self.dwc is not None:
             v_grid = v[:, :, p:p + h * w].transpose(1, 2).reshape(B, h, w, C).permute(0, 3, 1, 2)
             dwc = self.dwc(v_grid).flatten(2).transpose(1, 2)                  # [B, h*w, C]

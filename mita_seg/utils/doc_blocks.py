@@ -29,8 +29,20 @@ def _marker(prefix: str) -> 're.Pattern':
 
 def render(text: str, path: str, known: Blocks, required: Sequence[str], prefix: str,
            opening: str) -> str:
-    """``text`` (the doc at ``path``) with every block marked ``prefix`` rewritten: the
-    ``opening`` line, then the lines of ``known[name]()``.
+    """``text`` with every block marked ``prefix`` rewritten: the ``opening`` line, then
+    the lines of ``known[name]()``.
+
+    Args:
+        text (str): the doc as it is.
+        path (str): its path, for the errors.
+        known (dict[str, Callable[[], list[str]]]): the blocks, by name.
+        required (Sequence[str]): the blocks the doc must hold.
+        prefix (str): the markers' prefix (``study-docs``); others' markers are left as
+            they are.
+        opening (str): the first line of every block.
+
+    Returns:
+        str: the doc as generated.
 
     Raises:
         InputError: a marker names no block, a block is marked twice, or a required block

@@ -127,7 +127,9 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
             Default: None.
 
     Returns:
-        dict: ``{torch.ops.mita_seg.mita_attention.default: translation}``.
+        dict: ``{torch.ops.mita_seg.mita_attention.default: translation}``; the
+        translation, like the op, returns ``[B, N, H, d]`` (a table of one's own must too:
+        ``[B, H, N, d]`` would reshape to the right size with the heads mixed up).
 
     Raises:
         OnnxExportError: ``onnxscript`` is not installed, or an unknown formulation.
