@@ -16,31 +16,17 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from mita_seg.cli import run_tool  # noqa: E402
-from mita_seg.cli.core import ToolParser, print_error  # noqa: E402
+from mita_seg.cli.doc_tool import doc_tool  # noqa: E402
 
 
-def build_parser() -> ToolParser:
-    p = ToolParser(description="the README's speed table, from the benchmark record "
-                   'committed under docs/benchmark/')
-    p.add_argument('--check', action='store_true', help='write nothing; exit 1 naming the '
-                   'docs that differ from what the generator writes')
-    return p
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def _generator():
     from mita_seg.benchmark.docs import BENCH_DOCS
-    if args.check:
-        stale = BENCH_DOCS.stale(ROOT)
-        if stale:
-            print_error(f"{', '.join(stale)}: not what the committed record gives; run "
-                        'make bench-docs')
-            sys.exit(1)
-        print('the speed table is up to date')
-        return
-    written = BENCH_DOCS.write(ROOT)
-    print(f"wrote {', '.join(written)}" if written else 'the speed table is up to date')
+    return BENCH_DOCS
 
+
+main = doc_tool("the README's speed table, from the benchmark record committed under "
+                'docs/benchmark/', _generator, 'the speed table is', 'the committed record',
+                'make bench-docs', ROOT)
 
 if __name__ == '__main__':
     run_tool(main)

@@ -16,31 +16,17 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from mita_seg.cli import run_tool  # noqa: E402
-from mita_seg.cli.core import ToolParser, print_error  # noqa: E402
+from mita_seg.cli.doc_tool import doc_tool  # noqa: E402
 
 
-def build_parser() -> ToolParser:
-    p = ToolParser(description='the swap study\'s tables in docs/swap_study.md and README.md, '
-                   'from the JSON committed under docs/swap_study/')
-    p.add_argument('--check', action='store_true', help='write nothing; exit 1 naming the '
-                   'docs that differ from what the generator writes')
-    return p
+def _generator():
+    from projects.swap_study.docs import STUDY_DOCS
+    return STUDY_DOCS
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    from projects.swap_study.docs import stale_docs, write_docs
-    if args.check:
-        stale = stale_docs(ROOT)
-        if stale:
-            print_error(f"{', '.join(stale)}: not what the committed JSON gives; run "
-                        'make study-docs')
-            sys.exit(1)
-        print('the study docs are up to date')
-        return
-    written = write_docs(ROOT)
-    print(f"wrote {', '.join(written)}" if written else 'the study docs are up to date')
-
+main = doc_tool('the swap study\'s tables in docs/swap_study.md and README.md, from the JSON '
+                'committed under docs/swap_study/', _generator, 'the study docs are',
+                'the committed JSON', 'make study-docs', ROOT)
 
 if __name__ == '__main__':
     run_tool(main)

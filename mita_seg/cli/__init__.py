@@ -20,6 +20,8 @@ seconds to import).
   (:func:`sweep_swaps`).
 - :mod:`.merge_args`: ``--merge-ratio`` / ``--merge-ratios`` (:func:`add_merge_args`,
   :func:`merge_ratio`).
+- :mod:`.doc_tool`: the ``main()`` of the tools that rewrite generated doc blocks
+  (:func:`doc_tool`: ``tools/study_docs.py``, ``tools/bench_docs.py``).
 """
 from .core import (DeferredHelp, InputError, KeyValueAction, ToolParser, checkpoint_file,
                    config_file, device_name, ensure_parent, float_range, image_file,
