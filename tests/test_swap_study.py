@@ -766,3 +766,68 @@ def test_study_docs_refuse_a_broken_json_in_one_line(tmp_path):
             path.write_text(text)
         with pytest.raises(InputError, match=r"is not the study's JSON .*git checkout"):
             load_runs(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkeypatch):
+    """A run killed in a stage (here: KeyboardInterrupt in the control's training, after its
+    first checkpoint) resumes with ``reuse``: the stages it finished are not run again (their
+    rows come from ``stages.json``), and the killed training resumes from its checkpoint
+    through MMEngine's resume."""
+    from mmengine.hooks import Hook
+    from mmengine.registry import HOOKS
+
+    from projects.swap_study import finetune, head, sweep, training
+    from projects.swap_study.model_study import STAGES_FILE
+
+    @HOOKS.register_module(force=True)
+    class KillAfter(Hook):   # the process killed right after iteration `at`'s checkpoint
+        def __init__(self, at):
+            self.at = at
+
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            if runner.iter + 1 == self.at:   # after the checkpoint hook (priority LOWEST)
+                raise KeyboardInterrupt
+
+    settings = dict(data_root=tiny_data, seeds=(1, ), train_iters=2, finetune_iters=8,
+                    pool_sizes=(2, ), topks=(8, ), finetune=(MiTASetting.parse('4:8'), ),
+                    selection=None, merge_ratios=(), head_settings=(), merged_swaps=(),
+                    kind_budgets=(), plan_budgets=(), paper_reduction=0.0, native=(),
+                    speed_min_run_time=0.02, reuse=True)
+    work = tmp_path / 'study'
+    control_train = work / 'tiny' / 'seed1' / 'control' / 'train'
+    killed = training.train
+
+    def train_killed(cfg, work_dir, verbose=False, reuse=False):
+        if work_dir == str(control_train):
+            cfg.custom_hooks = list(cfg.get('custom_hooks', [])) + [
+                dict(type='KillAfter', at=4, priority='LOWEST')]
+        return killed(cfg, work_dir, verbose, reuse)
+
+    monkeypatch.setattr(finetune, 'train', train_killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_swap_study([('tiny', TINY_SEGMENTER)], str(work), StudySettings(**settings))
+    with open(work / 'tiny' / 'seed1' / STAGES_FILE) as f:
+        saved = json.load(f)
+    assert saved['done'] == ['training', 'sweep', 'head', 'finetune 4:8']
+    # the schedule saved every 2 iterations (a quarter of 8), the last one kept
+    assert sorted(p.name for p in control_train.glob('iter_*.pth')) == ['iter_4.pth']
+
+    # again: no stage before the control runs, the control resumes at iteration 4
+    monkeypatch.setattr(finetune, 'train', killed)
+    for module, name in ((training, 'train'), (sweep, 'run'), (head, 'run')):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail('ran again'))
+    monkeypatch.setattr(finetune, 'run', lambda *a, **k: pytest.fail('ran again'))
+    lines = []
+    study = run_swap_study([('tiny', TINY_SEGMENTER)], str(work), StudySettings(**settings),
+                           progress=lines.append)
+    assert any('resuming after training, sweep, head, finetune 4:8' in ln for ln in lines)
+    (res, ) = study['models']
+    run = res['runs'][0]
+    assert study['errors'] == [] and run['resumed'][0]['after'] == 'finetune 4:8'
+    assert run['rows'][:-1] == saved['result']['rows'] and run['rows'][-1]['kind'] == 'control'
+    control = run['rows'][-1]
+    assert control['resumed_from'] == 4 and control['checkpoint'].endswith('iter_8.pth')
+    assert control['train_seconds'] > 0
+    assert not (work / 'tiny' / 'seed1' / STAGES_FILE).exists()   # finished: result.json
+    assert (work / 'tiny' / 'seed1' / 'result.json').exists()

@@ -30,7 +30,9 @@ the plans); ``--no-plans-across-kinds`` the plans with MiTA candidates only.
 
 A trained standard-attention checkpoint at ``WORK_DIR/<model>/seed<seed>/train/iter_<iters>.pth``
 is used as it is with ``--reuse`` (e.g. one trained by ``tools/train.py`` with the study's
-schedule and that ``randomness.seed``).
+schedule and that ``randomness.seed``). With ``--reuse`` a run that was killed resumes: after
+the last stage it finished (``WORK_DIR/<model>/seed<seed>/stages.json``), and a training cut
+short from its last checkpoint (MMEngine's resume).
 Settings are spelled as everywhere (``7:49``, ``4x6:16``, ``7:49:route``; ``7:49+tome0.5``).
 """
 import argparse
@@ -93,7 +95,8 @@ def build_parser():
     add('--workers', type=int_range(0), default=default('workers'),
         help='dataloader worker processes')
     add('--reuse', action='store_true', help='reuse results and checkpoints of the work dir '
-        'made with the same settings (to add a model to a finished study)')
+        'made with the same settings (to add a model to a finished study); a killed run '
+        'resumes after its last finished stage, a killed training from its last checkpoint')
     add('--cfg-options', nargs='+', action=KeyValueAction,
         help='override settings of every config, key=value')
     add_dense_attn_arg(p)

@@ -65,7 +65,7 @@ def check_discrimination(seed: int, work_dir: str, data_root: str = LONGRANGE_RO
         out['iters'] = cfg.train_cfg.max_iters
         progress(f'{name}: training {config} for {out["iters"]} iterations, seed {seed}')
         t0 = time.time()
-        ckpt, seconds, reused = train(cfg, osp.join(mdir, 'train'), verbose, reuse)
+        ckpt, seconds, reused, _ = train(cfg, osp.join(mdir, 'train'), verbose, reuse)
         progress(f'{name}: {"reused" if reused else "trained in"} {seconds:.0f} s; evaluating')
         row = evaluate(load_config(config, opts), ckpt, osp.join(mdir, 'test'),
                        settings)

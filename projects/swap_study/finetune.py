@@ -10,7 +10,7 @@ from .model_study import ModelStudy
 from .rows import study_row
 from .runner import evaluate
 from .settings import tag_of
-from .training import schedule, train
+from .training import Trained, schedule, train
 
 __all__ = ['run', 'control']
 
@@ -26,18 +26,17 @@ def run(study: ModelStudy, setting: MiTASetting) -> None:
                                            osp.join(ft_dir, 'export'), setting.cfg(),
                                            study.opts)
         cfg = schedule(load_config(out_cfg), s.finetune_iters, s.finetune_lr_mult)
-        ft_ckpt, ft_s, _ = train(cfg, osp.join(ft_dir, 'train'), s.verbose, s.reuse)
-        values = evaluate(load_config(out_cfg), ft_ckpt, osp.join(ft_dir, 'test'), s)
-        return dict(values, exported=[out_cfg, out_ckpt], checkpoint=ft_ckpt,
-                    seconds=round(ft_s, 1))
+        trained = train(cfg, osp.join(ft_dir, 'train'), s.verbose, s.reuse)
+        values = evaluate(load_config(out_cfg), trained.checkpoint, osp.join(ft_dir, 'test'), s)
+        return dict(values, exported=[out_cfg, out_ckpt], trained=trained)
 
     ft = study.stage(f'export MiTA {setting.label} and fine-tune it '
                      f'{s.finetune_iters} iterations', do_finetune)
     if ft is not None:
+        exported, trained = ft.pop('exported'), ft.pop('trained')
         study.add_row(study_row(f'MiTA {setting.label}, fine-tuned {s.finetune_iters} it',
                                 'finetune', setting.num_experts, setting.topk, ft, study.base),
-                      exported=ft['exported'], checkpoint=ft['checkpoint'],
-                      train_seconds=ft['seconds'])
+                      exported=exported, **_trained(trained))
 
 
 def control(study: ModelStudy) -> None:
@@ -48,15 +47,24 @@ def control(study: ModelStudy) -> None:
         cfg = schedule(load_config(study.config, study.opts), s.finetune_iters,
                        s.finetune_lr_mult)
         cfg.load_from = study.ckpt
-        c_ckpt, c_s, _ = train(cfg, osp.join(study.work_dir, 'control', 'train'),
-                               s.verbose, s.reuse)
-        values = evaluate(load_config(study.config, study.opts), c_ckpt,
+        trained = train(cfg, osp.join(study.work_dir, 'control', 'train'), s.verbose, s.reuse)
+        values = evaluate(load_config(study.config, study.opts), trained.checkpoint,
                           osp.join(study.work_dir, 'control', 'test'), s)
-        return dict(values, checkpoint=c_ckpt, seconds=round(c_s, 1))
+        return dict(values, trained=trained)
 
     ctl = study.stage(f'control: unswapped, trained {s.finetune_iters} more iterations',
                       do_control)
     if ctl is not None:
+        trained = ctl.pop('trained')
         study.add_row(study_row(f'unswapped, trained {s.finetune_iters} it more (control)',
                                 'control', None, None, ctl, study.base),
-                      checkpoint=ctl['checkpoint'], train_seconds=ctl['seconds'])
+                      **_trained(trained))
+
+
+def _trained(trained: Trained) -> dict:
+    """A fine-tune's or control's training in its row: ``checkpoint``, ``train_seconds``
+    and, resumed, ``resumed_from``."""
+    extra = dict(checkpoint=trained.checkpoint, train_seconds=round(trained.seconds, 1))
+    if trained.resumed_from is not None:
+        extra['resumed_from'] = trained.resumed_from
+    return extra

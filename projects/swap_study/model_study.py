@@ -6,21 +6,24 @@ recorded, progress lines, a test Runner swept over points). The stages are the m
 :mod:`.finetune`, :mod:`.selection` and :mod:`.native`, each a function of a
 :class:`ModelStudy`; :func:`projects.swap_study.study.study_model` calls them in order."""
 import gc
+import json
 import os
+import os.path as osp
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 from mita_seg.apis import swap_sweep
 from mita_seg.apis.sweep import SweepRow
+from mita_seg.engine import atomic_write_text
 from mita_seg.setting import MiTASetting
 from mita_seg.utils.cfg_options import CfgOptionsError
 from .runner import data_options, images_per_second, test_runner
 from .settings import StudySettings
 
-__all__ = ['ModelStudy', 'PAPER_MARK', 'CONTROL_MARK', 'ACROSS_MARK']
+__all__ = ['ModelStudy', 'PAPER_MARK', 'CONTROL_MARK', 'ACROSS_MARK', 'STAGES_FILE']
 
 # the fields that mark the rows a report looks for (projects.swap_study.study lists them):
 # at the paper's compression, the target (42.0) on the MiTA rows found there and the rows
@@ -29,6 +32,9 @@ __all__ = ['ModelStudy', 'PAPER_MARK', 'CONTROL_MARK', 'ACROSS_MARK']
 PAPER_MARK = 'paper_reduction_%'
 CONTROL_MARK = 'control'
 ACROSS_MARK = 'across_kinds'
+# the result after each stage of an unfinished run, in its work dir (ModelStudy.save_stages):
+# a killed run resumes after the last one (ModelStudy.resume)
+STAGES_FILE = 'stages.json'
 
 
 class ModelStudy:
@@ -91,6 +97,34 @@ class ModelStudy:
         self.result['seconds'] = round(time.time() - self.t_model, 1)
         self.result['finished'] = time.strftime('%Y-%m-%d %H:%M:%S')
         return self.result
+
+    def save_stages(self, done: Sequence[str]) -> None:
+        """Write :attr:`result` after the stages ``done`` (none of which failed) to
+        ``STAGES_FILE`` in the work dir, whole (:func:`~mita_seg.engine.atomic_write_text`),
+        with the seconds so far: a killed run resumes after them (:meth:`resume`)."""
+        atomic_write_text(json.dumps(dict(
+            settings=self.result['settings'], config=self.config, done=list(done),
+            seconds=round(time.time() - self.t_model, 1), result=self.result), indent=1),
+            osp.join(self.work_dir, STAGES_FILE))
+
+    def resume(self) -> Tuple[str, ...]:
+        """With ``reuse``, the stages an earlier run of the same settings and config finished
+        (``STAGES_FILE``): its result becomes :attr:`result` (``resumed`` records when and
+        after which stage) and its seconds count in this run's; () otherwise."""
+        path = osp.join(self.work_dir, STAGES_FILE)
+        if not (self.s.reuse and osp.isfile(path)):
+            return ()
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get('settings') != self.result['settings'] or saved.get('config') != self.config:
+            self.progress(f'{self.name}: {path} is of other settings; not resumed')
+            return ()
+        self.result = saved['result']
+        self.result.setdefault('resumed', []).append(dict(
+            after=saved['done'][-1], at=time.strftime('%Y-%m-%d %H:%M:%S')))
+        self.t_model -= saved['seconds']
+        self.progress(f"{self.name}: resuming after {', '.join(saved['done'])} ({path})")
+        return tuple(saved['done'])
 
     def load(self, stage: str) -> None:
         """Record the machine's load (1-minute average) at the start of ``stage``."""

@@ -15,7 +15,7 @@ from .rows import from_sweep, study_row
 from .selection import model_maps
 from .settings import tag_of
 from .sweep import every_key_miou
-from .training import iters_of, iters_text, train, training_schedule
+from .training import iters_text, train, train_record, training_schedule
 
 __all__ = ['run']
 
@@ -39,9 +39,8 @@ def run(study: ModelStudy, setting: MiTASetting) -> None:
                           'from scratch', do_native_train)
     if trained is None:
         return
-    n_ckpt, n_s, n_reused = trained
-    native['train'] = dict(iters=iters_of(n_ckpt), seconds=round(n_s, 1), checkpoint=n_ckpt,
-                           reused=n_reused, config=osp.join(ndir, 'config.py'))
+    n_ckpt = trained.checkpoint
+    native['train'] = train_record(trained, config=osp.join(ndir, 'config.py'))
     every_key = (lambda runner, model, _: every_key_miou(runner, model, min(s.pool_sizes)))
     swept = study.stage(
         f'MiTA-trained {setting.label}: as trained and at '

@@ -76,18 +76,26 @@ of the MiTA-trained models, the selection maps). Each training run's results are
 ``WORK_DIR/<name>/seed<seed>/result.json``; with ``reuse=True`` a run whose results were
 computed with the same settings is not run again (so a model or a seed can be added to a
 finished study), and trained checkpoints already there
-(``WORK_DIR/<name>/seed<seed>/train/iter_<iters>.pth``) are taken as they are.
+(``WORK_DIR/<name>/seed<seed>/train/iter_<iters>.pth``) are taken as they are. A run killed
+before its end resumes: the result after each stage that finished without an error is kept in
+``WORK_DIR/<name>/seed<seed>/stages.json`` (removed once ``result.json`` is written), and with
+``reuse=True`` the run starts after the last of them (the sweep's state, the paper's settings,
+the attention calls and the kinds the model runs, computed again from the model on one batch;
+``resumed`` in the result says when); a training cut short resumes from its last checkpoint
+(:func:`~projects.swap_study.training.train`; ``resumed_from`` in its record).
 """
 import json
 import os
 import os.path as osp
 import time
+from functools import partial
 from typing import Callable, Optional, Sequence, Tuple
 
 from mita_seg.analysis.timing import machine
+from mita_seg.engine import atomic_write_text
 from . import finetune, head, kinds, native, plans, selection, sweep, training
 from .figures import plot_kinds, plot_native, plot_study
-from .model_study import ModelStudy
+from .model_study import STAGES_FILE, ModelStudy
 from .report import markdown
 from .rows import aggregate
 from .settings import StudySettings
@@ -129,23 +137,36 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
         :data:`~projects.swap_study.rows.ROW_TYPES`.
     """
     study = ModelStudy(name, config, work_dir, settings, progress, fig_dir)
-    s = settings
-    if not training.run(study) or not sweep.run(study):
-        return study.result
-    head.run(study)
-    if s.kind_budgets:
-        kinds.run(study)
-    if s.plan_budgets:
-        plans.run(study)
-    for setting in s.finetune:
-        finetune.run(study, setting)
-    if s.control:
-        finetune.control(study)
-    if s.selection and s.selection_images:
-        selection.run(study)
-    for setting in s.native:
-        native.run(study, setting)
+    done = study.resume()
+    finished, clean = list(done), True
+    for key, run, restore in _stages(settings):
+        if key in done:
+            if restore:
+                restore(study)
+            continue
+        errors = len(study.result['errors'])
+        if run(study) is False:   # the training or the sweep failed: the others need them
+            return study.result
+        clean = clean and len(study.result['errors']) == errors
+        if clean:   # a resumed run starts after the last stage of an unbroken line
+            finished.append(key)
+            study.save_stages(finished)
     return study.finish()
+
+
+def _stages(s: StudySettings) -> list:
+    """The stages ``settings`` asks for, in order: ``(key, run, restore)``, ``run(study)``
+    the stage, ``restore(study)`` (or None) what a resumed run does instead once it ran."""
+    stages = [('training', training.run, training.restore), ('sweep', sweep.run, sweep.restore),
+              ('head', head.run, None)]
+    stages += [('kinds', kinds.run, None)] if s.kind_budgets else []
+    stages += [('plans', plans.run, None)] if s.plan_budgets else []
+    stages += [(f'finetune {x.text}', partial(finetune.run, setting=x), None)
+               for x in s.finetune]
+    stages += [('control', finetune.control, None)] if s.control else []
+    stages += [('selection', selection.run, None)] if s.selection and s.selection_images else []
+    stages += [(f'native {x.text}', partial(native.run, setting=x), None) for x in s.native]
+    return stages
 
 
 def _figures(models: Sequence[dict], fig_dir: str) -> list:
@@ -221,8 +242,9 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
             progress(f'{what}: {config}')
             os.makedirs(mdir, exist_ok=True)
             res = study_model(name, config, mdir, run_settings, progress, fig_dir)
-            with open(cached, 'w') as f:
-                json.dump(res, f, indent=1)
+            atomic_write_text(json.dumps(res, indent=1), cached)
+            if osp.isfile(osp.join(mdir, STAGES_FILE)):   # finished: nothing to resume
+                os.remove(osp.join(mdir, STAGES_FILE))
             runs.append(res)
             progress(f"{what}: done in {res.get('seconds', 0):.0f}s")
         study['models'].append(aggregate(runs))

@@ -9,6 +9,7 @@ also holds the paper's compression (:func:`paper_settings`: MiTA at the pool sid
 FLOPs come nearest ``paper_reduction`` below the unswapped model's, for each k of
 ``paper_topks``), its rows marked ``paper_reduction_%``."""
 import copy
+import gc
 import os.path as osp
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,10 +25,11 @@ from mita_seg.models import MiTASettingsMixin, NothingToMergeError
 from mita_seg.setting import MITA, MiTASetting
 from .model_study import CONTROL_MARK, PAPER_MARK, ModelStudy
 from .rows import from_sweep, study_row
+from .runner import test_runner
 from .settings import PAPER
 
 __all__ = ['EXACT', 'ONE_KEY', 'WINDOW_ONE', 'CONTROLS', 'ENCODER_ONLY', 'WITH_HEAD',
-           'merge_error', 'every_key_miou', 'split_kinds', 'paper_settings', 'run']
+           'merge_error', 'every_key_miou', 'split_kinds', 'paper_settings', 'run', 'restore']
 
 # route-only MiTA with every key in every expert: exactly softmax attention (k is clamped to N)
 EXACT = dict(with_shared_expert=False, topk=10**6)
@@ -146,16 +148,10 @@ def run(study: ModelStudy) -> bool:
 
 
 def _paper(study: ModelStudy, model: nn.Module, batch: dict) -> None:
-    """The settings at the paper's compression into :attr:`ModelStudy.paper` (a note names
-    them), the attention calls into :attr:`ModelStudy.calls`, the taxonomy's kinds this
-    model runs into :attr:`ModelStudy.runnable` (the others :attr:`ModelStudy.skipped`)."""
+    """The settings at the paper's compression into :attr:`ModelStudy.paper` and the result
+    (a note names them), with :func:`_state`."""
     s = study.s
-    found, study.calls = paper_settings(model, batch, s.paper_reduction or None,
-                                        s.paper_topks)
-    swapped = copy.deepcopy(model)
-    swap_model(swapped, PAPER.cfg(), verbose=False)
-    study.runnable, study.skipped = split_kinds(swapped, s.kinds)
-    study.paper = [setting for setting, _ in found]
+    found = _state(study, model, batch)
     study.result['paper_compression'] = dict(
         target_percent=100 * s.paper_reduction,
         settings=[dict(setting=x.text, model_reduction_percent=100 * r) for x, r in found])
@@ -165,6 +161,32 @@ def _paper(study: ModelStudy, model: nn.Module, batch: dict) -> None:
                 + f'; {found[0][0].text} also a budget of the taxonomy and the plans')
         study.result['notes'].append(note)
         study.progress(f'{study.name}: {note}')
+
+
+def _state(study: ModelStudy, model: nn.Module, batch: dict) -> list:
+    """What the later stages read of the sweep: the settings at the paper's compression
+    (:attr:`ModelStudy.paper`), the attention calls (:attr:`ModelStudy.calls`), the
+    taxonomy's kinds this model runs (:attr:`ModelStudy.runnable`, the others
+    :attr:`ModelStudy.skipped`). Returns the paper's settings with their reductions."""
+    s = study.s
+    found, study.calls = paper_settings(model, batch, s.paper_reduction or None,
+                                        s.paper_topks)
+    swapped = copy.deepcopy(model)
+    swap_model(swapped, PAPER.cfg(), verbose=False)
+    study.runnable, study.skipped = split_kinds(swapped, s.kinds)
+    study.paper = [setting for setting, _ in found]
+    return found
+
+
+def restore(study: ModelStudy) -> None:
+    """The sweep of a resumed run (its rows already in the result): the unswapped row
+    (:attr:`ModelStudy.base`), and :func:`_state` again from the model on one test batch."""
+    study.base = study.result['rows'][0]
+    runner, model = test_runner(study.config, study.opts, study.ckpt,
+                                osp.join(study.work_dir, 'sweep'), study.s)
+    _state(study, model, next(iter(runner.test_dataloader)))
+    del runner, model
+    gc.collect()
 
 
 def _points(study: ModelStudy, runner: Runner, model: nn.Module) -> List[SweepPoint]:
