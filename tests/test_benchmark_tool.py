@@ -92,13 +92,47 @@ def test_speed_table_from_a_record(tmp_path):
     with pytest.raises(InputError, match='cannot be read.*git checkout'):
         docs.BENCH_DOCS.stale(str(tmp_path))
     (tmp_path / docs.MODEL_RECORD).write_text(json.dumps(record))
-    assert docs.BENCH_DOCS.write(str(tmp_path)) == ['README.md']
+    for rel in docs.CURRENT_RECORDS:
+        (tmp_path / rel).write_text(json.dumps(record))
+    (tmp_path / 'docs' / 'benchmark.md').write_text('<!-- bench-docs:current:begin -->\n'
+                                                    '<!-- bench-docs:current:end -->\n')
+    assert docs.BENCH_DOCS.write(str(tmp_path)) == ['README.md', 'docs/benchmark.md']
     text = (tmp_path / 'README.md').read_text()
     assert '| n/a |\n<!-- bench-docs:model-speed:end -->' in text and '\nkept\n' in text
     assert docs.BENCH_DOCS.stale(str(tmp_path)) == []
     other = DocBlocks('study-docs', '', {'README.md': ('gone', )}, lambda root: {})
     with pytest.raises(InputError, match='marker study-docs:other names no block'):
         other.stale(str(tmp_path))
+
+
+def test_current_figures_from_records_of_each_level():
+    """docs/benchmark.md's current figures: a table per record, by its level; the operator's
+    ratios are the alternatives' times over MiTA's (and over the faster of SDPA and mmcv),
+    ONNX Runtime's the unswapped export's images/s over MiTA's and their share of the bound;
+    a record of no such level is one error naming what to change."""
+    from mita_seg.benchmark import docs
+    from mita_seg.utils.errors import InputError
+    machine = dict(cpu='a CPU', threads=2, torch='2', commit='abc')
+    op = dict(command='op', finished='today', seconds=3.0, machine=machine, levels=[dict(
+        header=[], rows=[dict(N=1025, dtype='float32', pass_='fwd', macs=7.04,
+                              times=dict(SDPA=0.020, mmcv=0.010, MiTA=0.005, blocked=0.05)),
+                         dict(N=16385, dtype='bfloat16', pass_='fwd', macs=111.0,
+                              times=dict(SDPA=4.0, mmcv=None, MiTA=0.1, blocked=0.5))])])
+    lines = docs.level_table(op, 'op.json')
+    assert lines[0].startswith('Source: `op.json`: `op`, on a CPU, 2 threads')
+    assert lines[-2] == ('| 1025 | float32 | fwd | 20.00 | 10.00 | 5.00 | 4.00x | 2.00x | '
+                         '2.00x | 7.0x |')
+    assert lines[-1] == ('| 16385 | bfloat16 | fwd | 4000.00 | n/a | 100.00 | 40.00x | n/a | '
+                         '40.00x | 111.0x |')
+    where = dict(name='vit-b', size=512, N=1025, kind='row', base=2.0, bound=1.6, peak=1.0,
+                 diff=0.0)
+    onnx = dict(op, levels=[dict(header=[], rows=[
+        dict(where, label='softmax', seconds=2.0), dict(where, label='MiTA 7:49', seconds=1.6),
+        dict(where, label='no mixing (bound)', seconds=1.25), dict(kind='note', text='x')])])
+    assert docs.level_table(onnx, 'o.json')[-1] == \
+        '| vit-b, 512x512 (N = 1025) | MiTA 7:49 | 1.25x | 1.60x | 78% |'
+    with pytest.raises(InputError, match='no rows of the operator, model or ONNX.*CURRENT_RECORDS'):
+        docs.level_table(dict(op, levels=[]), 'x.json')
 
 
 def test_op_level_runs_the_setting_given(tools):

@@ -1,13 +1,14 @@
-"""`make bench-docs`: the README's speed table, generated from the committed record of a
-`tools/benchmark.py --level model --json` run (no timing; seconds).
+"""`make bench-docs`: the README's speed table and docs/benchmark.md's current figures,
+generated from the committed records of `tools/benchmark.py ... --json` runs (no timing;
+seconds).
 
 Usage::
 
     python tools/bench_docs.py           # rewrite the generated blocks; print the docs written
     python tools/bench_docs.py --check   # write nothing; exit 1 naming the docs out of date
 
-The record and the table are :mod:`mita_seg.benchmark.docs`'; the prose around it is written
-by hand.
+The records and the tables are :mod:`mita_seg.benchmark.docs`'; the prose around them is
+written by hand.
 """
 import os.path as osp
 import sys
@@ -24,8 +25,9 @@ def _generator():
     return BENCH_DOCS
 
 
-main = doc_tool("the README's speed table, from the benchmark record committed under "
-                'docs/benchmark/', _generator, 'the speed table is', 'the committed record',
+main = doc_tool("the README's speed table and docs/benchmark.md's current figures, from the "
+                'benchmark records committed under docs/benchmark/', _generator,
+                'the speed tables are', 'the committed records',
                 'make bench-docs', ROOT)
 
 if __name__ == '__main__':
