@@ -127,10 +127,18 @@ def test_current_figures_from_records_of_each_level():
     where = dict(name='vit-b', size=512, N=1025, kind='row', base=2.0, bound=1.6, peak=1.0,
                  diff=0.0)
     onnx = dict(op, levels=[dict(header=[], rows=[
-        dict(where, label='softmax', seconds=2.0), dict(where, label='MiTA 7:49', seconds=1.6),
-        dict(where, label='no mixing (bound)', seconds=1.25), dict(kind='note', text='x')])])
-    assert docs.level_table(onnx, 'o.json')[-1] == \
-        '| vit-b, 512x512 (N = 1025) | MiTA 7:49 | 1.25x | 1.60x | 78% |'
+        dict(kind='note', text='x'), dict(where, label='softmax', seconds=2.0),
+        dict(where, label='MiTA 7:49', seconds=1.6),
+        dict(where, label='no mixing (bound)', seconds=1.25),
+        dict(where, label='MiTA 4:16', seconds=1.0, base=None, bound=None)])])
+    assert docs.level_table(onnx, 'o.json')[-2:] == [
+        '| vit-b, 512x512 (N = 1025) | MiTA 7:49 | 1.25x | 1.60x | 78% |',
+        '| vit-b, 512x512 (N = 1025) | MiTA 4:16 | n/a | n/a | n/a |']
+    # a record of several levels (--level all): a table each
+    both = dict(op, levels=op['levels'] + onnx['levels'])
+    lines = docs.level_table(both, 'all.json')
+    assert sum(ln.startswith('Source: `all.json`') for ln in lines) == 2
+    assert lines[-1] == '| vit-b, 512x512 (N = 1025) | MiTA 4:16 | n/a | n/a | n/a |'
     with pytest.raises(InputError, match='no rows of the operator, model or ONNX.*CURRENT_RECORDS'):
         docs.level_table(dict(op, levels=[]), 'x.json')
 

@@ -61,6 +61,8 @@ def test_settings_errors(tmp_path, tiny_data):
         StudySettings(data_root=tiny_data, pool_sizes=(0, 4)).check()
     with pytest.raises(ValueError, match=r'finetune: \(7, 49\) is not a MiTASetting'):
         StudySettings(data_root=tiny_data, finetune=((7, 49), )).check()
+    with pytest.raises(ValueError, match='native: give each setting once, got 4:16 4:16'):
+        StudySettings(data_root=tiny_data, native=(MiTASetting.parse('4:16'), ) * 2).check()
     with pytest.raises(ValueError, match='finetune_lr_mult'):
         StudySettings(data_root=tiny_data, finetune_lr_mult=0).check()
     # a model name names files; each name once
@@ -631,6 +633,37 @@ def test_study_docs_markers():
         render('prose only\n', 'doc.md', known, ('b', ))
 
 
+def test_one_model_on_two_cpus_side_by_side():
+    """The rows two runs of one model both hold (no retraining, fine-tuned, controls; not the
+    taxonomy's), each run's mIoU and change over its seeds, and the difference of the
+    changes; a row only one run holds is left out."""
+    from projects.swap_study.docs import Loaded, Run, _across
+
+    def loaded(key, rows):
+        machine = dict(cpu=f'cpu {key}', torch='2', threads=1)
+        res = dict(seeds=[1, 2], runs=[], rows=[dict(r, seeds=2) for r in rows])
+        return Loaded(Run(key, f'{key}.json', 'm', key.upper()),
+                      dict(machine=machine, started='s', finished='f'), res)
+
+    base = dict(kind='baseline', setting='unswapped', delta_mIoU=0.0)
+    a = loaded('a', [dict(base, mIoU=80.0, std=dict(mIoU=0.5, delta_mIoU=0.0)),
+                     dict(kind='swap', setting='MiTA 7:49', mIoU=78.0, delta_mIoU=-2.0,
+                          std=dict(mIoU=0.4, delta_mIoU=0.3)),
+                     dict(kind='equal-cost', setting='agent', mIoU=70.0, delta_mIoU=-10.0),
+                     dict(kind='check', setting='window:1', mIoU=60.0, delta_mIoU=-20.0)])
+    b = loaded('b', [dict(base, mIoU=81.0, std=dict(mIoU=0.2, delta_mIoU=0.0)),
+                     dict(kind='swap', setting='MiTA 7:49', mIoU=78.5, delta_mIoU=-2.5,
+                          std=dict(mIoU=0.1, delta_mIoU=0.2)),
+                     dict(kind='equal-cost', setting='agent', mIoU=71.0, delta_mIoU=-10.0)])
+    lines = _across(a, b)
+    assert lines[0].startswith('- Source: `a.json` (A; seeds 1 / 2): cpu a')
+    assert lines[1].startswith('- Source: `b.json` (B; seeds 1 / 2): cpu b')
+    assert lines[-2:] == ['| unswapped | 80.00 ± 0.50 | +0.00 ± 0.00 | 81.00 ± 0.20 | '
+                          '+0.00 ± 0.00 | +0.00 |',
+                          '| MiTA 7:49 | 78.00 ± 0.40 | -2.00 ± 0.30 | 78.50 ± 0.10 | '
+                          '-2.50 ± 0.20 | +0.50 |']
+
+
 def _result(control=(-20.0, -30.0, -25.0), block=(1.0, -1.0, 2.0)):
     """One model's result as the JSON holds it, three seeds: the unswapped row at 80, MiTA
     7:49 at 79 (-1.0 each seed, the bound of "about 1 point"), agent below MiTA on every
@@ -768,19 +801,56 @@ def test_study_docs_refuse_a_broken_json_in_one_line(tmp_path):
             load_runs(str(tmp_path))
 
 
+def test_a_training_resumes_only_with_its_config_and_its_seconds_add_up(tmp_path):
+    """A killed training resumes from the checkpoint ``last_checkpoint`` names (looked up in
+    the work dir if the folder moved) only when it was started with the same config (a
+    finished shorter schedule is not resumed); its seconds are the runs' logs summed along
+    the resumes, 0 where a log of the chain is missing."""
+    from projects.swap_study.training import FINGERPRINT, logged_training_seconds, unfinished
+    d = tmp_path
+    (d / 'iter_4.pth').write_bytes(b'x')
+    (d / 'last_checkpoint').write_text(str(d / 'iter_4.pth'))
+    (d / FINGERPRINT).write_text('abc\n')
+    assert unfinished(str(d), 8, 'abc') == str(d / 'iter_4.pth')
+    assert unfinished(str(d), 8, 'another config') is None
+    assert unfinished(str(d), 4, 'abc') is None
+    (d / 'last_checkpoint').write_text('/moved/from/here/iter_4.pth')
+    assert unfinished(str(d), 8, 'abc') == str(d / 'iter_4.pth')
+    (d / FINGERPRINT).unlink()
+    assert unfinished(str(d), 8, 'abc') is None   # started before the fingerprints
+
+    def log(name, lines):
+        (d / name).mkdir()
+        (d / name / f'{name}.log').write_text(''.join(
+            f'2026/12/06 {t} - mmengine - INFO - {text}\n' for t, text in lines))
+
+    log('20261206_100000', [('10:00:00', 'Checkpoints will be saved to x.'),
+                            ('10:00:10', 'Saving checkpoint at 2 iterations'),
+                            ('10:00:20', 'Saving checkpoint at 4 iterations'),
+                            ('10:00:25', 'Iter(train) [5/8]')])   # killed here
+    log('20261206_110000', [('11:00:00', 'resumed epoch: 0, iter: 4'),
+                            ('11:00:01', 'Checkpoints will be saved to x.'),
+                            ('11:00:05', 'Saving checkpoint at 6 iterations'),
+                            ('11:00:13', 'Saving checkpoint at 8 iterations')])
+    assert logged_training_seconds(str(d), 8) == 20 + 12
+    assert logged_training_seconds(str(d), 4) == 20
+    import shutil
+    shutil.rmtree(d / '20261206_100000')
+    assert logged_training_seconds(str(d), 8) == 0.0
+
+
 @pytest.mark.slow
 def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkeypatch):
     """A run killed in a stage (here: KeyboardInterrupt in the control's training, after its
     first checkpoint) resumes with ``reuse``: the stages it finished are not run again (their
-    rows come from ``stages.json``), and the killed training resumes from its checkpoint
-    through MMEngine's resume."""
+    rows come from ``stages.json``; the sweep's state the later stages read is computed
+    again, the same), and the killed training resumes from its checkpoint through MMEngine's
+    resume; its seconds are summed over the two runs' logs."""
     from mmengine.hooks import Hook
-    from mmengine.registry import HOOKS
 
     from projects.swap_study import finetune, head, sweep, training
     from projects.swap_study.model_study import STAGES_FILE
 
-    @HOOKS.register_module(force=True)
     class KillAfter(Hook):   # the process killed right after iteration `at`'s checkpoint
         def __init__(self, at):
             self.at = at
@@ -792,19 +862,26 @@ def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkey
     settings = dict(data_root=tiny_data, seeds=(1, ), train_iters=2, finetune_iters=8,
                     pool_sizes=(2, ), topks=(8, ), finetune=(MiTASetting.parse('4:8'), ),
                     selection=None, merge_ratios=(), head_settings=(), merged_swaps=(),
-                    kind_budgets=(), plan_budgets=(), paper_reduction=0.0, native=(),
-                    speed_min_run_time=0.02, reuse=True)
+                    kind_budgets=(), plan_budgets=(), paper_reduction=0.13, paper_topks=(8, ),
+                    native=(), speed_min_run_time=0.02, reuse=True)
     work = tmp_path / 'study'
     control_train = work / 'tiny' / 'seed1' / 'control' / 'train'
-    killed = training.train
+    build, control = training.build_runner, finetune.control
+    seen = []   # what the control's stage sees of the sweep, in each run
 
-    def train_killed(cfg, work_dir, verbose=False, reuse=False):
-        if work_dir == str(control_train):
-            cfg.custom_hooks = list(cfg.get('custom_hooks', [])) + [
-                dict(type='KillAfter', at=4, priority='LOWEST')]
-        return killed(cfg, work_dir, verbose, reuse)
+    def control_seeing(study):
+        seen.append(([x.text for x in study.paper], study.calls, study.runnable,
+                     study.skipped, study.base, study.ckpt))
+        return control(study)
 
-    monkeypatch.setattr(finetune, 'train', train_killed)
+    def build_killed(cfg, verbose=False):   # the config as it is (its fingerprint too)
+        runner = build(cfg, verbose)
+        if cfg.work_dir == str(control_train):
+            runner.register_hook(KillAfter(4), 'LOWEST')
+        return runner
+
+    monkeypatch.setattr(training, 'build_runner', build_killed)
+    monkeypatch.setattr(finetune, 'control', control_seeing)
     with pytest.raises(KeyboardInterrupt):
         run_swap_study([('tiny', TINY_SEGMENTER)], str(work), StudySettings(**settings))
     with open(work / 'tiny' / 'seed1' / STAGES_FILE) as f:
@@ -814,8 +891,8 @@ def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkey
     assert sorted(p.name for p in control_train.glob('iter_*.pth')) == ['iter_4.pth']
 
     # again: no stage before the control runs, the control resumes at iteration 4
-    monkeypatch.setattr(finetune, 'train', killed)
-    for module, name in ((training, 'train'), (sweep, 'run'), (head, 'run')):
+    monkeypatch.setattr(training, 'build_runner', build)
+    for module, name in ((training, 'run'), (sweep, 'run'), (head, 'run')):
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail('ran again'))
     monkeypatch.setattr(finetune, 'run', lambda *a, **k: pytest.fail('ran again'))
     lines = []
@@ -829,5 +906,12 @@ def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkey
     control = run['rows'][-1]
     assert control['resumed_from'] == 4 and control['checkpoint'].endswith('iter_8.pth')
     assert control['train_seconds'] > 0
+    # the second run's Runner resumed at 4 and saved 6 and 8 only
+    (log, ) = [p for p in control_train.glob('*/*.log') if 'resumed epoch' in p.read_text()]
+    text = log.read_text()
+    assert 'resumed epoch: 0, iter: 4' in text and 'Saving checkpoint at 6 iterations' in text
+    assert 'Saving checkpoint at 2 iterations' not in text
+    # the later stages saw the same sweep state in both runs (the paper's setting found)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == ['6:8'], seen
     assert not (work / 'tiny' / 'seed1' / STAGES_FILE).exists()   # finished: result.json
     assert (work / 'tiny' / 'seed1' / 'result.json').exists()

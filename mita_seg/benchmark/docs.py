@@ -48,8 +48,10 @@ def _source(record: dict, path: str) -> str:
 
 
 def _levels(record: dict, keys: set) -> List[dict]:
-    """The levels of ``record`` whose rows hold ``keys``."""
-    return [lv for lv in record.get('levels', []) if lv.get('rows') and keys <= set(lv['rows'][0])]
+    """The levels of ``record`` whose timed rows hold ``keys`` (an ONNX level's notes and
+    skips aside)."""
+    return [lv for lv in record.get('levels', [])
+            if any(keys <= set(r) for r in lv.get('rows', []) if r.get('kind', 'row') == 'row')]
 
 
 def model_speed_table(record: dict, path: str) -> List[str]:
@@ -116,11 +118,14 @@ def onnx_table(record: dict, path: str) -> List[str]:
            "MiTA's share of the bound |", '|---|---|---:|---:|---:|']
     for level in _levels(record, {'kind', 'label', 'base', 'bound'}):
         for r in level['rows']:
-            if r['kind'] != 'row' or r['label'] in ('softmax', 'no mixing (bound)'):
+            if r['kind'] != 'row' or not r['label'].startswith('MiTA'):
                 continue
-            speedup = r['base'] / r['seconds']
+            speedup = r['base'] / r['seconds'] if r.get('base') and r.get('seconds') else None
+            bound = r.get('bound')
             out.append(f"| {r['name']}, {r['size']}x{r['size']} (N = {r['N']}) | {r['label']} | "
-                       f"{speedup:.2f}x | {r['bound']:.2f}x | {speedup / r['bound']:.0%} |")
+                       + (f'{speedup:.2f}x' if speedup else 'n/a') + ' | '
+                       + (f'{bound:.2f}x' if bound else 'n/a') + ' | '
+                       + (f'{speedup / bound:.0%}' if speedup and bound else 'n/a') + ' |')
     return out
 
 
@@ -131,15 +136,18 @@ LEVEL_TABLES = ((('times', 'pass_', 'macs'), op_table),
 
 
 def level_table(record: dict, path: str) -> List[str]:
-    """``record``'s table, by its level (:data:`LEVEL_TABLES`: the operator, the model or
-    ONNX Runtime).
+    """``record``'s tables, one per level it holds (:data:`LEVEL_TABLES`: the operator, the
+    model, ONNX Runtime), each opening with the record's source line.
 
     Raises:
         InputError: ``record`` holds rows of none of these levels.
     """
-    for keys, table in LEVEL_TABLES:
+    out: List[str] = []
+    for keys, table in LEVEL_TABLES:   # a record of --level all: a table per level
         if _levels(record, set(keys)):
-            return table(record, path)
+            out += ([''] if out else []) + table(record, path)
+    if out:
+        return out
     raise InputError(f'{path} holds no rows of the operator, model or ONNX Runtime level (a '
                      'record of tools/benchmark.py --level op|model|onnx --json): take it '
                      'out of CURRENT_RECORDS in mita_seg/benchmark/docs.py')

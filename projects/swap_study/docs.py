@@ -26,8 +26,8 @@ from .stats import pm
 from .verdicts import (CANNOT_TELL, CONTROL, PAPER_REDUCTION, RULES, Test, claim_tests,
                        control_row, equal_cost_row, judge, plan_tests)
 
-__all__ = ['Run', 'RUNS', 'CLAIM_RUNS', 'DOCS', 'STUDY_DOCS', 'load_runs', 'provenance',
-           'blocks', 'render', 'stale_docs', 'write_docs']
+__all__ = ['Run', 'RUNS', 'CLAIM_RUNS', 'CPU_PAIRS', 'DOCS', 'STUDY_DOCS', 'load_runs',
+           'provenance', 'blocks', 'render', 'stale_docs', 'write_docs']
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ RUNS = (
 )
 # the runs the claims table and the README judge the paper's claims on, a column each
 CLAIM_RUNS = ('segmenter', 'beit')
+# the same study of the same model on two CPUs (trained on each): a block ``<a>-vs-<b>``
+# holds their common rows side by side
+CPU_PAIRS = ()
 # the blocks each doc holds (a doc with one missing, or with one not named here, is an error)
 DOCS = {
     'docs/swap_study.md': ('claims', 'plans', 'rules', 'segmenter-rows', 'segmenter-kinds',
@@ -184,6 +187,28 @@ def _native(loaded: Loaded) -> List[str]:
                                    if not line.startswith('#')]
 
 
+# the rows two runs of one model are compared on (no retraining, fine-tuned, controls)
+COMPARED = ('baseline', 'swap', 'check', 'finetune', 'control')
+
+
+def _across(a: Loaded, b: Loaded) -> List[str]:
+    """The rows of :data:`COMPARED` kinds that runs ``a`` and ``b`` (one model, trained on
+    two CPUs) both hold, by setting: each run's mIoU and change against its unswapped model
+    (mean ± std over its seeds) and ``a``'s mean change minus ``b``'s."""
+    theirs = {(r['kind'], r['setting']): r for r in b.res['rows']}
+    out = [f'- {provenance(r)}' for r in (a, b)] + [
+        '', f'| setting | {a.run.title}: mIoU | change | {b.run.title}: mIoU | change | '
+        'difference of the changes |', '|---|---:|---:|---:|---:|---:|']
+    for r in a.res['rows']:
+        o = theirs.get((r['kind'], r['setting']))
+        if r['kind'] not in COMPARED or o is None:
+            continue
+        out.append(f"| {r['setting']} | {pm(r, 'mIoU')} | {pm(r, 'delta_mIoU', '+')} | "
+                   f"{pm(o, 'mIoU')} | {pm(o, 'delta_mIoU', '+')} | "
+                   f"{r['delta_mIoU'] - o['delta_mIoU']:+.2f} |")
+    return out
+
+
 def _row(res: dict, kind: str, pred: Callable[[dict], bool] = lambda r: True):
     return next((r for r in res['rows'] if r['kind'] == kind and pred(r)), None)
 
@@ -255,6 +280,8 @@ def blocks(runs: Dict[str, Loaded]) -> Dict[str, Callable[[], List[str]]]:
         for name, fn in (('rows', _rows), ('kinds', _kinds), ('selection', _selection),
                          ('native', _native)):
             out[f'{key}-{name}'] = lambda fn=fn, loaded=loaded: fn(loaded)
+    for a, b in CPU_PAIRS:
+        out[f'{a}-vs-{b}'] = lambda a=a, b=b: _across(runs[a], runs[b])
     return out
 
 

@@ -230,6 +230,11 @@ class StudySettings:
             if bad:
                 raise ValueError(f'{name}: {bad[0]!r} is not a MiTASetting; give e.g. '
                                  "MiTASetting.parse('7:49')")
+        for name in ('finetune', 'native'):   # a stage each (a resumed run tells them apart)
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: give each setting once, got "
+                                 f"{' '.join(v.text for v in values)}")
         if any(b.kind != MITA for b in self.kind_budgets):
             raise ValueError(f'kind_budgets: give MiTA settings (7:49), got '
                              f"{' '.join(b.text for b in self.kind_budgets)}")

@@ -78,10 +78,11 @@ computed with the same settings is not run again (so a model or a seed can be ad
 finished study), and trained checkpoints already there
 (``WORK_DIR/<name>/seed<seed>/train/iter_<iters>.pth``) are taken as they are. A run killed
 before its end resumes: the result after each stage that finished without an error is kept in
-``WORK_DIR/<name>/seed<seed>/stages.json`` (removed once ``result.json`` is written), and with
-``reuse=True`` the run starts after the last of them (the sweep's state, the paper's settings,
-the attention calls and the kinds the model runs, computed again from the model on one batch;
-``resumed`` in the result says when); a training cut short resumes from its last checkpoint
+``WORK_DIR/<name>/seed<seed>/stages.json`` (removed once a ``result.json`` without errors is
+written), and with ``reuse=True`` the run starts after the last of them (the sweep's state,
+the paper's settings, the attention calls and the kinds the model runs, computed again from
+the model on one batch; ``resumed`` in the result says when); a training cut short resumes
+from its last checkpoint if it was started with the same config
 (:func:`~projects.swap_study.training.train`; ``resumed_from`` in its record).
 """
 import json
@@ -141,8 +142,9 @@ def study_model(name: str, config: str, work_dir: str, settings: StudySettings,
     finished, clean = list(done), True
     for key, run, restore in _stages(settings):
         if key in done:
-            if restore:
-                restore(study)
+            if restore and study.stage(f'resumed after {done[-1]}: restoring the {key}',
+                                       lambda: restore(study) or True) is None:
+                return study.result
             continue
         errors = len(study.result['errors'])
         if run(study) is False:   # the training or the sweep failed: the others need them
@@ -243,8 +245,8 @@ def run_swap_study(models: Sequence[Tuple[str, str]], work_dir: str, settings: S
             os.makedirs(mdir, exist_ok=True)
             res = study_model(name, config, mdir, run_settings, progress, fig_dir)
             atomic_write_text(json.dumps(res, indent=1), cached)
-            if osp.isfile(osp.join(mdir, STAGES_FILE)):   # finished: nothing to resume
-                os.remove(osp.join(mdir, STAGES_FILE))
+            if not res['errors'] and osp.isfile(osp.join(mdir, STAGES_FILE)):
+                os.remove(osp.join(mdir, STAGES_FILE))   # reused as a whole from now on
             runs.append(res)
             progress(f"{what}: done in {res.get('seconds', 0):.0f}s")
         study['models'].append(aggregate(runs))

@@ -7,6 +7,7 @@ training that was killed resumes from its last checkpoint (MMEngine's resume).""
 import datetime
 import gc
 import glob
+import hashlib
 import os.path as osp
 import re
 import time
@@ -15,11 +16,16 @@ from typing import NamedTuple, Optional
 from mmengine.config import Config
 
 from mita_seg.apis import build_runner, load_config, prepare_config
+from mita_seg.engine import atomic_write_text
 from .model_study import ModelStudy
 
-__all__ = ['schedule', 'training_schedule', 'Trained', 'train', 'unfinished',
+__all__ = ['FINGERPRINT', 'schedule', 'training_schedule', 'Trained', 'train', 'unfinished',
            'logged_training_seconds', 'train_record', 'iters_text', 'iters_of', 'run',
            'restore']
+
+
+# the SHA-256 of the config a training in a work dir was started with (train, unfinished)
+FINGERPRINT = 'train_config.sha256'
 
 
 def schedule(cfg: Config, iters: int, lr_mult: float = 1.0) -> Config:
@@ -70,7 +76,9 @@ def train(cfg: Config, work_dir: str, verbose: bool = False, reuse: bool = False
     done = osp.join(work_dir, f'iter_{iters}.pth')
     if reuse and osp.isfile(done):
         return Trained(done, logged_training_seconds(work_dir, iters), True)
-    resume_from = unfinished(work_dir, iters) if reuse else None
+    fingerprint = hashlib.sha256(cfg.pretty_text.encode()).hexdigest()
+    resume_from = unfinished(work_dir, iters, fingerprint) if reuse else None
+    atomic_write_text(fingerprint + '\n', osp.join(work_dir, FINGERPRINT))
     cfg.work_dir = work_dir
     if resume_from:
         cfg.load_from = resume_from   # what MMEngine resumes from when ``resume`` is set
@@ -88,13 +96,19 @@ def train(cfg: Config, work_dir: str, verbose: bool = False, reuse: bool = False
     return Trained(ckpt, seconds, False)
 
 
-def unfinished(work_dir: str, iters: int) -> Optional[str]:
+def unfinished(work_dir: str, iters: int, fingerprint: str) -> Optional[str]:
     """The checkpoint a training in ``work_dir`` that stopped before ``iters`` saved last
     (the one ``last_checkpoint`` names, looked up in ``work_dir`` if the folder was moved);
-    None if there is none or it is at ``iters`` or beyond."""
-    marker = osp.join(work_dir, 'last_checkpoint')
-    if not osp.isfile(marker):
+    None if there is none, if it is at ``iters`` or beyond, or if that training's config
+    (its ``FINGERPRINT``: the SHA-256 of its text, written by :func:`train`) is not the one
+    of ``fingerprint`` (another schedule, rate or model: a finished shorter training is not
+    resumed with the schedule it ended)."""
+    marker, mark = (osp.join(work_dir, f) for f in ('last_checkpoint', FINGERPRINT))
+    if not (osp.isfile(marker) and osp.isfile(mark)):
         return None
+    with open(mark) as f:
+        if f.read().strip() != fingerprint:
+            return None
     with open(marker) as f:
         named = f.read().strip()
     for ckpt in (named, osp.join(work_dir, osp.basename(named))):
@@ -161,7 +175,7 @@ def logged_training_seconds(work_dir: str, iters: int) -> float:
         if not resumed:
             return total
         want = resumed
-    return 0.0 if want == iters else total
+    return 0.0   # no log of the start, or of a checkpoint a later run resumed from
 
 
 def run(study: ModelStudy) -> bool:
