@@ -839,6 +839,24 @@ def test_a_training_resumes_only_with_its_config_and_its_seconds_add_up(tmp_path
     assert logged_training_seconds(str(d), 8) == 0.0
 
 
+def test_a_broken_stages_file_is_not_resumed(tmp_path, tiny_data):
+    """A stages.json cut short or of another shape: one progress line, the run starts over
+    (no traceback); one of other settings likewise."""
+    import json as _json
+    from projects.swap_study.model_study import STAGES_FILE, ModelStudy
+    settings = StudySettings(data_root=tiny_data, seeds=(1, ), reuse=True)
+    lines = []
+    study = ModelStudy('tiny', TINY_SEGMENTER, str(tmp_path), settings, lines.append,
+                       str(tmp_path))
+    other = _json.dumps(dict(settings={}, config='x', done=['training'], seconds=1, result={}))
+    for text in ('{"cut', '[]', other):
+        (tmp_path / STAGES_FILE).write_text(text)
+        assert study.resume() == ()
+    assert 'cannot be read (JSONDecodeError' in lines[0]
+    assert 'cannot be read (TypeError' in lines[1]
+    assert lines[2].endswith('is of other settings; not resumed')
+
+
 @pytest.mark.slow
 def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkeypatch):
     """A run killed in a stage (here: KeyboardInterrupt in the control's training, after its

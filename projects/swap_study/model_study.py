@@ -114,9 +114,16 @@ class ModelStudy:
         path = osp.join(self.work_dir, STAGES_FILE)
         if not (self.s.reuse and osp.isfile(path)):
             return ()
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.get('settings') != self.result['settings'] or saved.get('config') != self.config:
+        try:
+            with open(path, encoding='utf-8') as f:
+                saved = json.load(f)
+            ok = (saved['settings'] == self.result['settings'] and saved['config'] == self.config
+                  and saved['done'] and isinstance(saved['result'], dict))
+        except (OSError, ValueError, KeyError, TypeError) as e:   # edited or cut by hand
+            self.progress(f'{self.name}: {path} cannot be read ({type(e).__name__}: {e}); '
+                          'not resumed (the run starts from the beginning)')
+            return ()
+        if not ok:
             self.progress(f'{self.name}: {path} is of other settings; not resumed')
             return ()
         self.result = saved['result']
