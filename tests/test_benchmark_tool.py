@@ -279,6 +279,17 @@ def test_bound_removes_only_the_mixing(tiny_cfg):
         expected = x + attn.attn.out_proj(x @ w.T + b)
         torch.testing.assert_close(out, expected)
         assert not torch.allclose(out, mita)
+        # the output projection's input: v in place in float32, a contiguous copy in bf16
+        # (whose GEMMs read a strided input slowly: the bound must not pay for a layout)
+        seen = []
+        hook = attn.attn.out_proj.register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].is_contiguous()))
+        attn(x)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out16 = attn(x)
+        hook.remove()
+        assert seen == [False, True]
+        torch.testing.assert_close(out16.float(), expected, atol=0.1, rtol=0.05)
     assert list(model.state_dict()) == keys  # same parameters, same keys
 
 
