@@ -239,6 +239,97 @@ def test_sparse_cases_match_the_loop_reference(case, layout):
     assert_grads_close(grads, ref_grads, 2e-5)
 
 
+# ----------------------------------------------------------------------------------------
+# BEiT's relative position bias (tokens: cls, then the grid): window and top-k add each
+# pair's own entry to its logit, the global cls key and query included.
+# ----------------------------------------------------------------------------------------
+BIAS_LAYOUT = (2, 2, 5, 7, 1, 0, 8)
+
+
+def biased_reference(q, k, v, Bd, keys_of):
+    """Grid query ``n`` over the grid keys ``keys_of(b, head, n)`` and cls; cls over every
+    key; each logit ``q k / sqrt(d) + Bd[head, query, key]``, written out."""
+    B, H, N, d = q.shape
+    rows = []
+    for b in range(B):
+        for hd in range(H):
+            for i in range(N):
+                J = list(range(N)) if i == 0 else [1 + j for j in keys_of(b, hd, i - 1)] + [0]
+                logits = q[b, hd, i] @ k[b, hd, J].T / d ** 0.5 + Bd[hd, i, J]
+                rows.append(torch.softmax(logits, -1) @ v[b, hd, J])
+    return torch.stack(rows).view(B, H, N, d)
+
+
+def biased_topk_keys(q, k, Bd, topk):
+    d = q.shape[-1]
+
+    def keys_of(b, hd, n):
+        logits = q[b, hd, 1 + n].detach() @ k[b, hd, 1:].detach().T / d ** 0.5
+        return (logits + Bd[hd, 1 + n, 1:]).argsort(descending=True)[:topk].tolist()
+    return keys_of
+
+
+BIASED = {
+    'window-1-self': (
+        lambda q, k, v, hw, b: window_attention(q, k, v, hw, 1, 1, rel_pos_bias=b),
+        lambda q, k, v, hw, Bd: window_keys(hw, (1, 1))),
+    'window-3-chunks-of-4': (
+        lambda q, k, v, hw, b: window_attention(q, k, v, hw, 3, 1, chunk_size=4,
+                                                rel_pos_bias=b),
+        lambda q, k, v, hw, Bd: window_keys(hw, (3, 3))),
+    'window-covers-grid': (
+        lambda q, k, v, hw, b: window_attention(q, k, v, hw, max(hw), 1, rel_pos_bias=b),
+        lambda q, k, v, hw, Bd: lambda b, hd, n: range(hw[0] * hw[1])),
+    'topk-5-chunks-of-4': (
+        lambda q, k, v, hw, b: topk_attention(q, k, v, hw, 5, 1, chunk_size=4,
+                                              rel_pos_bias=b),
+        lambda q, k, v, hw, Bd: biased_topk_keys(q, k, Bd, 5)),
+    'topk-every-grid-key': (
+        lambda q, k, v, hw, b: topk_attention(q, k, v, hw, 99, 1, rel_pos_bias=b),
+        lambda q, k, v, hw, Bd: lambda b, hd, n: range(hw[0] * hw[1])),
+}
+
+
+@pytest.mark.parametrize('case', list(BIASED), ids=list(BIASED))
+def test_relative_position_bias_on_each_pairs_logit(case):
+    """Window and top-k with BEiT's bias against the loop reference with the dense bias:
+    each pair's own entry, the cls key and query included; the top-k on biased logits (a
+    strong bias moves the keys: the unbiased top-k differs)."""
+    from mita_seg.ops.bias import RelPosBias, dense_bias, table_size
+    B, H, h, w, p, s, d = BIAS_LAYOUT
+    q, k, v, gout = qkv(BIAS_LAYOUT)
+    table = torch.randn(H, table_size((h, w)), generator=torch.Generator().manual_seed(1))
+    bias = RelPosBias((table * 2).double(), (h, w))
+    Bd = dense_bias(bias)                                               # [H, N, N]
+    op, keys = BIASED[case]
+    ref, ref_grads = run(
+        lambda q, k, v: biased_reference(q, k, v, Bd, keys(q, k, v, (h, w), Bd)),
+        q, k, v, gout, torch.float64)
+    out, grads = run(lambda q, k, v: op(q, k, v, (h, w), bias), q, k, v, gout, torch.float64)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    assert_grads_close(grads, ref_grads, 1e-12)
+    unbiased = run(lambda q, k, v: op(q, k, v, (h, w), None), q, k, v, gout, torch.float64)[0]
+    assert (unbiased - ref).abs().max() > 1e-3                          # the bias counts
+    if case.startswith('topk-5'):   # the biased logits pick other keys than the plain ones
+        plain = topk_keys(q, k, (h, w), 1, 5)
+        assert any(sorted(plain(0, 0, n)) != sorted(keys(q, k, v, (h, w), Bd)(0, 0, n))
+                   for n in range(h * w))
+
+
+def test_relative_position_bias_that_does_not_fit_is_refused():
+    from mita_seg.ops.bias import RelPosBias, table_size
+    from mita_seg.ops.kinds import attend
+    from mita_seg.setting import MiTASetting
+    B, H, h, w, p, s, d = BIAS_LAYOUT
+    q, k, v, _ = qkv(BIAS_LAYOUT)
+    other = RelPosBias(torch.zeros(H, table_size((h, h))), (h, h))   # another grid's table
+    with pytest.raises(ValueError, match='built for a 5x5 patch grid but the input has a 5x7'):
+        window_attention(q, k, v, (h, w), 3, 1, rel_pos_bias=other)
+    bias = RelPosBias(torch.zeros(H, table_size((h, w))), (h, w))
+    with pytest.raises(ValueError, match='agent attention does not take a relative position'):
+        attend(MiTASetting.parse('agent:2'), q, k, v, (h, w), 1, rel_pos_bias=bias)
+
+
 BF16_CASES = ['agent-2x3', 'block-2-of-ragged-2x2', 'topk-5-chunks-of-4', 'window-3']
 
 

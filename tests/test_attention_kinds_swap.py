@@ -78,9 +78,9 @@ def test_bad_settings_are_one_clear_error(segmenter):
     with pytest.raises(MiTASettingError, match="num_blocks=0: num_blocks must be an int >= 1"):
         swap_attention(model, kind='block', num_blocks=0)
     assert not any(type(m).__name__ == 'MiTAAttention' for m in model.modules())  # untouched
-    # BEiT/MAE: the relative position bias enters MiTA only
-    with pytest.raises(MiTASettingError, match='MiTABEiTAttention runs mita attention, not '
-                       'agent: compression only .* give it a MiTA setting'):
+    # BEiT/MAE: the relative position bias enters MiTA, top-k and window attention
+    with pytest.raises(MiTASettingError, match='MiTABEiTAttention runs mita, topk, window '
+                       'attention, not agent: compression only .* give it a MiTA setting'):
         MiTABEiTAttention(64, 4, (4, 4), kind='agent')
 
 

@@ -31,6 +31,7 @@ from mita_seg.analysis.segmentor_cost import SegmentorFlops
 from mita_seg.analysis.token_selection import TokenSelectionRecorder
 from mita_seg.apis import load_config
 from mita_seg.apis.export import mita_config
+from mita_seg.setting import MiTASettingError
 from mita_seg.analysis.attention_macs import AttentionMacCounter
 from mita_seg.models import (GridMismatchError, MiTABEiT, MiTABEiTAttention, MiTAMAE,
                              MiTAMAEAttention, guard_grids)
@@ -239,6 +240,33 @@ def test_mmseg_unit_test_options(kwargs):
     model.init_weights()
     feat = model(torch.randn(1, 3, 224, 224))
     assert feat[-1].shape == (1, 768, 14, 14) and torch.isfinite(feat[-1]).all()
+
+
+def test_window_and_topk_take_the_bias_agent_and_block_are_refused():
+    """BEiT's attention on the kinds its bias enters (each pair's own entry): a window
+    covering the grid and a top-k of every key are BEiT's attention; ``window:1`` (the
+    study's control: each token reads itself and cls) runs; agent and block are refused."""
+    torch.manual_seed(0)
+    ref = BEiT(img_size=(64, 64), embed_dims=64, num_layers=2, num_heads=4)
+    ref.init_weights()
+    for layer in ref.layers:   # a bias that matters (mmseg initialises the tables to 0)
+        torch.nn.init.normal_(layer.attn.relative_position_bias_table, std=1.0)
+    ref.eval()
+    x = torch.randn(2, 3, 64, 64)                                       # the 4x4 window
+    with torch.no_grad():
+        expected = ref(x)[0]
+        for spec in ('window:4', 'topk:16', 'window:1', 'topk:3'):
+            mita = copy.deepcopy(ref)
+            assert swap_attention(mita, spec, verbose=False) == 2
+            out = mita(x)[0]
+            if spec in ('window:4', 'topk:16'):
+                torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+            else:
+                assert not torch.allclose(out, expected, rtol=1e-3, atol=1e-3), spec
+        for spec in ('agent:2', 'block:2:2'):
+            with pytest.raises(MiTASettingError, match='does not take its relative position '
+                               'bias'):
+                swap_attention(copy.deepcopy(ref), spec, verbose=False)
 
 
 def test_without_relative_position_bias():

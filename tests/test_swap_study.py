@@ -140,8 +140,9 @@ def _default_model(name: str):
 def test_the_paper_compression_on_each_default_model(name):
     """On each long-range model of the default study, the sweep's settings at the paper's
     compression land at 40-44% fewer model FLOPs (the sweep's own count), k = 49 first; the
-    plans across kinds get each other kind near every budget on the Segmenter, none on the
-    BEiT (its attention runs MiTA only), which also cannot run the window:1 control."""
+    plans across kinds get each other kind near every budget on the Segmenter, top-k and
+    window on the BEiT (agent and block attention do not take its relative position bias),
+    which runs the window:1 control too."""
     import copy
     from mita_seg.apis import swap_model
     from mita_seg.apis.sweep import model_gflops
@@ -161,10 +162,12 @@ def test_the_paper_compression_on_each_default_model(name):
     runnable, skipped = split_kinds(swapped, s.kinds)
     kinds = across_kinds(plan_budgets(s, [x for x, _ in found]), runnable, calls)
     control, why = split_kinds(swapped, (WINDOW_ONE.kind, ))
+    assert control == ('window', ) and why == {}
     if name == 'beit':
-        assert kinds == [] and control == () and why == {'window': 'not run by MiTABEiTAttention'}
+        assert {k.kind for k in kinds} == {'topk', 'window'}
+        assert set(skipped) == {'agent', 'block'}
         return
-    assert control == ('window', ) and {k.kind for k in kinds} == set(s.kinds)
+    assert {k.kind for k in kinds} == set(s.kinds)
     # each kind at its setting nearest each budget that is a setting: 7:49, 7:16, 4:16, 13:49
     for budget in ('7:49', '7:16', '4:16', '13:49'):
         assert any(k.kind == 'agent' for k in across_kinds([budget], runnable, calls))
@@ -581,9 +584,10 @@ def test_check_discrimination_trains_the_global_and_the_local_model(tmp_path, to
 
 
 def test_kinds_a_model_cannot_run_are_left_out_with_why():
-    """The taxonomy's kinds that BEiT's attention cannot run once swapped (MiTA only: the
-    other kinds do not take its relative position bias) are left out of the equal-cost
-    comparison, each named with why; the Segmenter's ViT runs them all."""
+    """The taxonomy's kinds that BEiT's attention cannot run once swapped (agent and block
+    attention do not take its relative position bias; MiTA, top-k and window do) are left
+    out of the equal-cost comparison, each named with why; the Segmenter's ViT runs them
+    all."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
@@ -592,7 +596,8 @@ def test_kinds_a_model_cannot_run_are_left_out_with_why():
     from projects.swap_study.settings import LONGRANGE_BEIT, LONGRANGE_SEGMENTER, PAPER
     init_default_scope('mmseg')
     kinds = ('mita', 'agent', 'block', 'topk', 'window')
-    for config, runnable in ((LONGRANGE_BEIT, ()), (LONGRANGE_SEGMENTER, kinds[1:])):
+    for config, runnable in ((LONGRANGE_BEIT, ('topk', 'window')),
+                             (LONGRANGE_SEGMENTER, kinds[1:])):
         model = MODELS.build(Config.fromfile(osp.join(ROOT, config)).model)
         swap_model(model, PAPER.cfg(), verbose=False)
         got, skipped = split_kinds(model, kinds)

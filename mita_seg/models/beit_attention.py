@@ -82,8 +82,10 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
                          init_cfg=init_cfg)
         self._init_mita(setting)
 
-    # its relative position bias enters MiTA only
-    supported_kinds = (MITA, )
+    # the kinds its relative position bias enters: MiTA (exact on the routed logits, the
+    # region's mean on the landmarks'), window and top-k (each pair's own entry); agent and
+    # block attention pool keys into summaries and take none
+    supported_kinds = (MITA, 'topk', 'window')
 
     def _init_mita(self, setting: MiTASetting) -> None:
         """The setting and no grid context yet."""

@@ -118,9 +118,10 @@ def swap_attention(model: nn.Module,
     ``'block:8:4'``, ``'topk:49'``, ``'window:7'``) or as a
     :class:`~mita_seg.setting.MiTASetting`; the other kinds of attention than MiTA are the
     paper's taxonomy, training-free on the same parameters (ViT family and Segmenter's head;
-    BEiT/MAE take MiTA only). The setting is checked when it is made (single keys: every
-    layer's new setting is made before the model changes) and travels whole: every layer
-    swapped now holds that very object.
+    BEiT/MAE take MiTA, top-k and window, the kinds their relative position bias enters).
+    The setting is checked when it is made (single keys: every layer's new setting is made
+    before the model changes) and travels whole: every layer swapped now holds that very
+    object.
 
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.

@@ -21,7 +21,7 @@ query ``n`` over the tokens ``o``)::
         out[n] = softmax(logits, -1) @ cat([mita_values(n), v[g]])
     out[g] = softmax(q[g] @ k.T / sqrt(d), -1) @ v
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,12 +39,16 @@ def split_tokens(x: Tensor, global_tokens: Tuple[int, int]) -> Tuple[Tensor, Ten
     return x[:, :, gp:N - gs], torch.cat([x[:, :, :gp], x[:, :, N - gs:]], 2)
 
 
-def attend_with_lse(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+def attend_with_lse(q: Tensor, k: Tensor, v: Tensor,
+                    bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention with scale ``1 / sqrt(d)`` in the routing dtype (float32 or
     wider) and its log-sum-exp: ``(out [..., L, d], lse [..., L])``, differentiable in both.
-    Explicit (``T x N`` or ``N x T`` logits: small), so that FLOP counters see it."""
+    ``bias`` (broadcast to the ``[..., L, n]`` logits) is added to them. Explicit (``T x N``
+    or ``N x T`` logits: small), so that FLOP counters see it."""
     dt = routing_dtype(q.dtype)
     logits = (q.to(dt) * q.shape[-1] ** -0.5) @ k.to(dt).transpose(-1, -2)
+    if bias is not None:
+        logits = logits + bias
     lse = torch.logsumexp(logits, -1)
     return torch.exp(logits - lse.unsqueeze(-1)) @ v.to(dt), lse
 

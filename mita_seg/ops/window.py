@@ -7,7 +7,8 @@ borders so that it stays whole inside the grid (NATTEN's neighbourhood attention
 larger than the grid is clamped to it, so ``window_size >= max(h, w)`` is softmax attention.
 The tokens outside the grid are global, as in :mod:`.global_tokens`: exact extra keys in
 every grid query's softmax, and dense queries. Keys are gathered through a precomputed
-neighbour table, ``chunk_size`` queries at a time.
+neighbour table, ``chunk_size`` queries at a time. BEiT's relative position bias adds each
+pair's own entry to its logit (``window_size >= max(h, w)`` is then BEiT's attention).
 
 Equivalent PyTorch code (one batch item and head; ``o`` the grid positions ``p:p + h*w``,
 ``g`` the others)::
@@ -20,14 +21,14 @@ Equivalent PyTorch code (one batch item and head; ``o`` the grid positions ``p:p
         out[o][n] = softmax(logits, -1) @ cat([v[o][J], v[g]])
     out[g] = softmax(q[g] @ k.T / sqrt(d), -1) @ v
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .bias import RelPosBias
 from .routing import IntPair, pair
-from .selected_keys import (attend_grid, attend_selected, check_count, check_grid_args,
-                            no_bias)
+from .selected_keys import attend_grid, attend_selected, check_count, check_grid_args, grid_bias
 
 __all__ = ['window_attention', 'neighbour_table', 'attend_setting']
 
@@ -50,7 +51,8 @@ def window_attention(q: Tensor,
                      hw_shape: IntPair,
                      window_size: IntPair,
                      num_prefix_tokens: int = 0,
-                     chunk_size: int = 256) -> Tensor:
+                     chunk_size: int = 256,
+                     rel_pos_bias: Optional[RelPosBias] = None) -> Tensor:
     """Neighbourhood attention over the grid, the other tokens global.
 
     Args:
@@ -62,6 +64,8 @@ def window_attention(q: Tensor,
             grid.
         num_prefix_tokens (int): tokens before the grid (ViT's cls). Default: 0.
         chunk_size (int): queries gathered at a time. Default: 256.
+        rel_pos_bias (RelPosBias, optional): BEiT's relative position bias (tokens: cls,
+            then the grid), each logit's own entry. Default: None.
 
     Returns:
         Tensor: ``[B, H, N, d]``, the dtype of ``q``.
@@ -73,21 +77,23 @@ def window_attention(q: Tensor,
                          'side in tokens, e.g. 7')
     check_count(chunk_size, 'chunk_size', 'pass the queries gathered at a time, e.g. 256')
     wh, ww = min(wh, h), min(ww, w)
+    bias_of = grid_bias(rel_pos_bias, q.shape[1], num_prefix_tokens, h * w)
 
     def grid_fn(q_o, k_o, v_o):
         if (wh, ww) == (h, w):
-            return attend_selected(q_o, k_o, v_o, lambda start, stop: None, chunk_size)
+            return attend_selected(q_o, k_o, v_o, lambda start, stop: None, chunk_size,
+                                   bias_of)
         table = neighbour_table((h, w), (wh, ww), q.device)           # [h*w, wh*ww]
         return attend_selected(q_o, k_o, v_o, lambda start, stop: (table[start:stop], None),
-                               chunk_size)
+                               chunk_size, bias_of)
 
-    return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn)
+    return attend_grid(q, k, v, (h, w), num_prefix_tokens, grid_fn, rel_pos_bias)
 
 
 def attend_setting(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
                    num_prefix_tokens: int, global_tokens: IntPair = (0, 0),
                    rel_pos_bias=None) -> Tensor:
-    """``window`` attention of a setting (its ``window``), every token off the grid global
-    (:func:`mita_seg.ops.attend`)."""
-    no_bias('window', rel_pos_bias)
-    return window_attention(q, k, v, hw_shape, setting.window, num_prefix_tokens)
+    """``window`` attention of a setting (its ``window``), every token off the grid global,
+    with the relative position bias if given (:func:`mita_seg.ops.attend`)."""
+    return window_attention(q, k, v, hw_shape, setting.window, num_prefix_tokens,
+                            rel_pos_bias=rel_pos_bias)

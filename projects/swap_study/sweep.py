@@ -72,7 +72,8 @@ def split_kinds(swapped: nn.Module, kinds: Sequence[str]) -> Tuple[Tuple[str, ..
                                                                    Dict[str, str]]:
     """``kinds`` (but MiTA's) as those that every attention of ``swapped`` (a model swapped
     to MiTA) can run, and the others, each with the modules that cannot (BEiT/MAE attention
-    runs MiTA only: the other kinds do not take its relative position bias)."""
+    runs MiTA, top-k and window: agent and block attention do not take its relative position
+    bias)."""
     modules = [m for m in swapped.modules() if isinstance(m, MiTASettingsMixin)]
     runnable, skipped = [], {}
     for kind in (k for k in kinds if k != MITA):
