@@ -114,6 +114,9 @@ class Kind:
             ``h x w`` grid with ``n`` keys (a pool, ``k`` larger than those clamped).
         candidates (callable): ``(h, w) -> Iterator[setting]``, the settings worth pricing
             on that grid (:mod:`mita_seg.analysis.equal_cost`: a kind at a given cost).
+        bias_adds (callable, optional): ``(setting, (h, w), N, T) -> int``, the additions of
+            a relative position bias (BEiT's) per batch item and head, as ``macs``; None for
+            a kind that takes no bias (its operator refuses one).
     """
     name: str
     keys: Tuple[str, ...]
@@ -127,6 +130,7 @@ class Kind:
     macs: Callable[..., int]
     fit: Callable[..., 'MiTASetting']
     candidates: Callable[[Tuple[int, int]], Iterator['MiTASetting']]
+    bias_adds: Optional[Callable[..., int]] = None
 
     def read(self, m: 're.Match') -> Dict[str, Any]:
         """The settings of a match of :attr:`pattern` (a ``PhxPw`` pool as a pair)."""
@@ -181,6 +185,12 @@ def _mita_macs(s, hw, n, d, t):
             + (_flops('global_flops_per_head')(n, t, d) if t else 0))
 
 
+def _mita_bias_adds(s, hw, n, t):
+    ph, pw = _clamped_pool(s, hw)
+    return _flops('bias_flops_per_head')(n - t, ph * pw, min(s.topk, n - t),
+                                         min(s.router_topk, ph * pw))
+
+
 def _mita_fit(s, hw, n):
     pool = _clamped_pool(s, hw)
     fitted = (pool, min(s.topk, n), min(s.router_topk, pool[0] * pool[1]))
@@ -229,7 +239,8 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (
                            + ('' if s.with_shared_expert else ':route')),
          label=lambda c: (_pool_words(c) + ([f'k={c["topk"]}'] if 'topk' in c else [])
                           + (['route-only'] if c.get('with_shared_expert') is False else [])),
-         macs=_mita_macs, fit=_mita_fit, candidates=_mita_candidates),
+         macs=_mita_macs, fit=_mita_fit, candidates=_mita_candidates,
+         bias_adds=_mita_bias_adds),
     Kind('agent', ('pool_size', 'shared_scale'), 'agent:P or agent:PhxPw',
          r'^agent:(\d+)(?:x(\d+))?$', 'agent:7',
          "compression only (Agent Attention: MiTA's shared expert alone)",
@@ -255,7 +266,9 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (
              hw, d, s.topk, n - hw[0] * hw[1]),
          fit=_as_is,
          candidates=lambda g: (MiTASetting(kind='topk', topk=k)
-                               for k in range(1, g[0] * g[1] + 1))),
+                               for k in range(1, g[0] * g[1] + 1)),
+         bias_adds=lambda s, hw, n, t: _flops('topk_bias_adds_per_head')(
+             hw, s.topk, n - hw[0] * hw[1])),
     Kind('window', ('window', ), 'window:W', r'^window:(\d+)$', 'window:7',
          'a local W x W window (neighbourhood attention)',
          'mita_seg.ops.window:attend_setting', values=lambda s: f'window:{s.window}',
@@ -264,11 +277,15 @@ KINDS: Dict[str, Kind] = {k.name: k for k in (
              hw, d, s.window, n - hw[0] * hw[1]),
          fit=_as_is,
          candidates=lambda g: (MiTASetting(kind='window', window=s)
-                               for s in range(1, max(g) + 1))),
+                               for s in range(1, max(g) + 1)),
+         bias_adds=lambda s, hw, n, t: _flops('window_bias_adds_per_head')(
+             hw, s.window, n - hw[0] * hw[1])),
 )}
 # MiTA's kind, and the kinds of the taxonomy beside it.
 MITA = 'mita'
 OTHER_KINDS: Tuple[str, ...] = tuple(k for k in KINDS if k != MITA)
+# the kinds that take a relative position bias (BEiT's attention runs these)
+BIAS_KINDS: Tuple[str, ...] = tuple(k for k, r in KINDS.items() if r.bias_adds is not None)
 SETTING_RULES['kind'] = (f"one of {', '.join(repr(k) for k in KINDS)}",
                          lambda x: isinstance(x, str) and x in KINDS)
 
@@ -476,6 +493,19 @@ class MiTASetting:
         formulas of :mod:`mita_seg.ops.flops`."""
         return self.record.macs(self, tuple(hw_shape), num_tokens, head_dim,
                                 num_global_tokens)
+
+    def bias_adds(self, hw_shape: Tuple[int, int], num_tokens: int,
+                  num_global_tokens: int = 0) -> int:
+        """Additions of a relative position bias (BEiT's) in this attention per batch item
+        and head, counted as :meth:`attention_macs` (one add = one FLOP).
+
+        Raises:
+            MiTASettingError: the kind takes no bias (``Kind.bias_adds`` None).
+        """
+        if self.record.bias_adds is None:
+            raise MiTASettingError(f'{self.record.title} does not take a relative position '
+                                   'bias')
+        return self.record.bias_adds(self, tuple(hw_shape), num_tokens, num_global_tokens)
 
     def fit(self, hw_shape: Tuple[int, int], num_keys: int) -> 'MiTASetting':
         """This setting as it runs on an ``h x w`` grid with ``num_keys`` keys: a pool

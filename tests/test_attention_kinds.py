@@ -302,6 +302,15 @@ def test_relative_position_bias_on_each_pairs_logit(case):
     bias = RelPosBias((table * 2).double(), (h, w))
     Bd = dense_bias(bias)                                               # [H, N, N]
     op, keys = BIASED[case]
+    # the table's gradient (BEiT's bias is learnt) against the reference's
+    grad_of = []
+    for fn in (lambda b: biased_reference(q, k, v, dense_bias(b), keys(q, k, v, (h, w), Bd)),
+               lambda b: op(q, k, v, (h, w), b)):
+        t = bias.table.clone().requires_grad_()
+        out = fn(RelPosBias(t, (h, w)))
+        grad_of.append(torch.autograd.grad((out * gout).sum(), t)[0])
+    torch.testing.assert_close(grad_of[1], grad_of[0], atol=1e-12, rtol=1e-12)
+    assert grad_of[0].abs().sum() > 0
     ref, ref_grads = run(
         lambda q, k, v: biased_reference(q, k, v, Bd, keys(q, k, v, (h, w), Bd)),
         q, k, v, gout, torch.float64)

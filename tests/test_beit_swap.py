@@ -363,6 +363,20 @@ def test_token_selection_and_attention_macs():
     for r in rec.records:
         assert r.hw_shape == (4, 5) and r.num_prefix_tokens == 1
         assert r.selected[:, :, 0].all() and not r.selected[:, :, 1:].any()
+    # top-k and window: their own MACs and their own bias adds (cls global: T = 1), written
+    # out; not MiTA's
+    n, T = 20, 1
+    for spec, macs, adds in (
+            ('window:1', 2 * n * 1 * d, n * 1),
+            ('window:3', 2 * n * 9 * d, n * 9),
+            ('topk:3', n * n * d + 2 * n * 3 * d, n * n + n * 3),
+            ('topk:20', 2 * n * n * d, n * n)):
+        glob = 2 * T * (n + T) * d + 2 * n * T * d    # the cls query's row, the cls key
+        swap_attention(model, spec, verbose=False)
+        with AttentionMacCounter(model) as counter, torch.no_grad():
+            model(x)
+        per_head = macs + glob + adds + n * T + T * (n + T)
+        assert counter.macs == 4 * 2 * H * per_head, spec
 
 
 def test_export_config_switches_the_backbone():

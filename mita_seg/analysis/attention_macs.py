@@ -12,7 +12,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from mmseg.models.backbones.beit import BEiTAttention
 
 from mita_seg.models import MiTAAttention, MiTABEiTAttention, MiTASettingsMixin, ToMeAttention
-from mita_seg.ops import attention_flops, bias_flops_per_head
+from mita_seg.ops import attention_flops
 
 
 class AttentionMacCounter:
@@ -68,9 +68,8 @@ class AttentionMacCounter:
                 self.ran.add((setting.pool, setting.topk, setting.router_topk, N))
             self.calls.append((tuple(grid), N, d, T, B * H))
             self.macs += B * H * setting.attention_macs(grid, N, d, T)
-            if with_bias:   # BEiT's bias, added to MiTA's logits
-                self.macs += B * H * bias_flops_per_head(N, setting.num_experts, setting.topk,
-                                                         setting.router_topk)
+            if with_bias:   # BEiT's bias, added to the kind's logits
+                self.macs += B * H * setting.bias_adds(grid, N, T)
         else:
             self.macs += attention_flops(B, H, N, d, with_bias=with_bias)
 

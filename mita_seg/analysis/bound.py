@@ -35,10 +35,10 @@ class NoMixingAttention(MiTAAttention):
         C = query.shape[-1]
         qkv = F.linear(query, self.attn.in_proj_weight, self.attn.in_proj_bias)  # [.., 3C]
         v = qkv[..., 2 * C:]                                  # a strided view: no copy
-        if v.dtype != torch.float32:
-            # bf16/fp16 (autocast): the output projection reads a strided input on a slow
-            # path, a copy of v is cheaper (Zen 3, ViT-B at N = 4097: 110 ms a layer against
-            # 1 ms); float32 GEMMs read it in place
+        if v.dtype in (torch.bfloat16, torch.float16):
+            # (autocast) the output projection reads a strided input on a slow path: a copy
+            # of v is cheaper (Zen 3, one ViT-B layer at N = 4097: 1567 ms strided, 1156 ms
+            # copied, docs/benchmark.md); float32 GEMMs read it in place
             v = v.contiguous()
         x = self.attn.out_proj(v)
         return identity + self.dropout_layer(self.proj_drop(x))

@@ -17,7 +17,7 @@ from mmseg.models.backbones.mae import MAEAttention
 from mmseg.registry import MODELS
 
 from mita_seg.ops import RelPosBias, attend
-from mita_seg.setting import MITA
+from mita_seg.setting import BIAS_KINDS
 from .attention import DEFAULT_SETTING, MiTASetting, MiTASettingsMixin, register_mita_conversion
 from .grid import GridContext, GridMismatchError, grid_mismatch_message
 
@@ -83,9 +83,9 @@ class MiTABEiTAttention(MiTASettingsMixin, BEiTAttention):
         self._init_mita(setting)
 
     # the kinds its relative position bias enters: MiTA (exact on the routed logits, the
-    # region's mean on the landmarks'), window and top-k (each pair's own entry); agent and
+    # region's mean on the landmarks'), top-k and window (each pair's own entry); agent and
     # block attention pool keys into summaries and take none
-    supported_kinds = (MITA, 'topk', 'window')
+    supported_kinds = BIAS_KINDS
 
     def _init_mita(self, setting: MiTASetting) -> None:
         """The setting and no grid context yet."""

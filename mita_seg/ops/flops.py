@@ -142,3 +142,30 @@ def window_flops_per_head(hw_shape, head_dim: int, window_size,
     n, T = h * w, num_global_tokens
     return 2 * n * min(wh, h) * min(ww, w) * head_dim + global_flops_per_head(n + T, T,
                                                                             head_dim)
+
+
+def global_bias_adds_per_head(num_grid: int, num_global_tokens: int) -> int:
+    """Additions of a relative position bias on the global tokens' logits of the kinds that
+    take the tokens off the grid as global: each grid query's ``T`` global keys, each global
+    query's ``n + T`` keys."""
+    n, T = num_grid, num_global_tokens
+    return n * T + T * (n + T)
+
+
+def topk_bias_adds_per_head(hw_shape, topk: int, num_global_tokens: int = 0) -> int:
+    """Additions of a relative position bias in :func:`mita_seg.ops.topk_attention`: on the
+    ``n n`` scores the top-k is taken on and on the ``n k`` logits (``n n`` once with
+    ``k = n``: no scores), and on the global tokens' logits."""
+    h, w = _pair(hw_shape)
+    n = h * w
+    k = min(topk, n)
+    grid = n * n if k == n else n * n + n * k
+    return grid + global_bias_adds_per_head(n, num_global_tokens)
+
+
+def window_bias_adds_per_head(hw_shape, window_size, num_global_tokens: int = 0) -> int:
+    """Additions of a relative position bias in :func:`mita_seg.ops.window_attention`: on
+    the ``n wh ww`` window logits and on the global tokens' logits."""
+    (h, w), (wh, ww) = _pair(hw_shape), _pair(window_size)
+    n = h * w
+    return n * min(wh, h) * min(ww, w) + global_bias_adds_per_head(n, num_global_tokens)

@@ -48,7 +48,7 @@ def attend_with_lse(q: Tensor, k: Tensor, v: Tensor,
     dt = routing_dtype(q.dtype)
     logits = (q.to(dt) * q.shape[-1] ** -0.5) @ k.to(dt).transpose(-1, -2)
     if bias is not None:
-        logits = logits + bias
+        logits = logits + bias.to(logits.dtype)
     lse = torch.logsumexp(logits, -1)
     return torch.exp(logits - lse.unsqueeze(-1)) @ v.to(dt), lse
 

@@ -34,9 +34,10 @@ def attend(setting, q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
     """The attention of ``setting`` (a :class:`~mita_seg.setting.MiTASetting`) over
     ``q, k, v`` (``[B, H, N, d]``; the ``h x w`` grid after ``num_prefix_tokens`` tokens).
 
-    MiTA takes ``global_tokens`` (``(prefix, suffix)``, :func:`mita_seg.ops.mita_attention`)
-    and a relative position bias; every other kind treats every token off the grid as
-    global and takes no bias. A pool larger than the grid runs on the grid; a top-k, a block
+    MiTA takes ``global_tokens`` (``(prefix, suffix)``, :func:`mita_seg.ops.mita_attention`);
+    every other kind treats every token off the grid as global. MiTA, top-k and window
+    attention take a relative position bias (``Kind.bias_adds``), agent and block refuse
+    one. A pool larger than the grid runs on the grid; a top-k, a block
     count or a window beyond the grid reads the whole grid.
 
     Returns:

@@ -31,7 +31,7 @@ def no_bias(kind: str, rel_pos_bias) -> None:
     """Refuse a relative position bias for a kind that does not take one."""
     if rel_pos_bias is not None:
         raise ValueError(f'{kind} attention does not take a relative position bias; give '
-                         'a MiTA setting (e.g. 7:49)')
+                         'a MiTA, top-k or window setting (e.g. 7:49, topk:49, window:7)')
 
 
 def grid_bias(bias: Optional[RelPosBias], num_heads: int, num_prefix_tokens: int,
@@ -110,7 +110,7 @@ def attend_grid(q: Tensor, k: Tensor, v: Tensor, hw_shape: Tuple[int, int],
     """
     h, w = hw_shape
     p = num_prefix_tokens
-    B, H, N, _ = q.shape
+    H, N = q.shape[1], q.shape[2]
     s = N - p - h * w
     dt = routing_dtype(q.dtype)
     bias_og = bias_g = None                    # grid queries -> global keys; global -> all
@@ -177,7 +177,8 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, select: Callable[[int, int]
             if valid is not None:
                 logits = logits.masked_fill(~valid, float('-inf'))
         if bias_of is not None:
-            logits = logits + bias_of(start, stop, None if sel is None else sel[0])
+            logits = logits + bias_of(start, stop, None if sel is None else sel[0]).to(
+                logits.dtype)
         lse = torch.logsumexp(logits, -1)                              # [B, H, c]
         probs = torch.exp(logits - lse.unsqueeze(-1))
         if sel is None:
