@@ -11,7 +11,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from mmengine.config import Config
 
 from mita_seg.analysis.segmentor_cost import SegmentorFlops

@@ -364,7 +364,7 @@ def test_tiled_scores_as_one_tile():
     scores (never selected), and queries whose shared logits are all -inf (the routed
     expert alone, as route-only MiTA) give the same routing and outputs either way."""
     H, h, w, d, pool, topk = 2, 56, 56, 16, (7, 7), 49
-    N, M = 1 + h * w, pool[0] * pool[1]
+    N = 1 + h * w
     q, k, v = (t.reshape(H, N, d) for t in _qkv(1, H, N, d, seed=6))
     bias = _bias(H, h, w)
     Bq, Bk = (t.clone() for t in landmark_bias(bias, pool))

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from mita_seg.analysis.timing import (MMAP_ENV, cpu_description, interleaved_medians,
                                       median_time, vector_units)

@@ -120,5 +120,6 @@ def main(argv=None) -> dict:
         print(f'wrote {args.json}')
     return result
 
+
 if __name__ == '__main__':
     run_tool(main)

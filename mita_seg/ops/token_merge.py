@@ -138,7 +138,7 @@ def bipartite_soft_matching(metric: Tensor, r: int, num_prefix_tokens: int = 0,
 
 
 def _split(x: Tensor, plan: MergePlan, n: int):
-    p, s = plan.num_prefix_tokens, plan.num_suffix_tokens
+    p = plan.num_prefix_tokens
     return x[:, :p], x[:, p:p + n], x[:, p + n:]
 
 
