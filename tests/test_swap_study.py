@@ -136,6 +136,32 @@ def _default_model(name: str):
     return model, batch
 
 
+def test_model_gflops_of_a_model_left_training():
+    """A model left in training mode (as after a training) is counted in eval mode: an
+    UperNet's pyramid pooling of one image to 1x1 under BatchNorm counts, its statistics
+    untouched, its mode given back."""
+    import copy
+    import torch
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmseg.registry import MODELS
+    from mmseg.structures import SegDataSample
+    from mita_seg.apis.sweep import model_gflops
+    init_default_scope('mmseg')
+    torch.manual_seed(0)
+    model = MODELS.build(Config.fromfile(osp.join(
+        ROOT, 'configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')).model)
+    meta = dict(ori_shape=(256, 256), img_shape=(256, 256), pad_shape=(256, 256))
+    batch = dict(inputs=[torch.randint(0, 255, (3, 256, 256), dtype=torch.uint8)],
+                 data_samples=[SegDataSample(metainfo=meta)])
+    before = copy.deepcopy(model.state_dict())
+    model.train()
+    gflops = model_gflops(model, batch)
+    assert model.training and gflops == model_gflops(model.eval(), batch) > 0
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 @pytest.mark.parametrize('name', ['segmenter', 'beit'])
 def test_the_paper_compression_on_each_default_model(name):
     """On each long-range model of the default study, the sweep's settings at the paper's

@@ -28,13 +28,20 @@ FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attenti
 
 def model_gflops(model: nn.Module, batch: dict) -> float:
     """Whole-model GFLOPs (MACs) of the first image of ``batch`` under the model's test
-    mode: one traced ``mode='tensor'`` forward per crop, times the crops."""
+    mode: one traced ``mode='tensor'`` forward per crop, in eval mode (a model left in
+    training mode after a training is put back in it: its BatchNorm statistics untouched),
+    times the crops."""
     from mita_seg.analysis.flop_count import count_flops
     from mita_seg.analysis.segmentor_cost import inference_crops
     x = model.data_preprocessor(batch, False)['inputs'][:1]
     _, crops, (hc, wc) = inference_crops(getattr(model, 'test_cfg', None),
                                          tuple(x.shape[-2:]))
-    return crops * count_flops(model, (x[..., :hc, :wc].contiguous(), )).total / 1e9
+    training = model.training
+    model.eval()
+    try:
+        return crops * count_flops(model, (x[..., :hc, :wc].contiguous(), )).total / 1e9
+    finally:
+        model.train(training)
 
 
 SWEEP_METHODS = ('baseline', 'tome', 'swap', 'swap+tome', 'plan')
