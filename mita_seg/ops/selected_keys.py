@@ -42,18 +42,14 @@ def grid_bias(bias: Optional[RelPosBias], num_heads: int, num_prefix_tokens: int
     if bias is None:
         return None
     p, dev = num_prefix_tokens, bias.table.device
-    heads = torch.arange(num_heads, device=dev)
+    heads = torch.arange(num_heads, device=dev).view(-1, 1, 1)            # [H, 1, 1]
 
     def bias_of(start: int, stop: int, idx: Optional[Tensor]) -> Tensor:
-        qi = torch.arange(start + p, stop + p, device=dev)
-        if idx is None:                                                    # [H, c, n]
-            kj = torch.arange(p, p + num_grid, device=dev)
-            return gather_bias(bias, heads.view(-1, 1, 1), qi.view(1, -1, 1), kj.view(1, 1, -1))
-        if idx.dim() == 2:                                                 # [H, c, K]
-            return gather_bias(bias, heads.view(-1, 1, 1), qi.view(1, -1, 1),
-                               (idx + p).unsqueeze(0))
-        return gather_bias(bias, heads.view(1, -1, 1, 1), qi.view(1, 1, -1, 1),
-                           idx + p)                                        # [B, H, c, K]
+        qi = torch.arange(start + p, stop + p, device=dev).view(-1, 1)     # [c, 1]
+        # keys [n], [c, K] or [B, H, c, K]: broadcast from the right to [H, c, n],
+        # [H, c, K] or [B, H, c, K]
+        kj = torch.arange(p, p + num_grid, device=dev) if idx is None else idx + p
+        return gather_bias(bias, heads, qi, kj)
     return bias_of
 
 
