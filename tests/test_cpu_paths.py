@@ -108,7 +108,7 @@ def test_kernel_paths_under_capped_instruction_sets(row):
         assert not rows['has_avx2'] and not rows['has_f16c'], 'MITA_CPU_ISA=scalar ignored'
     for name, tol in (('bfloat16', 2e-2), ('float16', 3e-3)):
         res, probe = rows[name], rows[name]['probe']
-        assert res['unset']['path'] in ('float32', 'brgemm-packed'), res['unset']
+        assert res['unset']['path'] == 'float32', res['unset']
         assert res['0']['path'] == 'float32'
         for setting in ('unset', '0', '1'):
             path = res[setting]['path']

@@ -675,19 +675,25 @@ def test_lowp_gemms_in_the_backward(case, dtype, monkeypatch):
 
 
 def test_lowp_gemm_path_by_cpu_and_setting(monkeypatch):
-    """Unset, the bf16 GEMMs run where the CPU has AMX (AVX512-BF16 alone: float32, the
-    faster there), on AMX tiles; =0 never; float32/float64 inputs never take them.
+    """Unset or =0, the bf16/fp16 GEMMs run in float32 on every CPU (the faster choice on
+    each one measured, AMX included); =1 on the tiles where the CPU has AMX for the dtype
+    (the packed layout, the first probed); float32/float64 inputs never take them.
     (tests/test_cpu_paths.py checks every path against its probe, capped CPU by CPU.)"""
     if not osp.exists('/proc/cpuinfo'):
         pytest.skip('reads the CPU flags from /proc/cpuinfo')
     with open('/proc/cpuinfo') as f:
         amx = re.search(r'\bamx_bf16\b', f.read()) is not None
-    monkeypatch.delenv('MITA_CPU_BF16_GEMM', raising=False)
-    assert _C.lowp_gemm_path(torch.bfloat16) == ('brgemm-packed' if amx else 'float32')
-    assert _C.lowp_gemm_path(torch.float32) == 'float32'
-    monkeypatch.setenv('MITA_CPU_BF16_GEMM', '0')
-    assert _C.lowp_gemm_path(torch.bfloat16) == _C.lowp_gemm_path(torch.float16) == 'float32'
+    for setting in (None, '0'):
+        if setting is None:
+            monkeypatch.delenv('MITA_CPU_BF16_GEMM', raising=False)
+        else:
+            monkeypatch.setenv('MITA_CPU_BF16_GEMM', setting)
+        assert _C.lowp_gemm_path(torch.bfloat16) == _C.lowp_gemm_path(torch.float16) == \
+            'float32'
+        assert _C.lowp_gemm_path(torch.float32) == 'float32'
     monkeypatch.setenv('MITA_CPU_BF16_GEMM', '1')
+    if amx:
+        assert _C.lowp_gemm_path(torch.bfloat16) == 'brgemm-packed'
     assert _C.lowp_gemm_path(torch.float64) == 'float32'
 
 

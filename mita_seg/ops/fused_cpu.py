@@ -16,11 +16,12 @@ them (no float32 copies of q, k, v), the backward converts them on entry; output
 gradients come back in the inputs' dtype. The forward's read-out GEMMs (``V_R = softmax(S)
 V``, the routed logits and ``P V``) run in bf16/fp16 with float32 accumulation on oneDNN's
 brgemm micro-kernels (``at::native::cpublas::brgemm``, as PyTorch's CPU flash attention; P
-rounded to the inputs' dtype as FlashAttention does) where the CPU has AMX for the dtype;
-elsewhere float32 GEMMs are the fast ones (on an AMD EPYC with AVX2 a [1025, 64] x [64, 49]
-bf16 product through MKL took 29x the float32 one; on an AMD EPYC Zen 4 with AVX512-BF16
-oneDNN's bf16 kernel ran the forward no faster than MKL's float32 GEMMs, see
-docs/benchmark.md). The backward's five routed GEMMs per expert (``q K_e^T``, ``dout
+rounded to the inputs' dtype as FlashAttention does) when ``MITA_CPU_BF16_GEMM=1``; by
+default they run in float32 on the widened inputs, the faster choice on every CPU measured
+(on an AMD EPYC with AVX2 a [1025, 64] x [64, 49] bf16 product through MKL took 29x the
+float32 one; on an AMD EPYC Zen 4 with AVX512-BF16 oneDNN's bf16 kernel ran the forward no
+faster than MKL's float32 GEMMs; on an AMX Xeon the tiles ran it 3-4% slower at N = 1025,
+see docs/benchmark.md). The backward's five routed GEMMs per expert (``q K_e^T``, ``dout
 V_e^T``, ``dS^T q``, ``P^T dout``, ``dS K_e``; P and dS rounded) take the same path under the
 same rule; its routing part (shared expert, scores, landmarks) stays float32.
 oneDNN's kernel reads its B operand in a layout that depends on the kernel it generates for
@@ -28,10 +29,10 @@ the CPU (AMX tiles, interleaved pairs of rows, plain rows), so the C++ probes ea
 once per dtype with a product of distinct values on an odd shape, checked bit for bit
 against float32, and never runs one that failed (``_C.lowp_probe(dtype)`` lists the
 results: on a Sapphire Rapids Xeon the fp16 kernel reads plain rows, on an AMD Zen 4 the bf16
-one interleaved pairs). ``MITA_CPU_BF16_GEMM=1`` forces the bf16/fp16 GEMMs on in both: the
+one interleaved pairs). ``MITA_CPU_BF16_GEMM=1`` turns the bf16/fp16 GEMMs on in both: the
 layout that passed, else cpublas's plain GEMM (slow, it tests the path on any CPU), with a
-warning saying why (:func:`lowp_gemm_path`); ``=0`` off; ``_C.lowp_gemm_path(dtype)`` says
-which runs. The GEMMs that decide the routing (the scores,
+warning saying why (:func:`lowp_gemm_path`); unset or ``=0`` off; ``_C.lowp_gemm_path(dtype)``
+says which runs. The GEMMs that decide the routing (the scores,
 the shared logits) stay float32.
 
 BEiT's relative position bias (:mod:`.bias`): the kernel takes the landmarks' mean biases

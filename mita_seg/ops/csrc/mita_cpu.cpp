@@ -442,13 +442,14 @@ inline void prefetch_row(const T* x, int64_t d) {
 // kLowpRows); none passing, oneDNN's kernel is off for that dtype. cpublas's plain GEMM
 // (kLowpPlain, B in rows, is_vnni false) is probed too.
 //
-// MITA_CPU_BF16_GEMM=1 forces the path on: the probed oneDNN layout, else cpublas's plain GEMM
+// MITA_CPU_BF16_GEMM=1 turns the path on: the probed oneDNN layout, else cpublas's plain GEMM
 // (slow, for testing the path on any CPU; mita_seg.ops.fused_cpu warns, saying why), else
-// none; =0 off; unset: on where
-// the CPU has AMX for the dtype and its packed layout passed (With AVX512-BF16 and no AMX, AMD
-// Zen 4, oneDNN's bf16 kernel runs, but no faster than MKL's float32 GEMMs at these small
-// shapes: its per-call cost and the packing eat the gain, see docs/benchmark.md). A path is
-// never chosen whose probe failed. _C.lowp_probe(dtype) reports each layout's result. ----
+// none; unset or =0: off, the float32 GEMMs on the widened inputs. They are the faster ones
+// on every CPU measured: with AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel ran no
+// faster than MKL's float32 GEMMs at these small shapes, and on an AMX Xeon the tiles ran the
+// forward 3-4% slower at N = 1025 and level at 4097, forward+backward 2-8% slower (per-call
+// cost and packing eat the gain; docs/benchmark.md). A path is never chosen whose probe
+// failed. _C.lowp_probe(dtype) reports each layout's result. ----
 enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpPacked = 2, kLowpVnni = 3, kLowpRows = 4 };
 constexpr LowpPath kLowpLayouts[] = {kLowpPlain, kLowpPacked, kLowpVnni, kLowpRows};
 
@@ -550,8 +551,7 @@ LowpPath lowp_path() {
   } else {
     const LowpProbe<In>& probe = lowp_probe<In>();
     const char* env = std::getenv("MITA_CPU_BF16_GEMM");
-    if (!(env && *env)) return probe.native == kLowpPacked ? kLowpPacked : kLowpOff;
-    if (std::string(env) == "0") return kLowpOff;
+    if (!(env && *env) || std::string(env) == "0") return kLowpOff;
     if (probe.native != kLowpOff) return probe.native;
     return probe.plain ? kLowpPlain : kLowpOff;  // mita_seg.ops.fused_cpu says why
   }
