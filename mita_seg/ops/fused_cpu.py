@@ -20,7 +20,7 @@ rounded to the inputs' dtype as FlashAttention does) when ``MITA_CPU_BF16_GEMM=1
 default they run in float32 on the widened inputs, the faster choice on every CPU measured
 (on an AMD EPYC with AVX2 a [1025, 64] x [64, 49] bf16 product through MKL took 29x the
 float32 one; on an AMD EPYC Zen 4 with AVX512-BF16 oneDNN's bf16 kernel ran the forward no
-faster than MKL's float32 GEMMs; on an AMX Xeon the tiles ran it 3-4% slower at N = 1025,
+faster than MKL's float32 GEMMs; on an AMX Xeon the tiles ran it 4-6% slower at N = 1025,
 see docs/benchmark.md). The backward's five routed GEMMs per expert (``q K_e^T``, ``dout
 V_e^T``, ``dS^T q``, ``P^T dout``, ``dS K_e``; P and dS rounded) take the same path under the
 same rule; its routing part (shared expert, scores, landmarks) stays float32.

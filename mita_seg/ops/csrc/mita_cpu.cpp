@@ -447,7 +447,7 @@ inline void prefetch_row(const T* x, int64_t d) {
 // none; unset or =0: off, the float32 GEMMs on the widened inputs. They are the faster ones
 // on every CPU measured: with AVX512-BF16 and no AMX (AMD Zen 4) oneDNN's bf16 kernel ran no
 // faster than MKL's float32 GEMMs at these small shapes, and on an AMX Xeon the tiles ran the
-// forward 3-4% slower at N = 1025 and level at 4097, forward+backward 2-8% slower (per-call
+// forward 4-6% slower at N = 1025 and level at 4097, forward+backward 2-8% slower (per-call
 // cost and packing eat the gain; docs/benchmark.md). A path is never chosen whose probe
 // failed. _C.lowp_probe(dtype) reports each layout's result. ----
 enum LowpPath : int { kLowpOff = 0, kLowpPlain = 1, kLowpPacked = 2, kLowpVnni = 3, kLowpRows = 4 };
