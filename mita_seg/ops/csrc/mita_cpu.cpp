@@ -543,15 +543,16 @@ const LowpProbe<In>& lowp_probe() {
   return probe;
 }
 
-// The path of this call's GEMMs for inputs of type In (read each call: tests switch it).
+// The path of this call's GEMMs for inputs of type In (read each call: tests switch it). Off,
+// the probes do not run (they generate oneDNN kernels): only a path that may run is probed.
 template <typename In>
 LowpPath lowp_path() {
   if constexpr (!is_lowp<In>) {
     return kLowpOff;
   } else {
-    const LowpProbe<In>& probe = lowp_probe<In>();
     const char* env = std::getenv("MITA_CPU_BF16_GEMM");
     if (!(env && *env) || std::string(env) == "0") return kLowpOff;
+    const LowpProbe<In>& probe = lowp_probe<In>();
     if (probe.native != kLowpOff) return probe.native;
     return probe.plain ? kLowpPlain : kLowpOff;  // mita_seg.ops.fused_cpu says why
   }
