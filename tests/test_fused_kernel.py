@@ -271,8 +271,8 @@ def test_kernel_conversions_are_tensor_to(dtype):
     ties = ulp + (ulp * info.eps / 2)
     x = torch.cat([special, ties, -ties, x])
     for n in (1, 7, 8, 9, 15, 17, x.numel()):
-        for src, to, bits in ((x[:n], dtype, torch.int16), (x[:n].to(dtype), torch.float32,
-                                                              torch.int32)):
+        for src, to, bits in ((x[:n], dtype, torch.int16),
+                              (x[:n].to(dtype), torch.float32, torch.int32)):
             ours, ref = _C._convert(src, to), src.to(to)
             assert torch.equal(ours.isnan(), ref.isnan()), n
             assert torch.equal(ours.nan_to_num(0).view(bits), ref.nan_to_num(0).view(bits)), n

@@ -17,10 +17,10 @@ router's choices the float32 routing also makes, and the phases' times (``_C.pro
 """
 import argparse
 import os
-import time
 
 import torch
 
+from mita_seg.analysis.timing import interleaved_medians
 from mita_seg.benchmark.common import describe
 from mita_seg.ops.fused_cpu import _C
 
@@ -50,21 +50,15 @@ def main():
         kept = sum(len(set(a.tolist()) & set(b.tolist()))
                    for a, b in zip(keys32.flatten(0, 1), keys16.flatten(0, 1)))
         same = (states['0'][3] == states['1'][3]).float().mean().item()
-        times = {'0': [], '1': []}
+        times = interleaved_medians([lambda r=r: forward(q, k, v, side, r) for r in ('0', '1')],
+                                    rounds=args.calls)
+        med = {r: t * 1e3 for r, t in zip(('0', '1'), times)}
         phases = {}
-        for r in ('0', '1'):
-            forward(q, k, v, side, r)                                    # warm
-        for _ in range(args.calls):
-            for r in ('0', '1'):
-                t = time.perf_counter()
-                forward(q, k, v, side, r)
-                times[r].append(time.perf_counter() - t)
         for r in ('0', '1'):
             _C.profile(True)
             for _ in range(5):
                 forward(q, k, v, side, r)
             phases[r] = {n: s / 5 for n, s in _C.profile(False) if s}
-        med = {r: sorted(t)[len(t) // 2] * 1e3 for r, t in times.items()}
         print(f'N = {N}: routing float32 {med["0"]:.2f} ms, bf16 {med["1"]:.2f} ms '
               f'({med["0"] / med["1"]:.3f}x); top-k keys kept {kept / keys32.numel():.2%}, '
               f'router choices kept {same:.2%}')

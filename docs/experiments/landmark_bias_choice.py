@@ -27,17 +27,21 @@ from mita_seg.ops.bias import _regions, dense_bias, landmark_bias  # noqa: E402
 cfg_file, ckpt, data_root, img_file = sys.argv[1:5]
 torch.set_num_threads(1)
 
+
 def centre_bias(bias, pool):
     (Wh, Ww), (Ph, Pw) = bias.window, pool
-    r0, r1 = _regions(Wh, Ph, 'cpu'); c0, c1 = _regions(Ww, Pw, 'cpu')
+    r0, r1 = _regions(Wh, Ph, 'cpu')
+    c0, c1 = _regions(Ww, Pw, 'cpu')
     cy, cx = (r0 + r1 - 1) // 2, (c0 + c1 - 1) // 2
     tok = 1 + (cy.view(-1, 1) * Ww + cx.view(1, -1)).reshape(-1)   # [M]
     B = dense_bias(bias)                                            # [H, N, N]
     return B[:, tok, :], B[:, :, tok]
 
+
 def no_bias(bias, pool):
     Bq, Bk = landmark_bias(bias, pool)
     return torch.zeros_like(Bq), torch.zeros_like(Bk)
+
 
 variants = {'mean': landmark_bias, 'centre': centre_bias, 'none': no_bias}
 cfg = load_config(cfg_file, cfg_options={'test_dataloader.dataset.data_root': data_root})
@@ -63,13 +67,23 @@ if len(sys.argv) > 5:  # replace the tables by a locality bias of slope s per he
 img = mmcv.imread(img_file)
 names = [n for n, m in model.named_modules() if type(m).__name__ == 'BEiTAttention']
 inputs = {}
+
+
 def record(m):
     out = {}
-    hs = [mod.register_forward_hook(lambda mod, a, o, n=n: (out.__setitem__(n, o), inputs.setdefault(n, a[0])) and None)
+
+    def hook(mod, args, output, name):
+        out[name] = output
+        inputs.setdefault(name, args[0])
+
+    hs = [mod.register_forward_hook(lambda mod, a, o, n=n: hook(mod, a, o, n))
           for n, mod in m.named_modules() if n in names]
     inference_model(m, img)
-    for h in hs: h.remove()
+    for h in hs:
+        h.remove()
     return out
+
+
 ref = record(model)
 print('dense    mIoU %.2f' % runner.test()['mIoU'])
 swap_model(model, dict(pool_size=7, topk=49), verbose=False)

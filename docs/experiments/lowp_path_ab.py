@@ -14,10 +14,10 @@ goes".
 """
 import argparse
 import os
-import time
 
 import torch
 
+from mita_seg.analysis.timing import interleaved_medians
 from mita_seg.benchmark.common import describe
 from mita_seg.ops import mita_attention
 from mita_seg.ops.fused_cpu import _C
@@ -55,22 +55,16 @@ def main():
         for grad in (False, True):
             x = qkv.clone().requires_grad_(grad)
             q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)                    # [B, H, N, d]
-            times = {name: [] for name in SETTINGS}
+            fns = [lambda value=value: (set_path(value), call(q, k, v, side, grad, dout))
+                   for value in SETTINGS.values()]
             with torch.set_grad_enabled(grad):
-                for name, value in SETTINGS.items():                      # warm
-                    set_path(value)
-                    call(q, k, v, side, grad, dout)
-                for _ in range(args.calls):
-                    for name, value in SETTINGS.items():
-                        set_path(value)
-                        t = time.perf_counter()
-                        call(q, k, v, side, grad, dout)
-                        times[name].append(time.perf_counter() - t)
-            med = {n: sorted(t)[len(t) // 2] * 1e3 for n, t in times.items()}
-            a, b = med.values()
+                times = interleaved_medians(fns, rounds=args.calls)
+            med = {n: t * 1e3 for n, t in zip(SETTINGS, times)}
+            bf16, fp32 = med.values()
             print(f'N = {N} {"fwd+bwd" if grad else "fwd"}: ' +
                   ', '.join(f'{n} {m:.2f} ms' for n, m in med.items()) +
-                  f'; float32 GEMMs / bf16 GEMMs {b / a:.3f}x')
+                  f'; the bf16 GEMMs\' speed-up (float32-GEMM time / bf16-GEMM time) '
+                  f'{fp32 / bf16:.3f}x')
             if not grad:
                 for name, value in SETTINGS.items():
                     set_path(value)
