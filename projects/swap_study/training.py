@@ -19,9 +19,9 @@ from mita_seg.apis import build_runner, load_config, prepare_config
 from mita_seg.engine import atomic_write_text
 from .model_study import ModelStudy
 
-__all__ = ['FINGERPRINT', 'schedule', 'training_schedule', 'Trained', 'train', 'unfinished',
-           'logged_training_seconds', 'train_record', 'iters_text', 'iters_of', 'run',
-           'restore']
+__all__ = ['FINGERPRINT', 'schedule', 'training_schedule', 'Trained', 'train',
+           'config_fingerprint', 'unfinished', 'logged_training_seconds', 'train_record',
+           'iters_text', 'iters_of', 'training_config', 'run', 'restore']
 
 
 # the SHA-256 of the config a training in a work dir was started with (train, unfinished)
@@ -76,7 +76,7 @@ def train(cfg: Config, work_dir: str, verbose: bool = False, reuse: bool = False
     done = osp.join(work_dir, f'iter_{iters}.pth')
     if reuse and osp.isfile(done):
         return Trained(done, logged_training_seconds(work_dir, iters), True)
-    fingerprint = hashlib.sha256(cfg.pretty_text.encode()).hexdigest()
+    fingerprint = config_fingerprint(cfg)
     resume_from = unfinished(work_dir, iters, fingerprint) if reuse else None
     atomic_write_text(fingerprint + '\n', osp.join(work_dir, FINGERPRINT))
     cfg.work_dir = work_dir
@@ -94,6 +94,12 @@ def train(cfg: Config, work_dir: str, verbose: bool = False, reuse: bool = False
         return Trained(ckpt, logged_training_seconds(work_dir, iters) or seconds, False,
                        iters_of(resume_from))
     return Trained(ckpt, seconds, False)
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """The SHA-256 of ``cfg``'s text: what :func:`train` writes beside a training
+    (:data:`FINGERPRINT`) and :func:`unfinished` compares before resuming it."""
+    return hashlib.sha256(cfg.pretty_text.encode()).hexdigest()
 
 
 def unfinished(work_dir: str, iters: int, fingerprint: str) -> Optional[str]:
@@ -178,13 +184,19 @@ def logged_training_seconds(work_dir: str, iters: int) -> float:
     return 0.0   # no log of the start, or of a checkpoint a later run resumed from
 
 
+def training_config(study: ModelStudy) -> Config:
+    """The config ``study``'s standard-attention model is trained with (its data and seed,
+    on the study's schedule)."""
+    return training_schedule(load_config(study.config, study.opts), study.s.train_iters)
+
+
 def run(study: ModelStudy) -> bool:
     """Train the standard-attention model (or reuse its checkpoint): True if it is."""
     s = study.s
 
     def do_train():
-        cfg = training_schedule(load_config(study.config, study.opts), s.train_iters)
-        return train(cfg, osp.join(study.work_dir, 'train'), s.verbose, s.reuse)
+        return train(training_config(study), osp.join(study.work_dir, 'train'), s.verbose,
+                     s.reuse)
 
     trained = study.stage(f'training {iters_text(s.train_iters)} (standard attention)',
                           do_train)
