@@ -964,28 +964,3 @@ def test_a_killed_study_resumes_after_its_last_stage(tiny_data, tmp_path, monkey
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == ['6:8'], seen
     assert not (work / 'tiny' / 'seed1' / STAGES_FILE).exists()   # finished: result.json
     assert (work / 'tiny' / 'seed1' / 'result.json').exists()
-
-
-# the long-range BEiT's trainings, committed part-way for a later session to resume
-# (docs/swap_study/longrange/beit/zen3_2026-12-07_training/README.md)
-BEIT_TRAININGS = osp.join(ROOT, 'docs', 'swap_study', 'longrange', 'beit',
-                          'zen3_2026-12-07_training')
-
-
-@pytest.mark.parametrize('seed', [2027, 2028, 2029])
-def test_the_committed_beit_trainings_resume(seed):
-    """Each seed's committed training resumes with ``--reuse`` from its last checkpoint:
-    its fingerprint is that of the config the study trains the long-range BEiT with now
-    (a config changed since would start the training over, 2.5 hours on 2 cores)."""
-    from projects.swap_study.model_study import ModelStudy
-    from projects.swap_study.settings import DATASETS
-    from projects.swap_study.training import config_fingerprint, training_config, unfinished
-    data = DATASETS['longrange']
-    settings = StudySettings(data_root=data.data_root, seeds=(seed, ),
-                             train_iters=data.train_iters)
-    study = ModelStudy('beit', osp.join(ROOT, data.models['beit']), 'unused', settings, print,
-                       'unused')
-    cfg = training_config(study)
-    work = osp.join(BEIT_TRAININGS, f'seed{seed}', 'train')
-    ckpt = unfinished(work, cfg.train_cfg.max_iters, config_fingerprint(cfg))
-    assert ckpt is not None and osp.dirname(ckpt) == work, ckpt
