@@ -64,7 +64,5 @@ def control(study: ModelStudy) -> None:
 def _trained(trained: Trained) -> dict:
     """A fine-tune's or control's training in its row: ``checkpoint``, ``train_seconds``
     and, resumed, ``resumed_from``."""
-    extra = dict(checkpoint=trained.checkpoint, train_seconds=round(trained.seconds, 1))
-    if trained.resumed_from is not None:
-        extra['resumed_from'] = trained.resumed_from
-    return extra
+    return dict(checkpoint=trained.checkpoint, train_seconds=round(trained.seconds, 1),
+                **trained.resumed())

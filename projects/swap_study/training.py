@@ -65,6 +65,11 @@ class Trained(NamedTuple):
     reused: bool
     resumed_from: Optional[int] = None
 
+    def resumed(self) -> dict:
+        """``{'resumed_from': iteration}`` for a resumed training, else ``{}`` (for a
+        record)."""
+        return {} if self.resumed_from is None else dict(resumed_from=self.resumed_from)
+
 
 def train(cfg: Config, work_dir: str, verbose: bool = False, reuse: bool = False) -> Trained:
     """Train ``cfg`` (already :func:`schedule`-d) with the Runner in ``work_dir``. With
@@ -126,11 +131,9 @@ def unfinished(work_dir: str, iters: int, fingerprint: str) -> Optional[str]:
 def train_record(trained: Trained, **extra) -> dict:
     """A training in the study's result: ``iters, seconds, checkpoint, reused`` and, for a
     resumed one, ``resumed_from`` (the iteration)."""
-    rec = dict(iters=iters_of(trained.checkpoint), seconds=round(trained.seconds, 1),
-               checkpoint=trained.checkpoint, reused=trained.reused, **extra)
-    if trained.resumed_from is not None:
-        rec['resumed_from'] = trained.resumed_from
-    return rec
+    return dict(iters=iters_of(trained.checkpoint), seconds=round(trained.seconds, 1),
+                checkpoint=trained.checkpoint, reused=trained.reused, **extra,
+                **trained.resumed())
 
 
 def iters_text(iters) -> str:
