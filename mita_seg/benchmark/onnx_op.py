@@ -84,8 +84,8 @@ def onnx_op_rows(tokens, heads, head_dim, setting, threads=None, min_run_time=1.
             q, k, v = (torch.randn(1, H, N, d) for _ in range(3))
             feed = {'q': q.numpy(), 'k': k.numpy(), 'v': v.numpy()}
             runs, outs, per_call = [], [], []
-            mita_layer = _MiTA(grid_side(N), setting)
-            for name, module in (('softmax', _Softmax()), ('mita', mita_layer)):
+            mita_layer = _MiTA(grid_side(N), setting).eval()
+            for name, module in (('softmax', _Softmax().eval()), ('mita', mita_layer)):
                 path = os.path.join(tmp, f'{name}-{N}.onnx')
                 out, run, reps = _session_run(module, (q, k, v), feed, path, threads, N)
                 outs.append(out)
