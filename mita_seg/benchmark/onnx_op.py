@@ -48,13 +48,13 @@ class _MiTA(torch.nn.Module):
 
 
 def _session_run(module, inputs, feed, path, threads, N):
-    """``module`` exported alone to ``path`` and opened in ORT: ``(its output, a timed call
-    of it, calls per timed call)``; a timed call is calls of the layer for 0.2 s at least
-    (the first one after the pause, its threads waking up, must not be the whole
-    measurement)."""
+    """``module`` exported alone to ``path`` (in eval mode) and opened in ORT: ``(its
+    output, a timed call of it, calls per timed call)``; a timed call is calls of the layer
+    for 0.2 s at least (the first one after the pause, its threads waking up, must not be
+    the whole measurement)."""
     from mita_seg.apis.onnx_export import MIN_OPSET, export_module, onnx_session
     from mita_seg.ops.onnx import mita_translation_table
-    export_module(module, inputs, path, MIN_OPSET, mita_translation_table(),
+    export_module(module.eval(), inputs, path, MIN_OPSET, mita_translation_table(),
                   ['q', 'k', 'v'], ['out'], f'at N = {N}')
     sess = onnx_session(path, threads)
     out = sess.run(None, feed)[0]
@@ -84,8 +84,8 @@ def onnx_op_rows(tokens, heads, head_dim, setting, threads=None, min_run_time=1.
             q, k, v = (torch.randn(1, H, N, d) for _ in range(3))
             feed = {'q': q.numpy(), 'k': k.numpy(), 'v': v.numpy()}
             runs, outs, per_call = [], [], []
-            mita_layer = _MiTA(grid_side(N), setting).eval()
-            for name, module in (('softmax', _Softmax().eval()), ('mita', mita_layer)):
+            mita_layer = _MiTA(grid_side(N), setting)
+            for name, module in (('softmax', _Softmax()), ('mita', mita_layer)):
                 path = os.path.join(tmp, f'{name}-{N}.onnx')
                 out, run, reps = _session_run(module, (q, k, v), feed, path, threads, N)
                 outs.append(out)
