@@ -31,8 +31,9 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 # The MiTA settings of an attention module (what configs' mita_cfg and --mita-cfg set).
@@ -76,9 +77,9 @@ SETTING_RULES: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
     'topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
     'router_topk': ('an int >= 1', lambda x: _is_int(x) and x >= 1),
     'with_shared_expert': ('True or False', lambda x: isinstance(x, bool)),
-    'shared_scale': ('a number > 0, or None for 1/d',
+    'shared_scale': ('a finite number > 0, or None for 1/d',
                      lambda x: x is None or (isinstance(x, Real) and not isinstance(x, bool)
-                                             and x > 0)),
+                                             and 0 < x < math.inf)),
     'with_dwc': ('True or False', lambda x: isinstance(x, bool)),
     'block_size': ('an int >= 1 (blocks of block_size x block_size grid tokens)',
                    lambda x: _is_int(x) and x >= 1),
@@ -321,7 +322,11 @@ def check_settings(settings: Dict[str, Any],
                                    + ', '.join(f'{k} ({rules[k][0]})' for k in rules))
         what, ok = rules[key]
         if not ok(value):
-            raise MiTASettingError(f'{key}={value!r}: {key} must be {what}')
+            hint = ''
+            if (isinstance(value, Integral) and not isinstance(value, (int, bool))
+                    and ok(int(value))):
+                hint = f' (a {type(value).__name__}: give a Python int, int({key}))'
+            raise MiTASettingError(f'{key}={value!r}: {key} must be {what}{hint}')
     if 'kind' in settings:
         check_kind_keys(settings['kind'], settings)
     if 'pool_size' in settings and 'router_topk' in settings:
@@ -457,6 +462,26 @@ class MiTASetting:
         """
         check_settings({'kind': MITA, **cfg}, {k: SETTING_RULES[k] for k in SETTING_KEYS})
         return cls(**cfg)
+
+    @classmethod
+    def of(cls, setting: Union['MiTASetting', str, Dict[str, Any], None]
+           ) -> Optional['MiTASetting']:
+        """A setting as the APIs take it: a :class:`MiTASetting`, its text (:meth:`parse`,
+        ``'7:49'``) or a dict of settings (:meth:`from_cfg`, ``dict(pool_size=7,
+        topk=49)``); None stays None.
+
+        Raises:
+            MiTASettingError: anything else, or a text or dict that is not a setting.
+        """
+        if setting is None or isinstance(setting, cls):
+            return setting
+        if isinstance(setting, str):
+            return cls.parse(setting)
+        if isinstance(setting, Mapping):
+            return cls.from_cfg(dict(setting))
+        raise MiTASettingError(
+            f'a setting is a MiTASetting, its text (e.g. {EXAMPLES}) or a dict of settings '
+            f'(e.g. dict(pool_size=7, topk=49)), not {type(setting).__name__} {setting!r}')
 
     def replace(self, **settings) -> 'MiTASetting':
         """This setting with some keys (:data:`SETTING_KEYS`) changed, e.g. ``topk=16``; with

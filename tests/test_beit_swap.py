@@ -31,8 +31,9 @@ from mita_seg.analysis.segmentor_cost import SegmentorFlops
 from mita_seg.analysis.token_selection import TokenSelectionRecorder
 from mita_seg.apis import load_config
 from mita_seg.apis.export import mita_config
-from mita_seg.setting import MiTASettingError
+from mita_seg.setting import MiTASetting, MiTASettingError
 from mita_seg.analysis.attention_macs import AttentionMacCounter
+from mita_seg.analysis.flop_count import count_flops
 from mita_seg.models import (GridMismatchError, MiTABEiT, MiTABEiTAttention, MiTAMAE,
                              MiTAMAEAttention, guard_grids)
 from mita_seg.ops import (Inputs, RelPosBias, attention_flops, bias_flops_per_head,
@@ -484,6 +485,27 @@ def test_flops_count_the_bias_on_both_sides():
     # the MiTA config counts as the swap
     configured, _ = SegmentorFlops(load_config(MITA_TINY_BEIT), device='meta').count((256, 256))
     assert configured.backbone_attention == mita.backbone_attention
+
+
+@pytest.mark.parametrize('setting', ['topk:5', 'window:3', 'topk:100', '2:4'])
+def test_the_kinds_bias_adds_counted_in_the_trace(setting):
+    """Top-k and window add the bias by plain adds in the trace (MiTA inside its op): the
+    trace counts them as the analytic count does, and nothing else (index arithmetic,
+    merged outputs); topk:100 is dense attention, and counts as the dense BEiT layer."""
+    torch.manual_seed(0)
+    base = BEiTAttention(16, 2, (6, 6)).eval()
+    torch.nn.init.normal_(base.relative_position_bias_table)
+    x = torch.randn(1, 37, 16)
+    with torch.no_grad():
+        dense = count_flops(base, (x, ))
+        layer = MiTABEiTAttention.from_beit(copy.deepcopy(base), MiTASetting.parse(setting))
+        traced = count_flops(layer, (x, ))
+        with AttentionMacCounter(layer) as analytic:
+            layer(x)
+    assert traced.attention == analytic.macs
+    if setting == 'topk:100':
+        assert traced.attention == dense.attention
+        assert traced.by_operator['rel_pos_bias'] == dense.by_operator['rel_pos_bias']
 
 
 @pytest.mark.slow

@@ -267,3 +267,43 @@ def test_export_carries_the_plan(segmenter_ckpt, tmp_path):
     with pytest.raises(PlanError, match='is for a model with 4 attention layers'):
         export_swapped(config, ckpt, str(tmp_path / 'other'), dict(plan=other))
     assert not osp.exists(tmp_path / 'other')
+
+
+def test_export_with_a_dense_head_runs_and_reexports_as_evaluated(segmenter_ckpt, tmp_path):
+    """A plan that keeps every head layer dense (as calibrated plans do) exports to a model
+    that runs; exporting that MiTA config again with single keys gives what
+    ``tools/test.py --mita-cfg`` evaluates on it, not the old plan."""
+    config, ckpt = segmenter_ckpt
+    plan = SwapPlan.from_dict(plan_dict([dict(pool_size=2, topk=8)] + ['dense'] * 5))
+    out_cfg, out_ckpt = export_swapped(config, ckpt, str(tmp_path / 'a'), dict(plan=plan))
+    exported = init_model(out_cfg, out_ckpt)
+    torch.testing.assert_close(logits(exported),
+                               logits(init_model(config, ckpt, mita_cfg=dict(plan=plan))),
+                               rtol=0, atol=0)
+    again_cfg, again_ckpt = export_swapped(out_cfg, out_ckpt, str(tmp_path / 'b'),
+                                           dict(topk=4))
+    evaluated = init_model(out_cfg, out_ckpt, mita_cfg=dict(topk=4))
+    again = init_model(again_cfg, again_ckpt)
+    assert current_plan(again).layers == current_plan(evaluated).layers
+    assert current_plan(again).layers['backbone.layers.0.attn'].topk == 4
+    torch.testing.assert_close(logits(again), logits(evaluated), rtol=0, atol=0)
+
+
+def test_the_plan_as_it_ran_and_a_tta_model(segmenter_ckpt):
+    """``current_plan(model, ran=True)``: what the forwards ran with (a 4 x 4 grid runs
+    7:49 as M=4x4, every key); a plan swaps the model inside a TTA wrapper (--tta)."""
+    from mmseg.models import SegTTAModel
+
+    from mita_seg.apis.model import swap_model
+    config, ckpt = segmenter_ckpt
+    model = init_model(config, ckpt, mita_cfg='7:49')
+    assert current_plan(model, ran=True).describe() == current_plan(model).describe()
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32), mode='tensor')             # 4 x 4 patches, N = 17
+    ran = current_plan(model, ran=True).layers['backbone.layers.0.attn']
+    assert (ran.pool, ran.topk) == ((4, 4), 17)
+    assert current_plan(model).layers['backbone.layers.0.attn'].pool == (7, 7)
+    plan = SwapPlan.from_dict(plan_dict(MIXED))
+    tta = SegTTAModel(module=init_model(config, ckpt))
+    assert swap_model(tta, dict(plan=plan), verbose=False) == 3
+    assert current_plan(tta.module).layers == plan.layers

@@ -139,7 +139,11 @@ def test_layers_selection(segmenter, log_records):
     # a head already on MiTA is reconfigured only when the head is asked for
     model = copy.deepcopy(base)
     swap_attention(model, topk=16, include_head=True, verbose=False)
-    assert swap_attention(model, topk=8, verbose=False) == 12
+    with log_records() as records:   # all 14 are on MiTA; no false "left alone" lines
+        assert swap_attention(model, topk=8) == 14
+    log = '\n'.join(records.messages)
+    assert 'swap_attention: 12 attention modules on MiTA' in log
+    assert '2 more on MiTA as they were' in log and 'alone' not in log
     assert [layer.attn.topk for layer in model.decode_head.layers] == [16, 16]
     assert swap_attention(model, topk=8, include_head=True, verbose=False) == 14
     assert [layer.attn.topk for layer in model.decode_head.layers] == [8, 8]

@@ -1,8 +1,9 @@
 """Export a MiTA config + checkpoint pair from a standard-attention one.
 
 The written config is the original one (all bases merged) with the backbone switched to
-``MiTAVisionTransformer`` (``MiTABEiT`` / ``MiTAMAE`` for BEiT / MAE) and Segmenter's mask
-head to ``MiTASegmenterMaskTransformerHead``;
+``MiTAVisionTransformer`` (``MiTABEiT`` / ``MiTAMAE`` for BEiT / MAE) and, with
+``include_head=True`` or a plan that swaps it, Segmenter's mask head to
+``MiTASegmenterMaskTransformerHead``;
 the checkpoint holds the very same weights (MiTA adds no parameters). Both models are built
 and the checkpoint is loaded into each strictly before anything is written
 (:func:`mita_seg.apis.export_swapped`). ``tools/test.py OUT_CONFIG OUT_CKPT`` (or mmseg's

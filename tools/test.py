@@ -108,8 +108,8 @@ def main(argv=None):
     images = len(runner.test_dataloader.dataset)
     print(f'{config_name(args.config)} on {images} images{swapped}: ' + '  '.join(
         f'{k}: {v:.2f}' for k, v in metrics.items() if isinstance(v, float)))
-    plan = current_plan(runner.model)
-    if plan.layers:   # what the modules ran with, read from them
+    plan = current_plan(runner.model, ran=True)
+    if plan.layers:   # what the modules ran with (fitted to the grid), read from them
         print(f'attention as evaluated: {plan.describe()}')
     if args.out:
         print(f'predictions: {args.out}')

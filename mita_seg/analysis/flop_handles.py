@@ -194,15 +194,31 @@ def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
 
 
 def rel_pos_bias_modules(model: nn.Module) -> List[str]:
-    """Names of the modules of ``model`` that add a dense relative-position bias to their
-    attention logits: mmseg's ``BEiTAttention`` / ``MAEAttention`` with a bias table, not
-    on MiTA (whose bias cost is the MiTA op's)."""
+    """Names of the modules of ``model`` that add a relative-position bias to their
+    attention logits in the trace: mmseg's ``BEiTAttention`` / ``MAEAttention`` with a bias
+    table, and their swapped versions running a kind other than MiTA (top-k, window),
+    whose logits take the bias by plain adds; not those on MiTA, whose bias cost is the MiTA
+    op's."""
     from mmseg.models.backbones.beit import BEiTAttention
 
     from mita_seg.models.attention import MiTASettingsMixin
     return [name for name, m in model.named_modules()
-            if isinstance(m, BEiTAttention) and not isinstance(m, MiTASettingsMixin)
-            and getattr(m, 'relative_position_bias_table', None) is not None]
+            if isinstance(m, BEiTAttention)
+            and getattr(m, 'relative_position_bias_table', None) is not None
+            and not (isinstance(m, MiTASettingsMixin) and m.setting.is_mita)]
+
+
+_VIEWS = ('aten::view', 'aten::reshape', 'aten::permute', 'aten::unsqueeze',
+          'aten::expand', 'aten::contiguous', 'aten::to', 'aten::transpose')
+
+
+def _gathered_from_table(value: Any) -> bool:
+    """Whether a traced value is entries gathered from a table (``aten::index``), seen
+    through views: the bias term of ``logits + bias``."""
+    node = value.node()
+    while node.kind() in _VIEWS:
+        node = next(node.inputs()).node()
+    return node.kind() == 'aten::index'
 
 
 def rel_pos_bias_add_handle(module_names: Sequence[str]):
@@ -216,8 +232,8 @@ def rel_pos_bias_add_handle(module_names: Sequence[str]):
         scope = outputs[0].node().scopeName().split('/')[-1]
         if scope.startswith('__module.'):
             scope = scope[len('__module.'):]
-        if scope not in names:
-            return Counter()
+        if scope not in names or not any(map(_gathered_from_table, inputs[:2])):
+            return Counter()   # index arithmetic, outputs merged: not the bias add
         return Counter({REL_POS_BIAS: prod(_shape(outputs[0], 'the biased attention logits'))})
 
     return handle

@@ -26,7 +26,7 @@ from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
 from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
-                             attention_layers)
+                             attention_layers, current_plan)
 from mita_seg.utils import load_local_checkpoint
 from .config import config_name, load_config, use_slim_inference
 from .model import init_model
@@ -158,6 +158,14 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     if plan is not None:
         plan.check_fits([name for name, _, _ in attention_layers(base)], config_name(config))
     models = [base, init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
+    if plan is None:
+        # the exported model must run what `tools/test.py --mita-cfg` evaluates: where the
+        # config's own settings make the two differ (a config that holds a plan, layers of
+        # a MiTA config not swapped by it), the config carries the swapped model's plan
+        want = current_plan(init_model(copy.deepcopy(cfg), checkpoint, mita_cfg=dict(mita_cfg)))
+        if current_plan(models[1]).layers != want.layers:
+            plan, new_cfg = want, _plan_config(copy.deepcopy(cfg), want)
+            models[1] = init_model(copy.deepcopy(new_cfg), checkpoint)
     meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
     os.makedirs(out_dir, exist_ok=True)
     out_cfg = osp.join(out_dir, config_name(config) + '_mita.py')

@@ -1,13 +1,14 @@
 """Segment images: mmseg's ``inference_model`` on :func:`~mita_seg.apis.init_model`'s
 models, and :class:`MiTASegInferencer`, mmseg's ``MMSegInferencer`` with strict
 weights-only loading and an optional swap to MiTA."""
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch.nn as nn
 from mmseg.apis import MMSegInferencer, inference_model, show_result_pyplot
 
 from mita_seg.models import check_dense_attn
+from mita_seg.setting import MiTASetting
 from mita_seg.utils.checkpoint import check_checkpoint_keys
 from .config import use_dense_attn, use_slim_inference
 from .model import swap_model
@@ -58,8 +59,9 @@ class MiTASegInferencer(MMSegInferencer):
     Args:
         model (str): a config file or ``'mmseg::...'`` config (as ``MMSegInferencer``).
         weights (str, optional): a local checkpoint (loaded weights-only).
-        mita_cfg (dict, optional): swap the attention to MiTA with these settings
-            (``--mita-cfg``); None runs the model as configured. Default: None.
+        mita_cfg (dict | str | MiTASetting, optional): swap the attention to MiTA with
+            these settings (``--mita-cfg``, or a whole setting such as ``'7:49'``); None runs
+            the model as configured. Default: None.
         dense_attn (str, optional): ``'fast'`` or ``'mmseg'``, the dense attention path
             (:func:`~mita_seg.apis.init_model`'s); None: the config's, else ``'fast'``.
             Default: None.
@@ -71,8 +73,8 @@ class MiTASegInferencer(MMSegInferencer):
     """
 
     def __init__(self, model: str, weights: Optional[str] = None,
-                 mita_cfg: Optional[dict] = None, dense_attn: Optional[str] = None,
-                 **kwargs):
+                 mita_cfg: Union[dict, str, MiTASetting, None] = None,
+                 dense_attn: Optional[str] = None, **kwargs):
         self.mita_cfg = mita_cfg
         self.dense_attn = None if dense_attn is None else check_dense_attn(dense_attn)
         self.weights_source = weights

@@ -1,23 +1,29 @@
 """Segmentors for the tools: built from a config, checkpoint loaded strictly and
 weights-only, optionally swapped to MiTA."""
 import os
+from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 from mmengine.config import Config
-from mmengine.model import is_model_wrapper, revert_sync_batchnorm
+from mmengine.model import BaseTTAModel, is_model_wrapper, revert_sync_batchnorm
 
 from mita_seg.models import check_dense_attn, guard_grids, swap_attention
+from mita_seg.models.backbones.mita_beit import interpolate_rel_pos_grid
+from mita_seg.setting import MiTASetting
 from mita_seg.utils.cfg_options import blame_cfg_options, merge_cfg_options
 from mita_seg.utils.checkpoint import load_checkpoint
 from mita_seg.utils.errors import InputError
 from .config import load_config, use_dense_attn, use_slim_inference
 
 
-def swap_model(model: nn.Module, mita_cfg: dict, verbose: bool = True) -> int:
-    """:func:`mita_seg.swap_attention` on ``model`` (unwrapped from DDP), settings of
-    ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``).
+def swap_model(model: nn.Module, mita_cfg: Union[dict, str, MiTASetting],
+               verbose: bool = True) -> int:
+    """:func:`mita_seg.swap_attention` on ``model`` (unwrapped from DDP or a TTA model),
+    settings of ``--mita-cfg`` (MiTA settings, ``layers``, ``include_head``), or a whole
+    setting (a :class:`~mita_seg.setting.MiTASetting` or its text, ``'7:49'``) for every
+    layer.
 
     Returns:
         int: the number of attention modules on MiTA.
@@ -25,8 +31,10 @@ def swap_model(model: nn.Module, mita_cfg: dict, verbose: bool = True) -> int:
     Raises:
         NothingToSwapError: nothing to swap (the message lists the attention found).
     """
-    if is_model_wrapper(model):
+    if is_model_wrapper(model) or isinstance(model, BaseTTAModel):   # DDP, --tta
         model = model.module
+    if not isinstance(mita_cfg, Mapping):  # a whole setting (MiTASetting.of checks it)
+        mita_cfg = dict(setting=mita_cfg)
     return swap_attention(model, verbose=verbose, **mita_cfg)
 
 
@@ -40,7 +48,8 @@ def dataset_meta(cfg: Config, checkpoint: Optional[dict]) -> Optional[dict]:
         return dict(classes=meta['CLASSES'], palette=meta.get('PALETTE'))
     from mmseg.registry import DATASETS
     dataset = cfg.get('test_dataloader', {}).get('dataset', {})
-    cls = DATASETS.get(dataset.get('type', '')) if isinstance(dataset, dict) else None
+    kind = dataset.get('type') if isinstance(dataset, dict) else None
+    cls = DATASETS.get(kind) if kind else None    # (a model-only config has no dataset)
     return dict(getattr(cls, 'METAINFO', {})) or None
 
 
@@ -48,7 +57,7 @@ def init_model(config: Union[str, Config],
                checkpoint: Optional[str] = None,
                device: str = 'cpu',
                cfg_options: Optional[dict] = None,
-               mita_cfg: Optional[dict] = None,
+               mita_cfg: Union[dict, str, MiTASetting, None] = None,
                dense_attn: Optional[str] = None,
                img_size: Optional[Sequence[int]] = None) -> nn.Module:
     """mmseg's ``init_model``, with the checkpoint loaded strictly and weights-only, an
@@ -62,8 +71,9 @@ def init_model(config: Union[str, Config],
         checkpoint (str, optional): a local checkpoint; None keeps the initial weights.
         device (str): where the model runs. Default: 'cpu'.
         cfg_options (dict, optional): ``--cfg-options`` merged into the config.
-        mita_cfg (dict, optional): swap to MiTA with these settings
-            (:func:`swap_model`); None for no swap. Default: None.
+        mita_cfg (dict | str | MiTASetting, optional): swap to MiTA with these settings
+            (:func:`swap_model`: a dict as ``--mita-cfg``, or a whole setting such as
+            ``'7:49'``); None for no swap. Default: None.
         dense_attn (str, optional): the path of the dense global attention (the ViT
             family's, Segmenter's mask head's, and a swap plan's dense layers):
             ``'fast'`` (``F.scaled_dot_product_attention``, the ``N x N`` weights never
@@ -193,35 +203,16 @@ def resize_position_tables(model: nn.Module, state: dict) -> dict:
 
 def resize_rel_pos_table(table: torch.Tensor, num_pos: int) -> torch.Tensor:
     """A BEiT relative position bias table ``[(2S-1)^2 + 3, H]`` resized to ``num_pos``
-    rows: mmseg's ``BEiT.resize_rel_pos_embed`` (the geometric-sequence interpolation of
-    BEiT's own code), with SciPy's cubic ``interp2d``, removed in SciPy 1.14, replaced by
-    its regular-grid equivalent ``RectBivariateSpline``. The 3 rows of the class token's
-    distances are kept."""
-    import numpy as np
-    from scipy.interpolate import RectBivariateSpline
+    rows as mmseg's ``BEiT.resize_rel_pos_embed`` does
+    (:func:`~mita_seg.models.backbones.mita_beit.interpolate_rel_pos_grid`). The 3 rows of
+    the class token's distances are kept."""
     extra = 3
     src = int(round((table.shape[0] - extra) ** 0.5))
     dst = int(round((num_pos - extra) ** 0.5))
     if src == dst:
         return table
-    left, right = 1.01, 1.5          # the ratio q whose geometric sequence spans dst // 2
-    while right - left > 1e-6:
-        q = (left + right) / 2.0
-        if (1.0 - q ** (src // 2)) / (1.0 - q) > dst // 2:
-            right = q
-        else:
-            left = q
-    dis, cur = [], 1.0
-    for i in range(src // 2):
-        dis.append(cur)
-        cur += q ** (i + 1)
-    x = np.array([-d for d in reversed(dis)] + [0] + dis)
-    t = dst // 2.0
-    dx = np.arange(-t, t + 0.1, 1.0)
-    grid = table[:-extra].float().numpy()
-    heads = [torch.from_numpy(RectBivariateSpline(x, x, grid[:, h].reshape(src, src))(dx, dx))
-             .reshape(-1, 1) for h in range(table.shape[1])]
-    return torch.cat([torch.cat(heads, dim=1).to(table), table[-extra:]], dim=0)
+    grid = interpolate_rel_pos_grid(table[:-extra], src, dst)
+    return torch.cat([grid, table[-extra:]], dim=0)
 
 
 def physical_memory() -> Optional[int]:

@@ -26,6 +26,16 @@ FLOP_NOTE = ('attn_GMACs: analytic multiply-adds per image of the global attenti
              'the test-mode crops); 1 MAC = 1 FLOP')
 
 
+def run_key(setting: MiTASetting, ran: set) -> tuple:
+    """What tells two sweep points apart as they run: for MiTA, the pools, ``k``,
+    ``router_topk`` and ``N`` its calls ran with (:attr:`AttentionMacCounter.ran`: a pool
+    larger than the grid, or ``k`` above ``N``, runs as a smaller one) and what no grid
+    changes (the shared expert, its scale); another kind, its setting."""
+    if not setting.is_mita:
+        return (setting, )
+    return frozenset(ran), setting.with_shared_expert, setting.shared_scale
+
+
 def model_gflops(model: nn.Module, batch: dict) -> float:
     """Whole-model GFLOPs (MACs) of the first image of ``batch`` under the model's test
     mode: one traced ``mode='tensor'`` forward per crop, in eval mode (a model left in
@@ -270,12 +280,13 @@ def swap_sweep(runner: Runner,
             if point.method == 'swap+tome':
                 label += f' + {merge_label(point.merge_ratio)}'
             else:
-                same = seen.get(frozenset(ran) if setting.is_mita else setting)
+                key = run_key(setting, ran)
+                same = seen.get(key)
                 if same is not None:
                     progress(f'[{i + 1}/{len(points)}] MiTA {point.setting.label} runs '
                              f'exactly as {same!r} on these inputs: not evaluated again, no row')
                     continue
-                seen[frozenset(ran) if setting.is_mita else setting] = label
+                seen[key] = label
         progress(f'[{i + 1}/{len(points)}] {label}: evaluating '
                  f'({time.time() - t0:.0f}s elapsed)')
         metrics = runner.test()

@@ -2,6 +2,7 @@
 defaults and rules are those of :mod:`mita_seg.setting`, re-exported here), and
 :func:`use_mita`, which puts given layers of a token owner on MiTA (the low-level
 replacement the MiTA backbone, the MiTA head and :func:`mita_seg.swap_attention` share)."""
+import inspect
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -31,14 +32,21 @@ class MiTASettingsMixin:
     supported_kinds: Tuple[str, ...] = tuple(KINDS)
     setting: MiTASetting
 
-    def configure(self, setting: Optional[MiTASetting] = None, **settings) -> None:
-        """Change the setting, e.g. M and k at test time: a whole ``setting`` (checked when
-        it was made), or single keys (:data:`SETTING_KEYS`) over the module's own.
+    def configure(self, setting: Union[MiTASetting, str, dict, None] = None,
+                  **settings) -> None:
+        """Change the setting, e.g. M and k at test time: a whole ``setting`` (a
+        MiTASetting, its text or a dict of settings, the keys it leaves out at their
+        defaults: :meth:`MiTASetting.of`), or single keys (:data:`SETTING_KEYS`) over the
+        module's own.
 
         Raises:
             ValueError: an unknown setting, a bad value, a key its kind does not read, or a
                 kind this module cannot run.
         """
+        setting = MiTASetting.of(setting)
+        if setting is not None and settings:
+            raise MiTASettingError(f'configure: give a whole setting or single keys, not both; '
+                                   f'got {setting.text!r} and {", ".join(sorted(settings))}')
         if setting is None:  # single keys over the module's own (or the defaults)
             setting = getattr(self, 'setting', DEFAULT_SETTING).replace(**settings)
         if setting.kind not in self.supported_kinds:
@@ -48,19 +56,23 @@ class MiTASettingsMixin:
                 'position bias; give it a MiTA setting (e.g. 7:49)')
         operator_of(setting)   # imported now, not in a (compiled) forward
         self.__dict__['setting'] = setting
+        self.__dict__['ran_settings'] = set()   # what eager forwards ran with since
 
     def setting_on(self, num_tokens: int, hw_shape: Tuple[int, int]) -> MiTASetting:
         """The setting a forward over ``num_tokens`` keys on a ``hw_shape`` grid runs with
         (:meth:`~mita_seg.setting.MiTASetting.fit`: the landmark grid at most the patch
         grid, ``k`` at most ``N``, ``router_topk`` at most ``M``, as mmseg's ViT runs on any
         image of at least one patch). A reduction is logged once per setting, by an eager
-        forward (a ``torch.compile``'d one skips the log rather than break its graph)."""
+        forward (a ``torch.compile``'d one skips the log rather than break its graph); eager
+        forwards add what they ran with to ``ran_settings``."""
         asked = self.setting
         if torch.jit.is_tracing():   # a jit trace (FLOP counting) sees sizes as tensors
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore', torch.jit.TracerWarning)
                 num_tokens, hw_shape = int(num_tokens), tuple(int(s) for s in hw_shape)
         ran = asked.fit(hw_shape, num_tokens)
+        if not torch.compiler.is_compiling() and not torch.jit.is_tracing():
+            self.ran_settings.add(ran)   # (current_plan(model, ran=True))
         if ran == asked:
             return asked
         if not torch.compiler.is_compiling():   # no graph break for a log line
@@ -121,8 +133,9 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
         num_blocks (int): blocks each query attends to, its own included (``kind='block'``).
             Default: 4.
         window (int): window side, in grid tokens (``kind='window'``). Default: 7.
-        setting (MiTASetting, optional): the whole setting instead of the keys above
-            (which are then left at their defaults). Default: None.
+        setting (MiTASetting | str | dict, optional): the whole setting instead of the
+            keys above (which are then left at their defaults): a MiTASetting, its text
+            (``'7:49'``) or a dict of settings. Default: None.
         with_dwc (bool): add a depthwise 3x3 conv of the grid values to the output before
             the projection (adds ``dwc.{weight,bias}``). Default: False.
         num_prefix_tokens (int): tokens before the grid when no grid context says
@@ -150,7 +163,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                  num_blocks: int = 4,
                  window: int = 7,
                  with_dwc: bool = False,
-                 setting: Optional[MiTASetting] = None,
+                 setting: Union[MiTASetting, str, dict, None] = None,
                  num_prefix_tokens: int = 1,
                  attn_drop: float = 0.,
                  proj_drop: float = 0.,
@@ -161,6 +174,12 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                  **kwargs):
         if 'bias' in kwargs:  # the name mmseg's TransformerEncoderLayer passes
             qkv_bias = kwargs.pop('bias')
+        unknown = sorted(kwargs.keys() - _TORCH_MHA_ARGS)
+        if unknown:  # else nn.MultiheadAttention's TypeError, two classes down
+            raise TypeError(
+                f'MiTAAttention got unexpected keyword argument(s) {", ".join(unknown)}; its '
+                f'settings are {", ".join(SETTING_KEYS)}, with_dwc and setting (and mmcv '
+                "MultiheadAttention's arguments)")
         if dropout_layer is None:
             dropout_layer = dict(type='Dropout', drop_prob=0.)
         if embed_dims % num_heads:
@@ -177,6 +196,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
                     with_shared_expert=with_shared_expert, shared_scale=shared_scale, kind=kind,
                     block_size=block_size, num_blocks=num_blocks, window=window)
         off = [k for k, v in keys.items() if v != SETTING_DEFAULTS[k]]
+        setting = MiTASetting.of(setting)
         if setting is not None and off:
             raise MiTASettingError(f'MiTAAttention: give a setting or single keys, not both; '
                                    f'got setting={setting.text!r} and {", ".join(off)}')
@@ -287,6 +307,11 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             x = x.transpose(0, 1)
         return identity + self.dropout_layer(self.proj_drop(x))
 
+
+# What mmcv's MultiheadAttention takes in its **kwargs: torch's arguments, and its own
+# deprecated 'dropout'
+_TORCH_MHA_ARGS = frozenset(inspect.signature(nn.MultiheadAttention).parameters) - {
+    'embed_dim', 'num_heads', 'batch_first'}
 
 # (setting, setting as it ran) already logged by MiTASettingsMixin.setting_on
 _ADAPTED: set = set()

@@ -41,9 +41,10 @@ def grid_mismatch_message(what: str, window: Tuple[int, int],
             'stride=...) on images at least that large. To run whole images of another '
             'square size S, build the model for it with its tables interpolated from the '
             'checkpoint: mita_seg.apis.init_model(config, checkpoint, img_size=(S, S)) '
-            '(tools/export_onnx.py --shape S S does; mmseg\'s own way, img_size = S and the '
-            "weights through init_cfg=dict(type='Pretrained', ...) where "
-            'BEiT.resize_rel_pos_embed interpolates, needs SciPy < 1.14).')
+            '(tools/export_onnx.py --shape S S does), or build it with img_size = S and the '
+            "weights through init_cfg=dict(type='Pretrained', ...), where "
+            'resize_rel_pos_embed interpolates (MiTABEiT/MiTAMAE with any SciPy; mmseg\'s '
+            'own BEiT/MAE need SciPy < 1.14).')
 
 
 class GridContext:
@@ -113,7 +114,8 @@ class GridFromInputsMixin:
     """
 
     def forward(self, inputs):
-        self._mita_grid.hw_shape = tuple(
+        # (grid_context: a head built on MiTA whose layers are all dense has none yet)
+        grid_context(self).hw_shape = tuple(
             int(s) for s in self._transform_inputs(inputs).shape[-2:])
         return super().forward(inputs)
 

@@ -29,9 +29,10 @@ class NothingToSwapError(ValueError):
 
 
 # The settings of swap_attention besides the MiTA ones: name -> (what it must be, check).
+# (In Python, a tuple or a range of indices is a list too.)
 SWAP_RULES = {
     'layers': ('None or a list of backbone layer indices, e.g. [0,1] or [-1]',
-               lambda x: x is None or (isinstance(x, (list, tuple)) and all(
+               lambda x: x is None or (isinstance(x, (list, tuple, range)) and all(
                    isinstance(i, int) and not isinstance(i, bool) for i in x))),
     'include_head': ('True or False', lambda x: isinstance(x, bool)),
 }
@@ -51,14 +52,27 @@ def attention_layers(model: nn.Module) -> List[Tuple[str, nn.Module, int]]:
     return out
 
 
-def current_plan(model: nn.Module) -> SwapPlan:
+def current_plan(model: nn.Module, ran: bool = False) -> SwapPlan:
     """What the attention layers of ``model`` run now, read from the modules: each layer's
     setting (None: dense attention). ``current_plan(model).describe()`` says it in one line
-    (what ``tools/test.py`` prints)."""
+    (what ``tools/test.py`` prints).
+
+    Args:
+        model (nn.Module): a segmentor, backbone or head.
+        ran (bool): each layer's setting as its forwards since its last change ran it, where
+            that was one setting (:meth:`~mita_seg.models.attention.MiTASettingsMixin.
+            setting_on`: fitted to a grid smaller than the pool, or to fewer tokens than
+            ``k``); else as configured. Default: False.
+    """
     layers = {}
     for name, _, _ in attention_layers(model):
         attn = model.get_submodule(name)
-        layers[name] = attn.setting if isinstance(attn, MiTASettingsMixin) else None
+        if not isinstance(attn, MiTASettingsMixin):
+            layers[name] = None
+        elif ran and len(attn.ran_settings) == 1:
+            layers[name] = next(iter(attn.ran_settings))
+        else:
+            layers[name] = attn.setting
     return SwapPlan(layers)
 
 
@@ -83,7 +97,7 @@ def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
 
 
 def swap_attention(model: nn.Module,
-                   setting: Optional[Union[MiTASetting, str]] = None,
+                   setting: Union[MiTASetting, str, dict, None] = None,
                    layers: Optional[Sequence[int]] = None,
                    include_head: bool = False,
                    verbose: bool = True,
@@ -125,8 +139,9 @@ def swap_attention(model: nn.Module,
 
     Args:
         model (nn.Module): a segmentor, backbone or head; changed in place.
-        setting (MiTASetting | str, optional): the whole setting; not with ``mita_cfg``.
-            Default: None (``mita_cfg`` over the defaults).
+        setting (MiTASetting | str | dict, optional): the whole setting (its text, e.g.
+            ``'7:49'``, or a dict of settings); not with ``mita_cfg``. Default: None
+            (``mita_cfg`` over the defaults).
         layers (Sequence[int], optional): backbone encoder layers to swap (negative
             indices count from the end); None for all. Default: None.
         include_head (bool): swap Segmenter's mask head too (its attention modules already
@@ -151,8 +166,8 @@ def swap_attention(model: nn.Module,
         ValueError: ``layers`` names a layer that does not exist, or a setting is unknown
             or has a bad value.
     """
-    if isinstance(setting, str):
-        setting = MiTASetting.parse(setting)
+    setting = MiTASetting.of(setting)
+    check_settings(dict(layers=layers, include_head=include_head), SWAP_RULES)
     if setting is not None and mita_cfg:
         raise ValueError(f'swap_attention: give a setting or single settings, not both; got '
                          f'{setting.text!r} and {sorted(mita_cfg)}')
@@ -205,12 +220,13 @@ def swap_attention(model: nn.Module,
         for owner, i, new in planned:
             use_mita(owner, [i], new)
 
+    on_mita = [name for name, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():
         if not is_attention_module(m) or isinstance(m, MiTASettingsMixin):
             continue
-        if any(name == s or name.startswith(s + '.') for s in swapped):
-            continue  # the nn.MultiheadAttention holding a swapped module's weights
+        if any(name.startswith(s + '.') for s in on_mita):
+            continue  # the nn.MultiheadAttention holding a MiTA module's weights
         if any(name.startswith(s + '.') for s, _ in skipped):
             continue
         reason = left_by_choice.get(name) or _UNSWAPPABLE.get(
@@ -224,14 +240,15 @@ def swap_attention(model: nn.Module,
             f'swap_attention found no global attention to swap to MiTA in '
             f'{type(model).__name__}. Attention modules found:\n{found}')
     if verbose:
-        _log_swap(model, swapped, skipped, plan, left_by_choice)
-    return len(swapped)
+        _log_swap(model, swapped, skipped, plan, left_by_choice, len(on_mita))
+    return len(on_mita)
 
 
 def _log_swap(model: nn.Module, swapped: List[str], skipped: List[Tuple[str, str]],
-              plan: Optional[SwapPlan], left_by_choice: dict) -> None:
+              plan: Optional[SwapPlan], left_by_choice: dict, on_mita: int) -> None:
     """Log what :func:`swap_attention` swapped (with a plan: how many layers on each
-    setting, how many dense) and what it left alone, and why."""
+    setting, how many dense), the modules on MiTA that it left as they were, and what it
+    left alone, and why."""
     if plan is not None:
         chosen = {}
         for name in swapped:
@@ -244,7 +261,9 @@ def _log_swap(model: nn.Module, swapped: List[str], skipped: List[Tuple[str, str
         skipped = [(name, why) for name, why in skipped if name not in left_by_choice]
     else:
         setting = model.get_submodule(swapped[0]).setting
+        kept = on_mita - len(swapped)
         print_log(f'swap_attention: {len(swapped)} attention modules on {setting.swap_name} '
-                  f'({setting.cfg()})', logger='current')
+                  f'({setting.cfg()})' + (f', {kept} more on MiTA as they were' if kept else ''),
+                  logger='current')
     for name, why in skipped:
         print_log(f'swap_attention: left {name} alone: {why}', logger='current')

@@ -9,6 +9,7 @@ analytically); :func:`mita_attention` checks arguments and calls one or the othe
 gradient is needed the backend runs directly, so its backward uses what its forward saved
 (no recomputation of the forward).
 """
+import math
 import warnings
 from typing import Optional
 
@@ -20,6 +21,7 @@ from .dispatch import BACKENDS, Inputs, select_backend
 from .flops import bias_flops_per_head, global_flops_per_head, mita_flops_per_head
 from .global_tokens import with_global_tokens
 from .routing import IntPair, pair
+from .selected_keys import check_count, check_grid_args
 
 __all__ = ['mita_attention', 'mita_flops', 'check_mita_args', 'attend_setting']
 
@@ -32,23 +34,9 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
         tuple: ``(hw_shape, pool_size, topk)`` normalised (pairs of ints; ``topk`` clamped
         to the tokens that are not global).
     """
-    if not (q.dim() == 4 and q.shape == k.shape == v.shape):
-        raise ValueError('q, k, v must all have shape [B, H, N, d]; got '
-                         f'{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}')
-    if not q.is_floating_point():
-        raise TypeError(f'q, k, v must be floating point, got {q.dtype}')
-    N = q.shape[2]
-    h, w = pair(hw_shape, 'hw_shape')
+    h, w = check_grid_args(q, k, v, hw_shape, num_prefix_tokens)
+    N, p = q.shape[2], num_prefix_tokens
     ph, pw = pair(pool_size, 'pool_size')
-    p = num_prefix_tokens
-    if h < 1 or w < 1:
-        raise ValueError(f'hw_shape must be positive, got {(h, w)}')
-    if p < 0:
-        raise ValueError(f'num_prefix_tokens must be >= 0, got {p}')
-    if p + h * w > N:
-        raise ValueError(
-            f'hw_shape {(h, w)} with num_prefix_tokens={p} needs p + h*w = {p + h * w} '
-            f'tokens, but the input has N = {N}: pass the patch grid of these tokens')
     if ph < 1 or pw < 1 or ph > h or pw > w:
         raise ValueError(
             f'pool_size {(ph, pw)} must be >= 1 and no larger than the grid {(h, w)}: '
@@ -60,16 +48,16 @@ def check_mita_args(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_
             f'and after the grid: here at most ({p}, {N - p - h * w}) (num_prefix_tokens={p}, '
             f'N - p - h*w = {N - p - h * w} suffix tokens)')
     routed = N - gp - gs  # the keys of MiTA's experts: every token but the global ones
-    if topk < 1:
-        raise ValueError(f'topk must be >= 1, got {topk}')
+    topk = check_count(topk, 'topk', 'give the keys each expert gathers, at least 1')
+    check_count(router_topk, 'router_topk', 'give the experts each query reads, at least 1')
     if topk > routed:
         what = f'N={N}' if routed == N else f'N={N} less {gp + gs} global = {routed}'
         warnings.warn(f'MiTA topk={topk} is larger than the number of tokens {what}; '
                       f'using topk={routed} (every key)', stacklevel=3)
         topk = routed
-    if shared_scale is not None and not shared_scale > 0:
-        raise ValueError(f'shared_scale must be > 0 (it scales the router logits), got '
-                         f'{shared_scale}; None means 1/d')
+    if shared_scale is not None and not 0 < shared_scale < math.inf:
+        raise ValueError(f'shared_scale must be finite and > 0 (it scales the router '
+                         f'logits), got {shared_scale}; None means 1/d')
     M = ph * pw
     if not 1 <= router_topk <= M:
         raise ValueError(f'router_topk must be in [1, M] with M = Ph*Pw = {M} experts, '
@@ -207,6 +195,7 @@ def mita_attention(q: torch.Tensor,
                                                 router_topk, num_prefix_tokens, shared_scale,
                                                 global_tokens)
     global_tokens = pair(global_tokens, 'global_tokens')
+    router_topk, num_prefix_tokens = int(router_topk), int(num_prefix_tokens)  # checked ints
     d = q.shape[-1]
     shared_scale = 1.0 / d if shared_scale is None else float(shared_scale)
     if rel_pos_bias is not None:
@@ -219,8 +208,11 @@ def mita_attention(q: torch.Tensor,
     if block_size is None:
         block_size = default_block_size((q.shape[2] - sum(global_tokens)) * router_topk,
                                         pool_size[0] * pool_size[1])
-    elif block_size < 1:
-        raise ValueError(f'block_size must be >= 1, got {block_size}')
+    else:
+        check_count(block_size, 'block_size', 'give the queries of a block, at least 1, or '
+                    'None for the default')
+    if q.numel() == 0:  # no queries (B = 0 or H = 0): an empty output, in the graph
+        return (q + k + v) * 0
     inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
                  with_shared_expert, shared_scale, rel_pos_bias, block_size, global_tokens)
     name = select_backend(inp, backend)

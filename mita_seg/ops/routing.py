@@ -4,6 +4,7 @@ All implementations (the dense reference and the fast paths) take their routing
 decisions from :func:`mita_routing`, so that they select the very same keys; the
 selection itself is checked against a brute-force sort in the tests.
 """
+from numbers import Integral
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -33,10 +34,12 @@ class MiTARouting(NamedTuple):
 
 def pair(x: IntPair, name: str) -> Tuple[int, int]:
     """``x`` as a pair of ints; ``name`` is used in the error message."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x, x
-    if isinstance(x, (tuple, list)) and len(x) == 2 and all(
-            isinstance(i, int) and not isinstance(i, bool) for i in x):
+    def is_int(i) -> bool:  # numpy's integers too
+        return isinstance(i, Integral) and not isinstance(i, bool)
+
+    if is_int(x):
+        return int(x), int(x)
+    if isinstance(x, (tuple, list)) and len(x) == 2 and all(map(is_int, x)):
         return int(x[0]), int(x[1])
     raise TypeError(f'{name} must be an int or a pair of ints (h, w), got {x!r}')
 
@@ -59,7 +62,7 @@ def landmarks(q: torch.Tensor, hw_shape: Tuple[int, int], pool_size: Tuple[int, 
     grid = q[:, :, p:p + h * w].to(routing_dtype(q.dtype))           # [B, H, h*w, d]
     grid = grid.reshape(B * H, h, w, d).permute(0, 3, 1, 2)           # [BH, d, h, w]
     r = F.adaptive_avg_pool2d(grid, pool_size)                        # [BH, d, Ph, Pw]
-    return r.flatten(2).transpose(1, 2).reshape(B, H, -1, d)          # [B, H, M, d]
+    return r.flatten(2).transpose(1, 2).reshape(B, H, pool_size[0] * pool_size[1], d)
 
 
 def mita_routing(q: torch.Tensor,

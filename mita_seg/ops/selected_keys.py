@@ -7,6 +7,7 @@ those logits, each pair's own entry (:func:`grid_bias`; the kinds that select ke
 position or by logit take it: window and top-k).
 """
 import contextlib
+from numbers import Integral
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -54,12 +55,12 @@ def grid_bias(bias: Optional[RelPosBias], num_heads: int, num_prefix_tokens: int
 
 
 def check_count(x, name: str, hint: str) -> int:
-    """``x`` as an int >= 1; ``hint`` says what to pass instead."""
-    if not isinstance(x, int) or isinstance(x, bool):
+    """``x`` as an int >= 1 (numpy's integers too); ``hint`` says what to pass instead."""
+    if not isinstance(x, Integral) or isinstance(x, bool):
         raise TypeError(f'{name} must be an int, got {x!r}')
     if x < 1:
         raise ValueError(f'{name} must be >= 1, got {x}: {hint}')
-    return x
+    return int(x)
 
 
 def check_grid_args(q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
@@ -71,9 +72,12 @@ def check_grid_args(q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
     if not q.is_floating_point() or not q.dtype == k.dtype == v.dtype:
         raise TypeError(f'q, k, v must be of one floating point dtype, got {q.dtype}, '
                         f'{k.dtype}, {v.dtype}')
+    if not q.device == k.device == v.device:
+        raise ValueError(f'q, k, v must be on one device, got {q.device}, {k.device}, '
+                         f'{v.device}')
     h, w = pair(hw_shape, 'hw_shape')
     p = num_prefix_tokens
-    if not isinstance(p, int) or isinstance(p, bool):
+    if not isinstance(p, Integral) or isinstance(p, bool):
         raise TypeError(f'num_prefix_tokens must be an int, got {p!r}')
     if h < 1 or w < 1:
         raise ValueError(f'hw_shape must be positive, got {(h, w)}')
