@@ -92,6 +92,8 @@ def test_an_empty_batch(backend):
     q, k, v = qkv(B=0)
     out = mita_attention(q, k, v, (6, 6), 3, 5, backend=backend)
     assert out.shape == q.shape
+    with pytest.raises(ValueError, match='unknown MiTA backend'):   # still checked
+        mita_attention(q, k, v, (6, 6), 3, 5, backend=backend + 'x')
 
 
 def test_a_sweep_tells_route_only_from_shared_as_they_run():

@@ -307,3 +307,20 @@ def test_the_plan_as_it_ran_and_a_tta_model(segmenter_ckpt):
     tta = SegTTAModel(module=init_model(config, ckpt))
     assert swap_model(tta, dict(plan=plan), verbose=False) == 3
     assert current_plan(tta.module).layers == plan.layers
+
+
+def test_reexport_of_a_dwc_config_keeps_its_dwc_layers(tmp_path):
+    """A MiTA config trained with the DWC branch, exported with ``layers=[0]`` and ``topk``:
+    the layers the swap leaves as configured keep their DWC weights (the config carries the
+    plan, each layer's ``with_dwc``), and the export is what test.py evaluates."""
+    dwc = {'model.backbone.mita_cfg.with_dwc': True}
+    model = init_model(TINY_MITA, cfg_options=dwc)
+    ckpt = str(tmp_path / 'dwc.pth')
+    torch.save({'meta': {}, 'state_dict': model.state_dict()}, ckpt)
+    out_cfg, out_ckpt = export_swapped(TINY_MITA, ckpt, str(tmp_path / 'out'),
+                                       dict(layers=[0], topk=4), cfg_options=dwc)
+    exported = init_model(out_cfg, out_ckpt)
+    evaluated = init_model(TINY_MITA, ckpt, cfg_options=dwc, mita_cfg=dict(layers=[0], topk=4))
+    assert current_plan(exported).layers == current_plan(evaluated).layers
+    assert all(layer.attn.dwc is not None for layer in exported.backbone.layers)
+    torch.testing.assert_close(logits(exported), logits(evaluated), rtol=0, atol=0)

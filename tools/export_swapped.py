@@ -2,7 +2,7 @@
 
 The written config is the original one (all bases merged) with the backbone switched to
 ``MiTAVisionTransformer`` (``MiTABEiT`` / ``MiTAMAE`` for BEiT / MAE) and, with
-``include_head=True`` or a plan that swaps it, Segmenter's mask head to
+``include_head=True`` or a plan that names its layers, Segmenter's mask head to
 ``MiTASegmenterMaskTransformerHead``;
 the checkpoint holds the very same weights (MiTA adds no parameters). Both models are built
 and the checkpoint is loaded into each strictly before anything is written

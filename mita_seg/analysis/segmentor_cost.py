@@ -242,8 +242,12 @@ class SegmentorFlops:
         if mita_cfg is not None or merge_ratio is not None:
             from mita_seg.models import merge_tokens, swap_attention
             model = copy.deepcopy(self.baseline)
-            if mita_cfg is not None:
-                self.num_swapped = swap_attention(model, verbose=False, **self.mita_cfg)
+            if mita_cfg is not None:   # the layers the swap put on (or changed to) MiTA
+                from mita_seg.models import current_plan
+                before = current_plan(model).layers
+                swap_attention(model, verbose=False, **self.mita_cfg)
+                self.num_swapped = sum(s is not None and s != before[n]
+                                       for n, s in current_plan(model).layers.items())
             if merge_ratio is not None:
                 self.num_merged = merge_tokens(model, merge_ratio, verbose=False)
             self.mita = model   # the second model: MiTA and/or ToMe

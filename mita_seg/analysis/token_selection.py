@@ -191,7 +191,7 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
         if not module.batch_first:
             query = query.transpose(0, 1)
         q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
-    s = module.setting_on(q.shape[2], (h, w))
+    s = module.setting_on(q.shape[2], (h, w), record=False)
     selected, used = selection_from_qk(q, k, (h, w), s.pool, s.topk, s.router_topk, p, bias)
     return LayerSelection(name, (h, w), p, s.num_experts, s.topk, selected.cpu(), used.cpu())
 

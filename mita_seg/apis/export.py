@@ -19,7 +19,7 @@ attention), and in the checkpoint's ``meta['mita_plan']``.
 import copy
 import os
 import os.path as osp
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from mmengine.config import Config
@@ -27,7 +27,7 @@ from mmengine.config import Config
 from mita_seg.engine import use_safe_checkpoint
 from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
                              attention_layers, current_plan)
-from mita_seg.utils import load_local_checkpoint
+from mita_seg.utils import CheckpointMismatchError, load_local_checkpoint
 from .config import config_name, load_config, use_slim_inference
 from .model import init_model
 
@@ -99,8 +99,9 @@ def _mita_backbone(cfg: Config) -> dict:
     return backbone
 
 
-def _plan_config(cfg: Config, plan: SwapPlan) -> Config:
-    """:func:`mita_config` of a plan: per-layer ``mita_layer_cfgs`` of backbone and head."""
+def _plan_config(cfg: Config, plan: SwapPlan, with_dwc: Sequence[str] = ()) -> Config:
+    """:func:`mita_config` of a plan: per-layer ``mita_layer_cfgs`` of backbone and head;
+    the layers named in ``with_dwc`` keep a DWC branch (``with_dwc=True``)."""
     owners = plan.owners()
     other = [o for o in owners if o not in ('backbone', 'decode_head')]
     if other:
@@ -111,6 +112,9 @@ def _plan_config(cfg: Config, plan: SwapPlan) -> Config:
         backbone.pop(key, None)
     ids = [int(n.split('.')[-2]) for n in plan.layers if n.startswith('backbone.')]
     backbone.mita_layer_cfgs = plan.owner_settings('backbone', max(ids) + 1 if ids else 0)
+    for i, layer_cfg in enumerate(backbone.mita_layer_cfgs):
+        if f'backbone.layers.{i}.attn' in with_dwc:
+            layer_cfg['with_dwc'] = True
     head = cfg.model.decode_head
     if 'decode_head' in owners:
         if not (isinstance(head, dict) and head.get('type') in HEAD_TYPES):
@@ -157,15 +161,23 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     base = init_model(copy.deepcopy(cfg), checkpoint)  # strict
     if plan is not None:
         plan.check_fits([name for name, _, _ in attention_layers(base)], config_name(config))
-    models = [base, init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
+    exported = None
     if plan is None:
         # the exported model must run what `tools/test.py --mita-cfg` evaluates: where the
         # config's own settings make the two differ (a config that holds a plan, layers of
         # a MiTA config not swapped by it), the config carries the swapped model's plan
-        want = current_plan(init_model(copy.deepcopy(cfg), checkpoint, mita_cfg=dict(mita_cfg)))
-        if current_plan(models[1]).layers != want.layers:
-            plan, new_cfg = want, _plan_config(copy.deepcopy(cfg), want)
-            models[1] = init_model(copy.deepcopy(new_cfg), checkpoint)
+        swapped = init_model(copy.deepcopy(cfg), checkpoint, mita_cfg=dict(mita_cfg))
+        want = current_plan(swapped)
+        try:
+            exported = init_model(copy.deepcopy(new_cfg), checkpoint)  # strict
+        except CheckpointMismatchError:   # e.g. the DWC weights of a layer it leaves dense
+            pass
+        if exported is None or current_plan(exported).layers != want.layers:
+            dwc = [n for n in want.layers if getattr(swapped.get_submodule(n), 'dwc', None)
+                   is not None]
+            plan, new_cfg = want, _plan_config(copy.deepcopy(cfg), want, dwc)
+            exported = None
+    models = [base, exported or init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
     meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
     os.makedirs(out_dir, exist_ok=True)
     out_cfg = osp.join(out_dir, config_name(config) + '_mita.py')

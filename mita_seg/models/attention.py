@@ -58,21 +58,23 @@ class MiTASettingsMixin:
         self.__dict__['setting'] = setting
         self.__dict__['ran_settings'] = set()   # what eager forwards ran with since
 
-    def setting_on(self, num_tokens: int, hw_shape: Tuple[int, int]) -> MiTASetting:
+    def setting_on(self, num_tokens: int, hw_shape: Tuple[int, int],
+                   record: bool = True) -> MiTASetting:
         """The setting a forward over ``num_tokens`` keys on a ``hw_shape`` grid runs with
         (:meth:`~mita_seg.setting.MiTASetting.fit`: the landmark grid at most the patch
         grid, ``k`` at most ``N``, ``router_topk`` at most ``M``, as mmseg's ViT runs on any
         image of at least one patch). A reduction is logged once per setting, by an eager
         forward (a ``torch.compile``'d one skips the log rather than break its graph); eager
-        forwards add what they ran with to ``ran_settings``."""
+        forwards add what they ran with to ``ran_settings`` (``record=False``: a caller
+        that only asks, as the analysis of token selection does)."""
         asked = self.setting
         if torch.jit.is_tracing():   # a jit trace (FLOP counting) sees sizes as tensors
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore', torch.jit.TracerWarning)
                 num_tokens, hw_shape = int(num_tokens), tuple(int(s) for s in hw_shape)
         ran = asked.fit(hw_shape, num_tokens)
-        if not torch.compiler.is_compiling() and not torch.jit.is_tracing():
-            self.ran_settings.add(ran)   # (current_plan(model, ran=True))
+        if record and not torch.compiler.is_compiling() and not torch.jit.is_tracing():
+            self.__dict__.setdefault('ran_settings', set()).add(ran)   # current_plan(ran=)
         if ran == asked:
             return asked
         if not torch.compiler.is_compiling():   # no graph break for a log line

@@ -69,7 +69,7 @@ def current_plan(model: nn.Module, ran: bool = False) -> SwapPlan:
         attn = model.get_submodule(name)
         if not isinstance(attn, MiTASettingsMixin):
             layers[name] = None
-        elif ran and len(attn.ran_settings) == 1:
+        elif ran and len(getattr(attn, 'ran_settings', ())) == 1:
             layers[name] = next(iter(attn.ran_settings))
         else:
             layers[name] = attn.setting

@@ -211,11 +211,11 @@ def mita_attention(q: torch.Tensor,
     else:
         check_count(block_size, 'block_size', 'give the queries of a block, at least 1, or '
                     'None for the default')
-    if q.numel() == 0:  # no queries (B = 0 or H = 0): an empty output, in the graph
-        return (q + k + v) * 0
     inp = Inputs(q, k, v, hw_shape, pool_size, topk, router_topk, num_prefix_tokens,
                  with_shared_expert, shared_scale, rel_pos_bias, block_size, global_tokens)
     name = select_backend(inp, backend)
+    if q.numel() == 0:  # no queries (B = 0 or H = 0): an empty output, in the graph
+        return (q + k + v) * 0
     # One opaque node wherever no gradient is needed, and in jit traces (FLOP counting);
     # the backend's own autograd otherwise.
     if not torch.jit.is_tracing() and inp.requires_grad:
