@@ -240,10 +240,9 @@ class SegmentorFlops:
         self.mita, self.num_swapped, self.num_merged = None, 0, 0
         self.merge_ratio = merge_ratio
         if mita_cfg is not None or merge_ratio is not None:
-            from mita_seg.models import merge_tokens, swap_attention
+            from mita_seg.models import current_plan, merge_tokens, swap_attention
             model = copy.deepcopy(self.baseline)
             if mita_cfg is not None:   # the layers the swap put on (or changed to) MiTA
-                from mita_seg.models import current_plan
                 before = current_plan(model).layers
                 swap_attention(model, verbose=False, **self.mita_cfg)
                 self.num_swapped = sum(s is not None and s != before[n]

@@ -159,10 +159,10 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     plan = mita_cfg.get('plan')
     new_cfg = mita_config(cfg, mita_cfg)    # first: a config MiTA cannot take says so
     base = init_model(copy.deepcopy(cfg), checkpoint)  # strict
+    exported = None
     if plan is not None:
         plan.check_fits([name for name, _, _ in attention_layers(base)], config_name(config))
-    exported = None
-    if plan is None:
+    else:
         # the exported model must run what `tools/test.py --mita-cfg` evaluates: where the
         # config's own settings make the two differ (a config that holds a plan, layers of
         # a MiTA config not swapped by it), the config carries the swapped model's plan
@@ -177,7 +177,9 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
                    is not None]
             plan, new_cfg = want, _plan_config(copy.deepcopy(cfg), want, dwc)
             exported = None
-    models = [base, exported or init_model(copy.deepcopy(new_cfg), checkpoint)]  # strict
+    if exported is None:
+        exported = init_model(copy.deepcopy(new_cfg), checkpoint)  # strict
+    models = [base, exported]
     meta = load_local_checkpoint(checkpoint, map_location='cpu').get('meta') or {}
     os.makedirs(out_dir, exist_ok=True)
     out_cfg = osp.join(out_dir, config_name(config) + '_mita.py')

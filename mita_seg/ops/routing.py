@@ -32,11 +32,13 @@ class MiTARouting(NamedTuple):
     choice: torch.Tensor
 
 
+def is_int(x) -> bool:
+    """Whether ``x`` is an integer (numpy's too), not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
 def pair(x: IntPair, name: str) -> Tuple[int, int]:
     """``x`` as a pair of ints; ``name`` is used in the error message."""
-    def is_int(i) -> bool:  # numpy's integers too
-        return isinstance(i, Integral) and not isinstance(i, bool)
-
     if is_int(x):
         return int(x), int(x)
     if isinstance(x, (tuple, list)) and len(x) == 2 and all(map(is_int, x)):

@@ -7,7 +7,6 @@ those logits, each pair's own entry (:func:`grid_bias`; the kinds that select ke
 position or by logit take it: window and top-k).
 """
 import contextlib
-from numbers import Integral
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from .bias import RelPosBias, check_bias, gather_bias
 from .global_tokens import attend_with_lse, merge_lse, split_tokens
-from .routing import IntPair, pair, routing_dtype
+from .routing import IntPair, is_int, pair, routing_dtype
 
 __all__ = ['check_grid_args', 'check_count', 'attend_grid', 'attend_selected', 'gather_rows',
            'grid_bias', 'Selection', 'BiasOf']
@@ -56,7 +55,7 @@ def grid_bias(bias: Optional[RelPosBias], num_heads: int, num_prefix_tokens: int
 
 def check_count(x, name: str, hint: str) -> int:
     """``x`` as an int >= 1 (numpy's integers too); ``hint`` says what to pass instead."""
-    if not isinstance(x, Integral) or isinstance(x, bool):
+    if not is_int(x):
         raise TypeError(f'{name} must be an int, got {x!r}')
     if x < 1:
         raise ValueError(f'{name} must be >= 1, got {x}: {hint}')
@@ -77,7 +76,7 @@ def check_grid_args(q: Tensor, k: Tensor, v: Tensor, hw_shape: IntPair,
                          f'{v.device}')
     h, w = pair(hw_shape, 'hw_shape')
     p = num_prefix_tokens
-    if not isinstance(p, Integral) or isinstance(p, bool):
+    if not is_int(p):
         raise TypeError(f'num_prefix_tokens must be an int, got {p!r}')
     if h < 1 or w < 1:
         raise ValueError(f'hw_shape must be positive, got {(h, w)}')
