@@ -1,17 +1,18 @@
 # A small MiTA BEiT UperNet for CPU runs on the synthetic tiny ADE20K at 256x256
-# (tools/dataset/make_tiny_ade20k.py --size 256), at the paper's token count: a 32x32 patch
-# grid (patch 8) plus cls, N = 1025, with MiTA in every encoder layer (BEiT's relative
-# position bias inside MiTA; 49 landmark experts of 49 keys, the published Segmenter setting
-# at this N). mmseg's BEiT-B UperNet scaled down: the tiny Segmenter's ViT size (64-dim
-# tokens, 4 layers, 2 heads), a narrow UperNet and no auxiliary head (at 256x256 the
-# full-resolution losses cost as much as the backbone), BN instead of SyncBN, a short
-# schedule. BEiT's bias table fixes the grid: train and test on 256x256 crops (slide
-# inference). configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py is the same
-# model with standard attention (a checkpoint to swap).
+# (tools/dataset/make_tiny_ade20k.py --out data/ade/tiny_ade20k_256 --size 256; the demo's
+# data/ade/tiny_ade20k is 128x128), at the paper's token count: a 32x32 patch grid (patch 8)
+# plus cls, N = 1025, with MiTA in every encoder layer (BEiT's relative position bias inside
+# MiTA; 49 landmark experts of 49 keys, the published Segmenter setting at this N). mmseg's
+# BEiT-B UperNet scaled down: the tiny Segmenter's ViT size (64-dim tokens, 4 layers, 2
+# heads), a narrow UperNet and no auxiliary head (at 256x256 the full-resolution losses cost
+# as much as the backbone), BN instead of SyncBN, a short schedule. BEiT's bias table fixes
+# the grid: train and test on 256x256 crops (slide inference).
+# configs/baselines/beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py is the same model with
+# standard attention (a checkpoint to swap).
 _base_ = ['mmseg::beit/beit-base_upernet_8xb2-160k_ade20k-640x640.py']
 custom_imports = dict(imports=['mita_seg.models', 'mita_seg.engine'], allow_failed_imports=False)
 
-data_root = 'data/ade/tiny_ade20k'
+data_root = 'data/ade/tiny_ade20k_256'
 crop_size = (256, 256)
 max_iters = 600
 interval = 200  # validation and checkpoint interval

@@ -139,7 +139,11 @@ def test_baseline_configs_are_standard_attention_and_swappable():
 
     # the tiny BEiT UperNet: 256x256 crops, a 32x32 grid of patch 8 plus cls (N = 1025)
     path = osp.join(ROOT, 'configs', 'baselines', 'beit-tiny_upernet_1xb4_tiny-ade20k-256x256.py')
-    model = build(Config.fromfile(path))
+    cfg = Config.fromfile(path)
+    # the 256x256 data, not the demo's 128x128 (read upsampled without a word)
+    assert cfg.train_dataloader.dataset.data_root == 'data/ade/tiny_ade20k_256'
+    assert cfg.test_dataloader.dataset.data_root == 'data/ade/tiny_ade20k_256'
+    model = build(cfg)
     base, out = unswapped_and_swapped(model, torch.randn(1, 3, 256, 256), 4)
     assert model.backbone._mita_grid.hw_shape == (32, 32)
     assert base.shape == out.shape == (1, 150, 64, 64)
@@ -195,3 +199,43 @@ print('\\n'.join(bad))
                              text=True, cwd=ROOT, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip() == '', out.stdout
+
+
+def test_test_out_reaches_every_metric_that_writes_predictions(tmp_path):
+    """tools/test.py --out on a config whose evaluator is a list (the long-range configs': an
+    IoU metric and the evidence accuracy) sets the IoU metric's output_dir; an evaluator with
+    no metric that writes predictions is refused, naming the metrics."""
+    from mita_seg.apis import keep_predictions, load_config
+    from mita_seg.utils.errors import InputError
+    cfg = load_config(osp.join(ROOT, 'configs', 'longrange',
+                               'segmenter_vit-tiny_linear_1xb4_longrange-ade20k-256x256.py'))
+    assert isinstance(cfg.test_evaluator, list) and len(cfg.test_evaluator) == 2
+    assert keep_predictions(cfg, str(tmp_path)) == 1
+    kept = [m for m in cfg.test_evaluator if m.get('output_dir')]
+    assert [m['type'] for m in kept] == ['LabelledIoUMetric']
+    assert kept[0]['output_dir'] == str(tmp_path) and kept[0]['keep_results'] is True
+
+    cfg = load_config(CONFIGS[0])   # a single IoUMetric, as in mmseg's configs
+    assert keep_predictions(cfg, str(tmp_path)) == 1
+    assert cfg.test_evaluator['output_dir'] == str(tmp_path)
+
+    cfg.test_evaluator = [dict(type='EvidenceAccuracyMetric')]
+    with pytest.raises(InputError, match='EvidenceAccuracyMetric.*writes predictions'):
+        keep_predictions(cfg, str(tmp_path))
+
+
+def test_mae_amp_config_trains_in_mixed_precision():
+    """mmseg's MAE -amp- config turns AMP on with mmcv 0.x's `fp16 = dict(...)`, which
+    mmengine no longer reads: prepare_config gives it the mixed precision of --amp (bf16
+    autocast without CUDA), where mmseg's own tool would train in float32."""
+    from mita_seg.apis import load_config, prepare_config
+    cfg = load_config(osp.join(ROOT, 'configs',
+                               'mita_mae-base_upernet_8xb2-amp-160k_ade20k-512x512.py'))
+    assert cfg.optim_wrapper.type == 'OptimWrapper' and cfg.fp16 is not None
+    prepare_config(cfg)
+    expected = 'AmpOptimWrapper' if torch.cuda.is_available() else 'BF16AmpOptimWrapper'
+    assert cfg.optim_wrapper.type == expected
+    # a config without it keeps float32
+    cfg = load_config(osp.join(ROOT, 'configs', 'mita_upernet_ade20k.py'))
+    prepare_config(cfg)
+    assert cfg.optim_wrapper.type == 'OptimWrapper'

@@ -186,6 +186,18 @@ def test_kernel_forward_rejects_bad_arguments():
         _C.mita_forward(q, k, v, 6, 6, 7, 2, 1, 4, 1, True, 0.1, False)
 
 
+def test_kernel_refuses_a_bias_table_of_other_heads():
+    """[B, H, N, d] inputs need a table row per head: one with fewer rows (dividing BH, which
+    [BH, N, d] inputs may take, row bh % H) would give heads another head's bias."""
+    B, H, h, w, d, pool = 1, 4, 3, 3, 8, (2, 2)
+    q, k, v = _qkv(B, H, 1 + h * w, d)
+    bias = _bias(2, h, w)
+    Bq, Bk = landmark_bias(bias, pool)
+    with pytest.raises(RuntimeError, match=r'a row per head, \[H = 4'):
+        _C.mita_forward(q, k, v, h, w, *pool, 1, 3, 1, True, 1.0 / d, False, Bq, Bk,
+                        bias.table, h, w)
+
+
 @pytest.mark.parametrize('shared', [True, False], ids=['shared', 'route-only'])
 def test_large_logits_and_nans_as_the_reference(shared):
     """IEEE maths (no -ffast-math): logits of 1e4 underflow to exact zeros, not NaN; a NaN

@@ -70,8 +70,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     quiet_stack()
-    from mita_seg.apis import (build_runner, config_name, load_config, merge_model,
-                               prepare_config, swap_model)
+    from mita_seg.apis import (build_runner, config_name, keep_predictions, load_config,
+                               merge_model, prepare_config, swap_model)
     from mita_seg.models import current_plan
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
     if args.show or args.show_dir:
@@ -92,9 +92,8 @@ def main(argv=None):
         cfg.tta_model.module = cfg.model
         cfg.model = cfg.tta_model
     if args.out is not None:
-        cfg.test_evaluator['output_dir'] = args.out
-        cfg.test_evaluator['keep_results'] = True
-    prepare_config(cfg, args.launcher, checkpoint=args.checkpoint)
+        keep_predictions(cfg, args.out)
+    prepare_config(cfg, args.launcher, checkpoint=args.checkpoint, local_rank=args.local_rank)
     runner = build_runner(cfg, args.verbose)
     swapped = ''
     if args.mita is not None:

@@ -55,7 +55,8 @@ def main(argv=None):
     from mita_seg.apis import (build_runner, check_schedule, config_name, load_config,
                                prepare_config)
     cfg = check_schedule(load_config(args.config, args.cfg_options, args.work_dir))
-    prepare_config(cfg, args.launcher, resume=args.resume, amp=args.amp)
+    prepare_config(cfg, args.launcher, resume=args.resume, amp=args.amp,
+                   local_rank=args.local_rank)
     runner = build_runner(cfg, args.verbose)
     runner.train()
     ckpt = runner.message_hub.get_info('last_ckpt')

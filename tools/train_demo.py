@@ -2,7 +2,8 @@
 
 (To segment one image with a trained model, see ``tools/image_demo.py``.)
 
-1. writes the synthetic dataset (tools/dataset/make_tiny_ade20k.py) if it is missing,
+1. writes the synthetic dataset (tools/dataset/make_tiny_ade20k.py) if it is missing or
+   incomplete (its last file absent: an interrupted generation),
 2. trains the tiny MiTA ViT UperNet config with tools/train.py (Runner progress output),
 3. evaluates the last checkpoint with tools/test.py and prints its mIoU, next to the mIoU of
    always predicting the most frequent class.
@@ -77,7 +78,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     py = sys.executable
 
-    if not osp.isdir(osp.join(args.data_root, 'images', 'training')):
+    # the generator's last file: a folder an interrupted generation left is made again
+    last = osp.join(args.data_root, 'annotations', 'validation', 'ADE_val_00000040.png')
+    if not osp.isfile(last):
         run([py, osp.join(ROOT, 'tools', 'dataset', 'make_tiny_ade20k.py'), '--out',
              args.data_root, '--train', '200', '--val', '40', '--size', '128'])
     data_opts = [f'{loader}.dataset.data_root={args.data_root}'

@@ -26,8 +26,8 @@ import importlib
 _SOURCES = {
     'mita_seg.utils.checkpoint': ('load_checkpoint', ),
     'calibrate': ('CalibrationError', 'SwapCalibrator', 'calibrate_swap'),
-    'config': ('config_name', 'dense_attn_setting', 'load_config', 'use_dense_attn',
-               'use_slim_inference'),
+    'config': ('config_name', 'dense_attn_setting', 'keep_predictions', 'load_config',
+               'use_dense_attn', 'use_slim_inference'),
     'export': ('export_swapped', 'mita_config'),
     'inference': ('MiTASegInferencer', 'inference_model', 'show_result_pyplot'),
     'mita_cfg': ('check_mita_cfg', ),

@@ -152,3 +152,38 @@ def use_dense_attn(model: nn.Module, cfg: Config) -> int:
         int: the number of mmcv ``MultiheadAttention`` modules on that path.
     """
     return set_dense_attn(model, dense_attn_setting(cfg))
+
+
+def keep_predictions(cfg: Config, out: str) -> int:
+    """Have ``cfg``'s test evaluator write its predictions under ``out`` (``tools/test.py
+    --out``, mmseg's rule: ``output_dir`` and ``keep_results``), in place. The evaluator may
+    be one metric or a list of them (the long-range configs': an IoU metric and the evidence
+    accuracy); each metric whose class takes ``output_dir`` (mmseg's ``IoUMetric`` and its
+    subclasses) gets it.
+
+    Returns:
+        int: the number of metrics that write predictions.
+
+    Raises:
+        InputError: no metric of the test evaluator writes predictions.
+    """
+    import inspect
+
+    from mmseg.registry import METRICS
+    from mmseg.utils import register_all_modules
+    register_all_modules(init_default_scope=False)
+    evaluator = cfg.get('test_evaluator')
+    metrics = evaluator if isinstance(evaluator, (list, tuple)) else [evaluator]
+    kept = 0
+    for metric in metrics:
+        cls = METRICS.get(metric.get('type')) if isinstance(metric, dict) else None
+        if cls is not None and 'output_dir' in inspect.signature(cls).parameters:
+            metric['output_dir'] = out
+            metric['keep_results'] = True
+            kept += 1
+    if not kept:
+        types = [m.get('type') if isinstance(m, dict) else m for m in metrics]
+        raise InputError(f'--out: no metric of the test evaluator ({types}) writes predictions'
+                         " (mmseg's IoUMetric does, through output_dir): add one or leave out "
+                         '--out')
+    return kept

@@ -20,7 +20,8 @@ from .config import use_dense_attn, use_slim_inference
 LAUNCHER_ENV = {'pytorch': (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'),
                             'torchrun, e.g. tools/dist_train.sh / tools/dist_test.sh'),
                 'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_NODELIST'), 'srun'),
-                'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', ), 'mpirun (Open MPI)')}
+                'mpi': (('OMPI_COMM_WORLD_LOCAL_RANK', 'MASTER_ADDR'),
+                        'mpirun (Open MPI) with MASTER_ADDR exported (the first node)')}
 
 # Multi-line info records longer than this go to the log file only (config dump,
 # environment, mmseg's per-class table of 150 rows).
@@ -86,7 +87,7 @@ class QuietRunner(CheckedRunner):
 
 
 def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str] = None,
-                   resume: bool = False, amp: bool = False) -> Config:
+                   resume: bool = False, amp: bool = False, local_rank: int = 0) -> Config:
     """What ``tools/train.py`` and ``tools/test.py`` do to a config before the Runner
     (with :func:`~mita_seg.apis.use_slim_inference`: an ``EncoderDecoder`` tests and
     validates on ``SlimEncoderDecoder`` unless the config says ``slim_inference=False``).
@@ -96,7 +97,9 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
         launcher (str): ``none``, ``pytorch`` (gloo on CPU), ``slurm`` or ``mpi``.
         checkpoint (str, optional): ``load_from``. Default: None.
         resume (bool): resume from the latest checkpoint in ``work_dir``. Default: False.
-        amp (bool): mixed precision (fp16 on CUDA, bf16 on CPU). Default: False.
+        amp (bool): mixed precision (fp16 on CUDA, bf16 on CPU). Default: False. A config
+            with mmcv 0.x's ``fp16 = dict(...)`` (mmseg's MAE ``-amp-`` config; mmengine
+            reads it no more, so mmseg's own tool trains it in float32) gets it too.
 
     Returns:
         Config: ``cfg``, changed in place.
@@ -111,12 +114,12 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
             raise InputError(f'--launcher {launcher}: {", ".join(missing)} not set; start the '
                              f'tool through {how}, or leave out --launcher')
     if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = '0'
+        os.environ['LOCAL_RANK'] = str(local_rank)
     cfg.launcher = launcher
     if checkpoint is not None:
         cfg.load_from = checkpoint
     cfg.resume = resume
-    if amp:
+    if amp or cfg.get('fp16') is not None:
         use_amp(cfg)
     use_safe_checkpoint(cfg)  # atomic saves, strict weights-only loads, for any config
     use_plain_param_groups(cfg)  # compile=True: param groups Dynamo can trace

@@ -16,16 +16,21 @@ On load (``--resume``, ``load_from``, ``tools/test.py``) it checks the checkpoin
 :class:`~mita_seg.utils.CheckpointMismatchError` listing missing, unexpected and
 mis-shaped keys instead of a silent partial load.
 
-It also stores the torch RNG states (CPU, and CUDA when present) in every checkpoint and
-restores them when training resumes, so that stochastic layers (dropout, drop path) draw the
-same numbers after ``--resume`` as in an uninterrupted run. The data pipeline's numpy/python
-RNG needs no such care: mmengine's ``IterBasedTrainLoop`` replays the skipped batches.
+It also stores every process's torch RNG states (CPU, and its CUDA device when present) in
+every checkpoint and restores them when training resumes, each process its own, so that
+stochastic layers (dropout, drop path) draw the same numbers after ``--resume`` as in an
+uninterrupted run, on one process or several (``randomness.diff_rank_seed=True`` gives each
+its own stream). A run resumed by another number of processes than saved it keeps the
+config's seeding, and says so. The data pipeline's numpy/python RNG needs no such care:
+mmengine's ``IterBasedTrainLoop`` replays the skipped batches.
 """
+import logging
 import os.path as osp
 from typing import Optional
 
 import torch
-from mmengine.dist import is_main_process
+from mmengine.dist import all_gather_object, get_rank, get_world_size, is_main_process
+from mmengine.logging import print_log
 from mmengine.fileio import LocalBackend, get_file_backend
 from mmengine.hooks import CheckpointHook
 from mmseg.registry import HOOKS
@@ -36,6 +41,15 @@ from .atomic_io import ATOMIC_BACKEND, atomic_write_text
 __all__ = ['SafeCheckpointHook', 'use_safe_checkpoint']
 
 RNG_KEY = 'mita_rng_state'
+
+
+def rng_state() -> dict:
+    """This process's torch RNG states: ``cpu``, and ``cuda`` (its current device's) where
+    CUDA is in use."""
+    state = dict(cpu=torch.get_rng_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state()
+    return state
 
 
 @HOOKS.register_module()
@@ -59,6 +73,7 @@ class SafeCheckpointHook(CheckpointHook):
         self.save_rng_state = save_rng_state
         self.strict_load = strict_load
         self._resumed_rng: Optional[dict] = None
+        self._gathered_rng: Optional[list] = None
 
     def before_train(self, runner) -> None:
         """Resolve ``out_dir`` as mmengine does, switch a local backend to the atomic one
@@ -69,19 +84,37 @@ class SafeCheckpointHook(CheckpointHook):
             self.file_backend = get_file_backend(self.out_dir, backend_args=self.backend_args)
         resumed = runner.iter > 0 or runner.epoch > 0
         if self._resumed_rng is not None and resumed:
-            torch.set_rng_state(self._resumed_rng['cpu'])
-            cuda = self._resumed_rng.get('cuda')
-            if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(cuda)
+            self._restore_rng(self._resumed_rng)
         self._resumed_rng = None
 
+    @staticmethod
+    def _restore_rng(saved: dict) -> None:
+        """Set this process's RNG states to those it saved (``saved['ranks'][rank]``)."""
+        ranks = saved.get('ranks')
+        if ranks is None:   # saved before the states were per rank: one process's
+            ranks = [dict(cpu=saved['cpu'], cuda_all=saved.get('cuda'))]
+        if len(ranks) != get_world_size():
+            print_log(f'the checkpoint holds the RNG states of {len(ranks)} processes and '
+                      f'{get_world_size()} resume it: they keep the seeding of the config '
+                      '(randomness), so dropout and drop path draw other numbers than an '
+                      'uninterrupted run would', logger='current', level=logging.WARNING)
+            return
+        state = ranks[get_rank()]
+        torch.set_rng_state(state['cpu'])
+        if not torch.cuda.is_available():
+            return
+        if state.get('cuda') is not None:
+            torch.cuda.set_rng_state(state['cuda'])
+        elif state.get('cuda_all') and len(state['cuda_all']) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state['cuda_all'])
+
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
-        """Add the torch RNG states (plain uint8 tensors) to the checkpoint."""
+        """Add the torch RNG states (plain uint8 tensors) to the checkpoint: every process's
+        (gathered by :meth:`_save_checkpoint_with_step`, where all of them take part), else
+        this one's, and rank 0's as ``cpu`` (what readers of one process's state read)."""
         if self.save_rng_state:
-            state = dict(cpu=torch.get_rng_state())
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                state['cuda'] = torch.cuda.get_rng_state_all()
-            checkpoint[RNG_KEY] = state
+            ranks = self._gathered_rng or [rng_state()]
+            checkpoint[RNG_KEY] = dict(cpu=ranks[0]['cpu'], ranks=ranks)
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         """Check that the checkpoint fits the model (before mmengine loads it) and keep its
@@ -107,6 +140,8 @@ class SafeCheckpointHook(CheckpointHook):
             self.keep_ckpt_ids.append(step)
             runner.message_hub.update_info('keep_ckpt_ids', list(self.keep_ckpt_ids))
 
+        if self.save_rng_state:   # every rank is here; only rank 0 saves (master_only)
+            self._gathered_rng = all_gather_object(rng_state())
         ckpt_filename = self.filename_tmpl.format(step)
         self.last_ckpt = self.file_backend.join_path(self.out_dir, ckpt_filename)
         runner.message_hub.update_info('last_ckpt', self.last_ckpt)
@@ -120,6 +155,7 @@ class SafeCheckpointHook(CheckpointHook):
             by_epoch=self.by_epoch,
             backend_args=self.backend_args,
             **self.args)
+        self._gathered_rng = None
         if not is_main_process():
             return
         atomic_write_text(self.last_ckpt, osp.join(runner.work_dir, 'last_checkpoint'))

@@ -1792,8 +1792,11 @@ struct BiasTensors {
   }
 };
 
+// heads: q's H where q is [B, H, N, d] (the table must have that many rows), 0 for
+// [BH, N, d] (H rows, H dividing BH: row bh % H)
 BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tensor& like,
-                         const c10::optional<torch::Tensor>& table, int64_t window_h,
+                         int64_t heads, const c10::optional<torch::Tensor>& table,
+                         int64_t window_h,
                          int64_t window_w, bool landmark_means,
                          const c10::optional<torch::Tensor>& bq = c10::nullopt,
                          const c10::optional<torch::Tensor>& bk = c10::nullopt) {
@@ -1827,6 +1830,8 @@ BiasTensors bias_tensors(const char* name, const Geometry& g, const torch::Tenso
   TORCH_CHECK(tab.dim() == 2 && tab.size(0) >= 1 && g.BH % tab.size(0) == 0, name,
               ": the bias table must be [H, T] with H dividing BH = ", g.BH, ", got ",
               tab.sizes());
+  TORCH_CHECK(heads == 0 || tab.size(0) == heads, name, ": the bias table must have a row "
+              "per head, [H = ", heads, ", T], got ", tab.sizes());
   b.H = tab.size(0);
   b.table = floating("the bias table", tab, {b.H, b.NT});
   if (landmark_means) {
@@ -1889,8 +1894,8 @@ std::vector<torch::Tensor> mita_forward(torch::Tensor q, torch::Tensor k, torch:
   const int64_t H = q.dim() == 4 ? q.size(1) : 1;
   auto out = q.dim() == 4 ? torch::empty({q.size(0), g.N, H, g.d}, opts)  // [B, N, H, d]
                           : torch::empty(q.sizes(), opts);  // in the compute dtype
-  const BiasTensors bt = bias_tensors(name, g, out, table, window_h, window_w, true, bias_q,
-                                      bias_k);
+  const BiasTensors bt = bias_tensors(name, g, out, q.dim() == 4 ? H : 0, table, window_h,
+                                      window_w, true, bias_q, bias_k);
   auto lse = torch::empty({g.BH, g.N}, opts);
   auto keys = torch::empty({g.BH, g.M, g.K}, lopts);
   auto choice = torch::empty({g.BH, g.N, g.R}, lopts);
@@ -2006,7 +2011,8 @@ std::vector<torch::Tensor> mita_backward(torch::Tensor q, torch::Tensor k, torch
     ls = float_tensor(name, "shared logits", ls, {BH, N, M}, q);
     vr = float_tensor(name, "shared values", vr, {BH, M, d}, q);
   }
-  const BiasTensors bt = bias_tensors(name, g, q, table, window_h, window_w, false);
+  const BiasTensors bt = bias_tensors(name, g, q, q.dim() == 4 ? q.size(1) : 0, table,
+                                      window_h, window_w, false);
   const bool has_bias = bt.table.defined();
   const auto opts = q.options();
   auto dq = torch::empty_like(q), dk = torch::empty_like(q), dv = torch::empty_like(q);
