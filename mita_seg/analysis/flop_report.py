@@ -111,9 +111,9 @@ def format_comparison(c: 'FlopComparison', settings: str) -> str:  # noqa: F821
                      f'{settings}')
     if c.merge_ratio is not None:
         lines.append(f'ToMe: tokens merged at ratio {c.merge_ratio:g} in {c.num_merged} '
-                     'encoder layers (before each attention and MLP, unmerged after); the '
-                     'matching (MACs) and the merge (one add = one FLOP) counted in their '
-                     'own row')
+                     'encoder layers (before each attention and MLP, unmerged after; in a '
+                     'layer on MiTA, before the MLP only); the matching (MACs) and the merge '
+                     '(one add = one FLOP) counted in their own row')
     if c.note:
         lines.append(c.note)
     label = 'as config' if c.note.startswith('note: the config already') else 'baseline'

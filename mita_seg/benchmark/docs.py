@@ -15,8 +15,8 @@ from typing import Dict, List, Optional
 from mita_seg.utils.doc_blocks import DocBlocks
 from mita_seg.utils.errors import InputError
 
-__all__ = ['MODEL_RECORD', 'CURRENT_RECORDS', 'BENCH_DOCS', 'model_speed_table',
-           'op_table', 'onnx_table', 'level_table']
+__all__ = ['MODEL_RECORD', 'CURRENT_RECORDS', 'BENCH_DOCS', 'TARGETS', 'model_speed_table',
+           'op_table', 'onnx_table', 'level_table', 'targets_table']
 
 # the run the README's speed table is read from (its command is in it)
 MODEL_RECORD = 'docs/benchmark/2026-12-06_zen3_readme_model.json'
@@ -134,6 +134,85 @@ def onnx_table(record: dict, path: str) -> List[str]:
     return out
 
 
+def _share(t: dict) -> Optional[float]:
+    return t['bound'] / t['MiTA'] if t.get('MiTA') and t.get('bound') else None
+
+
+def _onnx_share(r: dict) -> Optional[float]:
+    if not (r.get('base') and r.get('seconds') and r.get('bound')):
+        return None
+    return r['base'] / r['seconds'] / r['bound']
+
+
+def _vs_sdpa(t: dict) -> Optional[float]:
+    return t['SDPA'] / t['MiTA'] if t.get('SDPA') and t.get('MiTA') else None
+
+
+# issue 57's targets, each read from the rows of one level: (the level's keys, the target,
+# what is asked, the rows it reads, their value). The operator's bf16 targets are asked of
+# AMX Xeons only.
+TARGETS = (
+    (('times', 'mode', 'image'), 'model: ViT-B whole 1024, float32, share of the bound', 0.93,
+     lambda r: (r['name'] == 'segmenter-vit-b' and r['mode'] == 'whole' and r['N'] == 4097
+                and r['dtype'] == 'float32'), lambda r: _share(r['times'])),
+    (('times', 'mode', 'image'), 'model: ViT-B whole 1024, bfloat16, share of the bound', 0.93,
+     lambda r: (r['name'] == 'segmenter-vit-b' and r['mode'] == 'whole' and r['N'] == 4097
+                and r['dtype'] == 'bfloat16'), lambda r: _share(r['times'])),
+    (('kind', 'label', 'base', 'bound'), 'ONNX Runtime: ViT-B 512, MiTA 7:49, share of the '
+     'bound', 0.90, lambda r: (r['kind'] == 'row' and r['label'] == 'MiTA 7:49'
+                               and r['size'] == 512), _onnx_share),
+    (('kind', 'label', 'base', 'bound'), 'ONNX Runtime: ViT-B 1024, MiTA 7:49, share of the '
+     'bound', 0.90, lambda r: (r['kind'] == 'row' and r['label'] == 'MiTA 7:49'
+                               and r['size'] == 1024), _onnx_share),
+    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward, N = 1025, vs SDPA', 1.5,
+     lambda r: r['dtype'] == 'bfloat16' and r['N'] == 1025 and r['pass_'] == 'fwd',
+     lambda r: _vs_sdpa(r['times'])),
+    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward, N = 4097, vs SDPA', 6.0,
+     lambda r: r['dtype'] == 'bfloat16' and r['N'] == 4097 and r['pass_'] == 'fwd',
+     lambda r: _vs_sdpa(r['times'])),
+    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward+backward, N = 1025, vs '
+     'SDPA', 2.5, lambda r: (r['dtype'] == 'bfloat16' and r['N'] == 1025
+                             and r['pass_'] == 'fwd+bwd'), lambda r: _vs_sdpa(r['times'])),
+)
+
+
+def _cpu_name(cpu: str) -> str:
+    """``'AMD EPYC (family 25 model 1, Zen 3), 2 vCPUs ...'`` -> its name and model."""
+    start = cpu.find('(family ')
+    end = cpu.find(')', start)
+    return cpu[:end + 1] if start >= 0 and end >= 0 else cpu.split(',')[0]
+
+
+def targets_table(records: List[tuple]) -> List[str]:
+    """Issue 57's targets (:data:`TARGETS`) against the ``(record, path)`` pairs that measure
+    them: per CPU, target and record, the figure asked, the one measured and whether it is
+    met. A bf16 figure of a CPU without bf16 units (no AVX512-BF16, no AMX: the conversions
+    emulated) is marked as such; the operator's bf16 targets are read on AMX CPUs only."""
+    out = ['| CPU | target | asked | measured | | record |', '|---|---|---:|---:|---|---|']
+    for record, path in records:
+        cpu = record['machine']['cpu']
+        amx = 'AMX' in cpu and 'no AMX' not in cpu
+        bf16_units = amx or 'BF16' in cpu
+        for keys, what, asked, pick, value in TARGETS:
+            if what.startswith('operator (AMX)') and not amx:
+                continue
+            for level in _levels(record, set(keys)):
+                for r in level['rows']:
+                    if not all(k in r for k in keys) or not pick(r):
+                        continue
+                    got = value(r)
+                    share = 'share' in what
+                    shown = 'n/a' if got is None else f'{got:.1%}' if share else f'{got:.2f}x'
+                    met = ('n/a' if got is None else 'met' if got >= asked - 1e-9
+                           else '**not met**')
+                    if 'bfloat16' in what and not bf16_units and got is not None:
+                        met += ' (bf16 emulated: no bf16 units)'
+                    need = f'>= {asked:.0%}' if share else f'>= {asked:g}x'
+                    out.append(f'| {_cpu_name(cpu)} | {what} | {need} | {shown} | {met} | '
+                               f'`{osp.basename(path)}` |')
+    return out
+
+
 # the levels docs/benchmark.md tables: a row's keys say which it is
 LEVEL_TABLES = ((('times', 'pass_', 'macs'), op_table),
                 (('times', 'mode', 'image'), model_speed_table),
@@ -176,8 +255,11 @@ def _current(root: str) -> List[str]:
 
 def _blocks(root: str):
     return {'model-speed': lambda: model_speed_table(_read(root, MODEL_RECORD), MODEL_RECORD),
-            'current': lambda: _current(root)}
+            'current': lambda: _current(root),
+            'targets': lambda: targets_table([(_read(root, rel), rel)
+                                              for rel in CURRENT_RECORDS])}
 
 
 BENCH_DOCS = DocBlocks('bench-docs', OPENING, {'README.md': ('model-speed', ),
-                                               'docs/benchmark.md': ('current', )}, _blocks)
+                                               'docs/benchmark.md': ('targets', 'current')},
+                       _blocks)
