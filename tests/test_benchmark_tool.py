@@ -406,3 +406,40 @@ def test_issue_targets_from_records():
     assert [r.split(' | ')[3:5] for r in ops] == [['1.60x', 'met'], ['5.00x', '**not met**'],
                                                   ['2.50x', 'met']]
     assert len(rows) == 6
+
+
+def test_bench_targets_tool(tools, tmp_path):
+    """tools/bench_targets.py: the table of records already made is the one the docs'
+    generator gives; --dry-run prints the benchmark commands of TARGET_RUNS with the
+    records' names (date, CPU tag, run), and each of them parses; a record that would be
+    overwritten, and a file that is no record, are one error each."""
+    import os.path as osp
+    import runpy
+    import time
+
+    from mita_seg.analysis.timing import cpu_tag
+    from mita_seg.benchmark import docs
+    root = osp.dirname(osp.dirname(osp.abspath(__file__)))
+    amx = [osp.join(root, 'docs', 'benchmark', f'2026-12-06_xeon-amx_{run}.json')
+           for run in ('op', 'vit-b')]
+    _, out = tools('tools/bench_targets.py', '--records', *amx)
+    want = docs.targets_table([(docs.read_record(r), r) for r in amx])
+    assert out.strip().splitlines()[-len(want):] == want and len(want) == 2 + 5
+
+    _, out = tools('tools/bench_targets.py', '--dry-run', '--out-dir', tmp_path)
+    stem = f"{time.strftime('%Y-%m-%d')}_{cpu_tag()}"
+    cmds = [line for line in out.splitlines() if line.startswith('$ ')]
+    assert len(cmds) == 3
+    parse = runpy.run_path(osp.join(root, 'tools', 'benchmark.py'))['parse_args']
+    for cmd, (run, argv) in zip(cmds, docs.TARGET_RUNS.items()):
+        assert cmd.endswith(' '.join(argv) + f' --json {tmp_path}/{stem}_{run}.json'), cmd
+        parse(list(argv) + ['--json', str(tmp_path / 'x.json')])   # no SystemExit
+    assert not list(tmp_path.iterdir())
+
+    (tmp_path / f'{stem}_op.json').write_text('{}')
+    code, out = tools('tools/bench_targets.py', '--runs', 'op', '--out-dir', tmp_path,
+                      check=False)
+    assert code == 1 and 'exist: give another --tag' in out, out
+    code, out = tools('tools/bench_targets.py', '--records', tmp_path / f'{stem}_op.json',
+                      check=False)
+    assert code == 1 and 'no record of tools/benchmark.py' in out, out

@@ -24,7 +24,7 @@ import torch
 from torch.utils.benchmark import Timer
 
 __all__ = ['MMAP_ENV', 'median_time', 'interleaved_medians', 'peak_memory_rise',
-           'steady_allocator', 'cpu_description', 'machine']
+           'steady_allocator', 'cpu_description', 'cpu_tag', 'machine']
 
 # glibc reads its mmap threshold from this variable at start-up: a benchmark sets it low
 # (and re-executes itself) so that freed buffers go back to the OS and peaks are exact.
@@ -280,6 +280,21 @@ def cpu_description() -> str:
         cpus = f'{os.cpu_count()} vCPUs' + (f' under {vendor}' if vendor else '')
     text = name + (f' ({where[0]})' if where else '') + f', {cpus}'
     return text + (f', {vector_units(flags)}' if flags else '')
+
+
+def cpu_tag() -> str:
+    """This CPU in a few letters, for the names of its records: its core generation where
+    known, else its kind, with ``-amx`` where it has AMX tiles, e.g. ``zen3``, ``zen4``,
+    ``ice-lake-sp``, ``xeon-amx``."""
+    import re
+    info = _cpuinfo()
+    core = None
+    if 'cpu family' in info and 'model' in info:
+        core = _core(info.get('vendor_id', ''), int(info['cpu family']), int(info['model']))
+    name = info.get('model name', '')
+    kind = core or ('xeon' if 'Xeon' in name else 'epyc' if 'EPYC' in name else 'cpu')
+    tag = re.sub(r'[^a-z0-9]+', '-', kind.lower()).strip('-').replace('zen-', 'zen')
+    return tag + ('-amx' if 'amx_tile' in info.get('flags', '').split() else '')
 
 
 def machine() -> dict:

@@ -15,8 +15,9 @@ from typing import Dict, List, Optional
 from mita_seg.utils.doc_blocks import DocBlocks
 from mita_seg.utils.errors import InputError
 
-__all__ = ['MODEL_RECORD', 'CURRENT_RECORDS', 'BENCH_DOCS', 'TARGETS', 'model_speed_table',
-           'op_table', 'onnx_table', 'level_table', 'targets_table']
+__all__ = ['MODEL_RECORD', 'CURRENT_RECORDS', 'BENCH_DOCS', 'TARGETS', 'TARGET_RUNS',
+           'model_speed_table', 'op_table', 'onnx_table', 'level_table', 'targets_table',
+           'read_record']
 
 # the run the README's speed table is read from (its command is in it)
 MODEL_RECORD = 'docs/benchmark/2026-12-06_zen3_readme_model.json'
@@ -176,6 +177,19 @@ TARGETS = (
 )
 
 
+# the runs of tools/benchmark.py that measure TARGETS on a CPU (tools/bench_targets.py), the
+# commands of the AMX Xeon's records: a record each, <date>_<cpu tag>_<name>.json
+TARGET_RUNS = {
+    'op': ('--level', 'op', '--tokens', '1025', '4097', '--passes', 'fwd', 'fwd+bwd',
+           '--profile'),
+    'vit-b': ('--level', 'model', '--models', 'segmenter-vit-b', '--images', '1024',
+              '--dtypes', 'float32', 'bfloat16', '--max-mmcv-gib', '0.1', '--rounds', '3',
+              '--no-memory', '--profile'),
+    'onnx': ('--level', 'onnx', '--models', 'segmenter-vit-b', '--onnx-sizes', '512', '1024',
+             '--settings', '7:49', '--min-run-time', '1'),
+}
+
+
 def _cpu_name(cpu: str) -> str:
     """``'AMD EPYC (family 25 model 1, Zen 3), 2 vCPUs ...'`` -> its name and model."""
     start = cpu.find('(family ')
@@ -235,6 +249,24 @@ def level_table(record: dict, path: str) -> List[str]:
     raise InputError(f'{path} holds no rows of the operator, model or ONNX Runtime level (a '
                      'record of tools/benchmark.py --level op|model|onnx --json): take it '
                      'out of CURRENT_RECORDS in mita_seg/benchmark/docs.py')
+
+
+def read_record(path: str) -> dict:
+    """A record of ``tools/benchmark.py --json``.
+
+    Raises:
+        InputError: the file cannot be read as JSON, or holds no ``machine``.
+    """
+    try:
+        with open(path, encoding='utf-8') as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f'{path} cannot be read as a record ({e}): give the --json file of '
+                         'a tools/benchmark.py run') from None
+    if not isinstance(record, dict) or 'machine' not in record:
+        raise InputError(f'{path} is no record of tools/benchmark.py --json (no "machine"): '
+                         'give the --json file of a run')
+    return record
 
 
 def _read(root: str, rel: str) -> dict:
