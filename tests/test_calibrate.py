@@ -1,7 +1,7 @@
 """The calibrated swap: the knapsack against brute force, the calibration of the tiny
 Segmenter (``conftest.segmenter_ckpt``: 6 attention layers, 8 training images of 128x128),
-its plans' FLOPs as ``tools/get_flops.py`` counts them, determinism, bad input, and
-``tools/calibrate_swap.py`` end to end.
+its plans' FLOPs as ``tools/get_flops.py`` counts them, determinism, a MiTA config (calibrated
+against its dense model), bad input, and ``tools/calibrate_swap.py`` end to end.
 """
 import itertools
 import json
@@ -11,12 +11,16 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from mmengine.config import Config
 
 from mita_seg.analysis.segmentor_cost import SegmentorFlops
-from mita_seg.apis import CalibrationError, SwapCalibrator
+from mita_seg.apis import CalibrationError, SwapCalibrator, export_swapped, init_model
 from mita_seg.apis.calibrate import choose
-from mita_seg.models import SwapPlan
+from mita_seg.models import MiTAAttention, SwapPlan, current_plan
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TINY_MITA = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
 
 # a few candidates keep it short: dense, two with the shared expert, one route-only, and
 # route-only with every key (softmax attention: no error)
@@ -139,6 +143,73 @@ def test_a_plan_among_some_candidates_is_theirs_alone(calibrated, segmenter_ckpt
         calibrated.plan(budget_gflops=calibrated.cheapest_flops() / 1e9, among=['4:16'])
 
 
+def test_a_mita_config_is_calibrated_against_its_dense_model(calibrated, segmenter_ckpt,
+                                                             tmp_path):
+    """A MiTA config (the tiny Segmenter exported on MiTA, encoder and head: the same
+    weights) is calibrated against its dense model: the very errors, FLOPs and plans of the
+    standard-attention config, and it says so."""
+    config, ckpt = segmenter_ckpt
+    mita_config, mita_ckpt = export_swapped(config, ckpt, str(tmp_path), dict(
+        pool_size=2, topk=8, include_head=True))
+    assert all(isinstance(init_model(mita_config, mita_ckpt).get_submodule(n), MiTAAttention)
+               for n in calibrated.layers)
+    lines = []
+    cal = SwapCalibrator(mita_config, mita_ckpt, images=4, candidates=CANDIDATES[:2], seed=0,
+                         progress=lines.append)
+    # the model measured is the dense one
+    assert all(s is None for s in current_plan(cal.model).layers.values())
+    assert cal.config_attention == 'M=2x2 k=8: backbone.layers.0-3.attn, ' \
+        'decode_head.layers.0-1.attn'
+    assert lines[0] == (f'config {mita_config} runs 6 layers: 6 on MiTA, 0 dense (M=2x2 k=8: '
+                        'backbone.layers.0-3.attn, decode_head.layers.0-1.attn): calibrating '
+                        'against its dense model, the same weights with every attention '
+                        'layer on standard attention (MiTA has no parameters)')
+    np.testing.assert_array_equal(cal.errors(), calibrated.errors()[:, :2])
+    np.testing.assert_array_equal(cal.flops(), calibrated.flops()[:, :2])
+    plan = cal.plan(reduction=0.05)
+    assert plan.layers == calibrated.plan(reduction=0.05, among=CANDIDATES[:2]).layers
+    assert plan.info['model']['config_attention'] == cal.config_attention
+    # the standard-attention config's plan says nothing of it
+    assert 'config_attention' not in calibrated.plan(reduction=0.05).info['model']
+    assert calibrated.config_attention is None
+
+
+def test_a_mita_config_with_dwc_is_refused(tmp_path):
+    """The DWC branch is trained parameters dense attention does not have: there is no
+    dense model to calibrate against."""
+    dwc = {'model.backbone.mita_cfg.with_dwc': True}
+    ckpt = str(tmp_path / 'dwc.pth')
+    torch.save({'meta': {}, 'state_dict': init_model(TINY_MITA, cfg_options=dwc).state_dict()},
+               ckpt)
+    with pytest.raises(CalibrationError, match=f'config {re.escape(TINY_MITA)} builds 4 '
+                       r'attention layers on MiTA with the DWC branch \(backbone.layers.0.attn'
+                       r'...\): trained parameters dense attention does not have, so the '
+                       'config has no dense model to calibrate against; calibrate the '
+                       'standard-attention config'):
+        SwapCalibrator(TINY_MITA, ckpt, images=1, candidates=['dense', '2:8'], cfg_options=dwc)
+
+
+def test_plans_record_their_model(calibrated):
+    """Each layer's shape in the model the plan is for (SwapPlan.check_fits reads them)."""
+    plan = SwapPlan.from_dict(calibrated.plan(reduction=0.1).to_dict())
+    assert plan.shapes() == {n: dict(embed_dims=64, num_heads=2) for n in calibrated.layers}
+
+
+def test_flops_counted_without_a_crop_size_say_where_the_shape_is_from(segmenter_ckpt):
+    """A config with no crop size is counted at get_flops.py's 512x512, and says so."""
+    config, ckpt = segmenter_ckpt
+    cfg = Config.fromfile(config)
+    cfg.crop_size = None                     # and model.test_cfg has none (mode='whole')
+    lines = []
+    cal = SwapCalibrator(cfg, ckpt, images=1, candidates=['dense', '2:8'], progress=lines.append)
+    cal.flops()
+    assert cal.shape == (512, 512)
+    note = "512x512 (the config sets no crop size: tools/get_flops.py's default)"
+    assert f'counted at {note}: dense ' in lines[-1], lines
+    plan = cal.plan(reduction=0)
+    assert plan.info['budget']['counted'].startswith(f'one {note.replace(" (", " crop (")}, ')
+
+
 def test_bad_budgets(calibrated):
     cal = calibrated
     dense, cheapest = cal.dense_flops / 1e9, cal.cheapest_flops() / 1e9
@@ -169,6 +240,17 @@ def test_empty_training_split(segmenter_ckpt, tmp_path):
     with pytest.raises(CalibrationError, match='the training split of the config .* has no '
                        'images: calibration draws its images from the training split'):
         cal.errors()
+
+
+def test_budget_uniform_dense_is_refused_by_name(segmenter_ckpt, tools, tmp_path):
+    # (its value None counted as absent: "one of the arguments ... is required")
+    config, ckpt = segmenter_ckpt
+    code, log = tools('tools/calibrate_swap.py', config, ckpt, '--budget-uniform', 'dense',
+                      '--out', tmp_path / 'x.json', check=False)
+    assert code == 2 and log.strip().splitlines()[-1] == (
+        "error: --budget-uniform dense: every layer dense costs the dense model's FLOPs, and "
+        'the plan for that budget is dense everywhere: give --reduction 0 for it, or a setting '
+        'such as 7:49 or agent:7'), log
 
 
 def test_calibrate_swap_help_names_every_kind(tools):

@@ -71,8 +71,15 @@ def dense_logits(segmenter_ckpt):
      'setting must be "dense" or an object'),
     (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn')]),
      'must be an object with "name" and "setting"'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn', setting='dense',
+                                           embed_dims=0)]),
+     'layer backbone.layers.0.attn: embed_dims must be an int >= 1'),
+    (dict(format=PLAN_FORMAT, layers=[dict(name='backbone.layers.0.attn', setting='dense',
+                                           num_heads='3')]),
+     "num_heads must be an int >= 1 (the layer's num_heads in the model the plan was made "
+     "for), got '3'; remove it"),
 ], ids=['not-object', 'format', 'empty', 'unknown-layer', 'twice', 'bad-value', 'bad-key',
-        'bad-setting', 'no-setting'])
+        'bad-setting', 'no-setting', 'bad-width', 'bad-heads'])
 def test_bad_plan_files_name_the_problem(data, message, tmp_path):
     path = tmp_path / 'plan.json'
     path.write_text(json.dumps(data))
@@ -198,6 +205,83 @@ def test_plan_for_another_model(segmenter_ckpt):
         swap_attention(model, plan=SwapPlan.from_dict(plan_dict(MIXED)), topk=3)
 
 
+def shaped(data, embed_dims=64, num_heads=2, **model):
+    """The plan file ``data`` with each layer's shape, and ``model`` as its ``model``."""
+    data = copy.deepcopy(data)
+    for entry in data['layers']:
+        entry.update(embed_dims=embed_dims, num_heads=num_heads)
+    if model:
+        data['model'] = model
+    return data
+
+
+def test_a_plan_checks_the_shapes_of_its_model(segmenter_ckpt, tmp_path, log_records):
+    """A plan records its model's layer shapes (embed_dims, num_heads): another model with
+    the same layer names (ViT-T's plan on ViT-B) is refused, naming both; a plan that
+    records none (written before, or by hand) is still applied, checked by its names, and
+    says so once."""
+    config, ckpt = segmenter_ckpt
+    model = init_model(config, ckpt)
+    # the shapes of this model (64 wide, 2 heads): applied, as without them
+    plan = SwapPlan.from_dict(shaped(plan_dict(MIXED)), source='ours.json')
+    assert plan.shapes()['backbone.layers.0.attn'] == dict(embed_dims=64, num_heads=2)
+    assert plan.to_dict()['layers'][0]['embed_dims'] == 64           # kept when written
+    with log_records() as records:
+        assert swap_attention(model, plan=plan) == 3
+    assert not any('records no shapes' in m for m in records.messages)
+    # another width, or the same width and other heads: a plan for another model
+    vitt = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
+    for data, differs in [(shaped(plan_dict(MIXED), 192, 3, config=vitt),
+                           'embed_dims 192 and num_heads 3; in SlimEncoderDecoder '
+                           r'\(segmenter_vit-tiny_tiny-ade20k-128x128.py\) it has embed_dims '
+                           '64 and num_heads 2'),
+                          (shaped(plan_dict(MIXED), 64, 4), 'embed_dims 64 and num_heads 4; '
+                           'in SlimEncoderDecoder .* it has embed_dims 64 and num_heads 2')]:
+        made_for = re.escape(vitt) if 'model' in data else 'another model'
+        with pytest.raises(PlanError, match=f'plan other.json was made for {made_for}, whose '
+                           f'backbone.layers.0.attn has {differs}: a plan for another model. '
+                           'Calibrate one for this model with tools/calibrate_swap.py'):
+            swap_attention(model, plan=SwapPlan.from_dict(data, source='other.json'))
+    # the model is left as it was
+    assert current_plan(model).layers == plan.layers
+    # a plan that records no shapes: checked by its names, and, from a file, said once
+    old = str(tmp_path / 'old.json')
+    with open(old, 'w') as f:
+        json.dump(dict(plan_dict(MIXED), model=dict(config=vitt)), f)
+    old_plan = SwapPlan.load(old)
+    with log_records() as records:
+        swap_attention(model, plan=old_plan, verbose=False)
+        swap_attention(model, plan=old_plan, verbose=False)
+        swap_attention(model, plan=SwapPlan.from_dict(plan_dict(MIXED)), verbose=False)
+    noted = [m for m in records.messages if 'records no shapes' in m]
+    assert noted == [f'plan {old} (made for {vitt}) records no shapes of its layers (written '
+                     'before plans recorded them, or by hand): checked against '
+                     'SlimEncoderDecoder by its layer names only. Calibrate it again '
+                     '(tools/calibrate_swap.py) to have it checked'], records.messages
+
+
+def test_get_flops_refuses_a_plan_for_another_model(tools, tmp_path):
+    """The reviewer's case: a plan for Segmenter ViT-T counted on Segmenter ViT-B (the same
+    14 layer names) is one error line naming both, exit 1; on ViT-T it is counted."""
+    vitt = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
+    names = [f'backbone.layers.{i}.attn' for i in range(12)] + [
+        f'decode_head.layers.{i}.attn' for i in range(2)]
+    data = dict(format=PLAN_FORMAT, model=dict(config=vitt),
+                layers=[dict(name=n, setting=dict(pool_size=7, topk=49), embed_dims=192,
+                             num_heads=3) for n in names])
+    path = tmp_path / 'plan_vitt.json'
+    path.write_text(json.dumps(data))
+    code, log = tools('tools/get_flops.py', vitt.replace('vit-t', 'vit-b'), '--mita-plan', path,
+                      '--device', 'meta', check=False)
+    assert code == 1 and 'Traceback' not in log, log
+    errors = [line for line in log.splitlines() if line.startswith('error:')]
+    assert errors == [f'error: plan {path} was made for {vitt}, whose backbone.layers.0.attn '
+                      'has embed_dims 192 and num_heads 3; in EncoderDecoder it has embed_dims '
+                      '768 and num_heads 12: a plan for another model. Calibrate one for this '
+                      'model with tools/calibrate_swap.py'], log
+    tools('tools/get_flops.py', vitt, '--mita-plan', path, '--device', 'meta')
+
+
 def test_dense_in_a_mita_config():
     from mita_seg.analysis.segmentor_cost import build_segmentor
     from mita_seg.models import use_dense
@@ -265,6 +349,11 @@ def test_export_carries_the_plan(segmenter_ckpt, tmp_path):
     # a plan for another model is refused before anything is written
     other = SwapPlan.from_dict(plan_dict(MIXED[:4]), source='other.json')
     with pytest.raises(PlanError, match='is for a model with 4 attention layers'):
+        export_swapped(config, ckpt, str(tmp_path / 'other'), dict(plan=other))
+    # and one with this model's layer names, made for another width
+    other = SwapPlan.from_dict(shaped(plan_dict(MIXED), 192, 3), source='other.json')
+    with pytest.raises(PlanError, match='embed_dims 192 and num_heads 3; in .* it has '
+                       'embed_dims 64 and num_heads 2: a plan for another model'):
         export_swapped(config, ckpt, str(tmp_path / 'other'), dict(plan=other))
     assert not osp.exists(tmp_path / 'other')
 

@@ -1,5 +1,7 @@
 """Choose per-layer attention settings for a FLOP budget from a few training images (a swap
-plan), for a checkpoint trained with standard attention, with no retraining.
+plan), for a checkpoint trained with standard attention, with no retraining (a MiTA config's
+checkpoint too: MiTA has no parameters, so it is calibrated against its dense model, the same
+weights with every layer on standard attention, and says so).
 
 Usage::
 
@@ -13,8 +15,9 @@ On ``--images`` images drawn (``--seed``) from the config's *training* split (ne
 evaluation images), measures the error each candidate setting of each attention layer causes
 in the segmentation logits (mean per-pixel KL against the dense model, only that layer
 swapped), counts each candidate's FLOPs with the project's counter (one crop at the config's
-crop size, as ``tools/get_flops.py``), and chooses the plan of least total error within the
-budget (a multiple-choice knapsack over layers; :func:`mita_seg.apis.calibrate_swap`).
+crop size, else 512x512, as ``tools/get_flops.py``; the output says which), and chooses the
+plan of least total error within the budget (a multiple-choice knapsack over layers;
+:func:`mita_seg.apis.calibrate_swap`).
 Candidates: ``dense`` and any setting of any kind, spelt as every tool spells one: MiTA's
 ``P:K`` (pool P x P, top-k K, shared expert; ``PhxPw:K`` a Ph x Pw pool) and ``P:K:route``
 (route-only), and the taxonomy's ``agent:7``, ``block:8:4``, ``topk:49``, ``window:7``; a
@@ -23,6 +26,7 @@ expert and route-only. Writes the plan (``--mita-plan PLAN.json`` of ``tools/tes
 ``get_flops.py``, ``export_swapped.py``, ``image_demo.py``, ``swap_sweep.py``) and prints it
 as a table.
 """
+import argparse
 import os.path as osp
 import sys
 
@@ -35,12 +39,26 @@ from mita_seg.cli.core import ToolParser  # noqa: E402
 from mita_seg.setting import CALIBRATION_CANDIDATES  # noqa: E402
 
 
+def budget_uniform_arg(text: str):
+    """``--budget-uniform``'s ``type``: a setting (:func:`setting_or_dense_arg`); ``dense``
+    is refused by name (every layer dense costs the dense model's FLOPs: ``--reduction 0``
+    asks for that plan)."""
+    setting = setting_or_dense_arg(text)
+    if setting is None:
+        raise argparse.ArgumentTypeError(
+            f'--budget-uniform {text}: every layer dense costs the dense model\'s FLOPs, and '
+            'the plan for that budget is dense everywhere: give --reduction 0 for it, or a '
+            'setting such as 7:49 or agent:7')
+    return setting
+
+
 def parse_args(argv=None):
     parser = ToolParser(
         description='Per-layer attention settings (dense, MiTA or another kind) for a FLOP '
         'budget, from a few training images')
     parser.add_argument('config', type=config_file, help='config of the standard-attention '
-                        "model (a file or 'mmseg::<dir>/<config>.py')")
+                        "model (a file or 'mmseg::<dir>/<config>.py'), or a MiTA config: "
+                        'calibrated against its dense model (the same weights)')
     parser.add_argument('checkpoint', type=checkpoint_file, help='its checkpoint')
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument('--reduction', type=float_range(0, 1),
@@ -48,8 +66,8 @@ def parse_args(argv=None):
                         'plan costs at most 60%% of dense)')
     budget.add_argument('--budget-gflops', type=float_range(0, low_open=True),
                         help='the plan\'s FLOPs at most this (GFLOPs of one crop at the '
-                        'config\'s crop size, as tools/get_flops.py counts)')
-    budget.add_argument('--budget-uniform', type=setting_or_dense_arg, metavar='SETTING',
+                        'config\'s crop size, else 512x512, as tools/get_flops.py counts)')
+    budget.add_argument('--budget-uniform', type=budget_uniform_arg, metavar='SETTING',
                         help='the FLOPs of every layer on this setting, e.g. 7:49 or agent:7 '
                         '(one of the candidates): the plan for the cost of that uniform swap')
     parser.add_argument('--out', required=True, type=output_file('--out', ('.json', )),
@@ -89,6 +107,10 @@ def main(argv=None):
     plan.source = args.out
     print(f'{config_name(args.config)}: swap plan')
     print(format_plan(plan))
+    if plan.info['model'].get('config_attention'):
+        print(f'calibrated against the dense model: the config\'s attention '
+              f'({plan.info["model"]["config_attention"]}) put on standard attention, the '
+              'same weights')
     test = python_command(osp.join(osp.dirname(osp.abspath(__file__)), 'test.py'),
                           args.config, args.checkpoint, '--mita-plan', args.out)
     print(f'wrote {args.out}\nuse: {test}')

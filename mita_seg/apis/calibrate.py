@@ -2,11 +2,18 @@
 :data:`mita_seg.setting.KINDS`, or dense) chosen for a FLOP budget from a few training
 images, with no retraining.
 
+0. The dense model: the config's model with the checkpoint; a MiTA config (layers built on
+   MiTA, or on another kind) is calibrated against its dense model, the same weights with
+   every attention layer put back on standard attention (MiTA has no parameters, so a MiTA
+   checkpoint is a dense model's weights), and says so (a progress line, and the plan's
+   ``model.config_attention``). A config whose MiTA layers have the DWC branch (trained
+   parameters dense attention does not have) has no such dense model and is refused.
 1. Cost in FLOPs: the project's counter (:mod:`mita_seg.analysis`, one ``mode='tensor'``
-   forward of one crop at the config's crop size, as ``tools/get_flops.py`` counts) of the
-   dense model, and of the model with every layer on each candidate setting; a layer's cost
-   under a candidate is what its attention module counts. Layers add up exactly, so a plan's
-   FLOPs are ``dense + sum over layers (candidate - dense)``.
+   forward of one crop at the config's crop size, else 512x512 as ``tools/get_flops.py``
+   counts, which the output then says) of the dense model, and of the model with every
+   layer on each candidate setting; a layer's cost under a candidate is what its attention
+   module counts. Layers add up exactly, so a plan's FLOPs are
+   ``dense + sum over layers (candidate - dense)``.
 2. Cost in accuracy: on ``images`` images drawn (by ``seed``) from the config's *training*
    split through its *test* pipeline, the error each candidate of each layer causes in the
    final segmentation logits with only that layer swapped, against the dense model: the mean
@@ -36,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.config import Config
 
-from mita_seg.models import PlanError, SwapPlan, attention_layers
+from mita_seg.models import PlanError, SwapPlan, attention_layers, current_plan
+from mita_seg.models.plan import attention_shape
 from mita_seg.setting import CALIBRATION_CANDIDATES, DENSE, MiTASetting
 from mita_seg.utils.cfg_options import merge_cfg_options
 from .config import load_config
@@ -177,9 +185,14 @@ class SwapCalibrator:
     """Measures, for a standard-attention checkpoint, what each candidate setting of each
     attention layer costs in FLOPs and in accuracy, and chooses plans for budgets.
 
+    A MiTA config (its layers built on MiTA or another kind) is calibrated against its dense
+    model: :attr:`model` is put on dense attention everywhere before anything is measured,
+    and :attr:`config_attention` says what the config ran (None: the config is dense).
+
     Args:
         config (str | Config): the model's config (file, ``mmseg::`` or a ``Config``).
-        checkpoint (str): its standard-attention checkpoint.
+        checkpoint (str): its checkpoint (a standard-attention one, or a MiTA config's: the
+            same weights).
         images (int): calibration images from the training split. Default: 16.
         candidates (Sequence[str | MiTASetting]): candidate settings (``7:49``,
             ``5:16:route``: :meth:`~mita_seg.setting.MiTASetting.parse_or_dense`); dense is
@@ -190,6 +203,10 @@ class SwapCalibrator:
         progress (Callable, optional): called with a line per step. Default: None.
         replay (bool): replay the dense outputs of the layers before the swapped one
             instead of running them (same results, fewer FLOPs). Default: True.
+
+    Raises:
+        CalibrationError: a MiTA config with no dense model to calibrate against (the DWC
+            branch, or a layer built on MiTA with no standard attention to put back).
     """
 
     def __init__(self, config, checkpoint: str, images: int = 16,
@@ -210,12 +227,57 @@ class SwapCalibrator:
         self.layers = [name for name, _, _ in attention_layers(self.model)]
         if not self.layers:
             swap_model(self.model, {}, verbose=False)  # NothingToSwapError, listing them
+        self.config_attention: Optional[str] = self._to_dense()
         self.shape = tuple(int(v) for v in _default_shape(self.cfg))
+        # why that shape, where it is not the config's own
+        self.shape_note = '' if _crop_size(self.cfg) else (
+            " (the config sets no crop size: tools/get_flops.py's default)")
         self._flops: Optional[np.ndarray] = None
         self._errors: Optional[np.ndarray] = None
         self.dense_flops = 0
         self.seconds = 0.0
         self.image_paths: List[str] = []
+
+    def _to_dense(self) -> Optional[str]:
+        """Put every attention layer of :attr:`model` on dense attention where the config
+        built some on MiTA (or another kind), so that the errors are measured against the
+        dense model; returns what the config's layers ran
+        (:meth:`~mita_seg.models.plan.SwapPlan.describe`), None where they were all dense.
+
+        Raises:
+            CalibrationError: a layer with the DWC branch, or built on MiTA with no standard
+                attention to put back.
+        """
+        built = current_plan(self.model)
+        if all(s is None for s in built.layers.values()):
+            return None
+        what = self._what()
+        dwc = [n for n in self.layers if getattr(self.model.get_submodule(n), 'dwc', None)
+               is not None]
+        if dwc:
+            raise CalibrationError(
+                f'{what} builds {len(dwc)} attention layers on MiTA with the DWC branch '
+                f'({dwc[0]}...): trained parameters dense attention does not have, so the '
+                'config has no dense model to calibrate against; calibrate the '
+                'standard-attention config (and checkpoint) it was trained from instead, or '
+                'a MiTA config without with_dwc')
+        try:
+            swap_model(self.model, dict(plan=self._plan({})), verbose=False)
+        except PlanError as e:
+            raise CalibrationError(
+                f'{what}: its attention layers cannot be put on dense attention to calibrate '
+                f'against ({e}); calibrate the standard-attention config instead') from None
+        described = built.describe()
+        self.progress(f'{what} runs {built.summary()} ({described}): calibrating against its '
+                      'dense model, the same weights with every attention layer on standard '
+                      'attention (MiTA has no parameters)')
+        return described
+
+    def _what(self) -> str:
+        """The config, for messages."""
+        name = self.config if not isinstance(self.config, Config) else getattr(
+            self.config, 'filename', None)
+        return f'config {name}' if name else 'the config'
 
     # -- step 1: FLOPs ------------------------------------------------------------------
     def _plan(self, settings: Dict[str, Optional[MiTASetting]]) -> SwapPlan:
@@ -245,7 +307,8 @@ class SwapCalibrator:
         self._flops = out
         self.seconds += time.time() - t0
         self.progress(f'FLOPs of {len(self.candidates)} candidates x {len(self.layers)} '
-                      f'layers counted at {self.shape[0]}x{self.shape[1]}: dense '
+                      f'layers counted at {self.shape[0]}x{self.shape[1]}'
+                      f'{self.shape_note}: dense '
                       f'{self.dense_flops / 1e9:.4g} GFLOPs, cheapest plan '
                       f'{self.cheapest_flops() / 1e9:.4g} ({time.time() - t0:.0f}s)')
         return out
@@ -474,7 +537,9 @@ class SwapCalibrator:
         assert total <= budget, (total, budget)
         layers = {n: self.candidates[c] for n, c in zip(self.layers, choice)}
         layer_info = {n: dict(error=float(errors[i, c]), gflops=float(flops[i, c]) / 1e9,
-                              dense_gflops=float(flops[i, 0]) / 1e9)
+                              dense_gflops=float(flops[i, 0]) / 1e9,
+                              # the model the plan is for (SwapPlan.check_fits)
+                              **attention_shape(self.model.get_submodule(n)))
                       for i, (n, c) in enumerate(zip(self.layers, choice))}
         dense = self.dense_flops
         if budget_uniform is not None:   # what the uniform swap of the same FLOPs would err
@@ -484,12 +549,16 @@ class SwapCalibrator:
         info = dict(
             model=dict(config=str(self.config) if not isinstance(self.config, Config) else
                        getattr(self.config, 'filename', None), checkpoint=str(self.checkpoint),
-                       attention_layers=len(self.layers)),
+                       attention_layers=len(self.layers),
+                       **({} if self.config_attention is None else dict(
+                           config_attention=self.config_attention,
+                           reference='dense: the same weights, every attention layer on '
+                           'standard attention'))),
             budget=dict(gflops=budget / 1e9, reduction=reduction, uniform=budget_uniform,
                         **({} if budget_uniform is None else dict(
                             uniform_predicted_error=uniform_error)),
-                        counted=f'one {self.shape[0]}x{self.shape[1]} crop, mode=tensor, '
-                        'auxiliary head removed (tools/get_flops.py)'),
+                        counted=f'one {self.shape[0]}x{self.shape[1]} crop{self.shape_note}, '
+                        'mode=tensor, auxiliary head removed (tools/get_flops.py)'),
             flops=dict(plan_gflops=total / 1e9, dense_gflops=dense / 1e9,
                        cheapest_gflops=cheapest / 1e9,
                        reduction_percent=100.0 * (1 - total / dense)),
@@ -509,6 +578,13 @@ def _default_shape(cfg: Config) -> Tuple[int, int]:
     return default_shape(cfg)
 
 
+def _crop_size(cfg: Config):
+    """The config's crop size, where it sets one (``crop_size``, else
+    ``model.test_cfg.crop_size``, as :func:`~mita_seg.analysis.segmentor_cost.default_shape`
+    reads it); else None (that counts at its default, 512x512)."""
+    return cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+
+
 def calibrate_swap(config,
                    checkpoint: str,
                    reduction: Optional[float] = None,
@@ -523,12 +599,13 @@ def calibrate_swap(config,
     calibration error within a FLOP budget (the module's docstring says how).
 
     Args:
-        config (str | Config): the standard-attention model's config.
+        config (str | Config): the standard-attention model's config (or a MiTA config:
+            calibrated against its dense model, :class:`SwapCalibrator`).
         checkpoint (str): its checkpoint.
         reduction (float, optional): the budget as a fraction of the dense FLOPs saved
             (0.4: at most 60% of dense).
         budget_gflops (float, optional): the budget in GFLOPs (one crop at the config's crop
-            size, as ``tools/get_flops.py`` counts).
+            size, else 512x512, as ``tools/get_flops.py`` counts).
         images (int): calibration images from the training split. Default: 16.
         candidates (Sequence[str | MiTASetting]): candidate settings (``dense``, ``P:K``,
             ``PhxPw:K``, ``P:K:route``). Default: :data:`CALIBRATION_CANDIDATES`.
@@ -543,8 +620,9 @@ def calibrate_swap(config,
         the FLOPs it reaches, the calibration images and each layer's choice and error.
 
     Raises:
-        CalibrationError: no training images, or a budget above dense or below the
-            cheapest plan (checked before the errors are measured).
+        CalibrationError: no training images, a budget above dense or below the cheapest
+            plan (checked before the errors are measured), or a MiTA config with no dense
+            model (the DWC branch).
     """
     cal = SwapCalibrator(config, checkpoint, images, candidates, seed, cfg_options,
                          progress=progress)

@@ -20,11 +20,17 @@ layer keeps softmax attention) or a setting of any kind as
 :meth:`~mita_seg.setting.MiTASetting.cfg` writes it (``kind`` and the keys that kind reads;
 MiTA's :data:`~mita_seg.models.MITA_KEYS` without ``kind``; those not given are the
 defaults, a key the kind does not read an error). A layer entry may carry more keys
-(``error``, ``gflops``).
+(``error``, ``gflops``: kept, not read), and the layer's shape in the model the plan was
+made for, :data:`SHAPE_KEYS` (``"embed_dims": 192, "num_heads": 3``, what
+:func:`attention_shape` reads off the module; ``tools/calibrate_swap.py`` writes them).
 A plan names every swappable attention layer of its model: applied to a model with other
-layers it is an error naming them.
+layers, or (where its entries give their shapes) with layers of another width or head
+count, it is an error naming them and the model the plan was made for. A plan whose entries
+give no shape (written before plans recorded them, or by hand) is checked by its layer
+names only, and says so once in the log.
 """
 import json
+import logging
 import os.path as osp
 import re
 from dataclasses import dataclass, field
@@ -33,6 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from mita_seg.setting import DENSE, SETTING_KEYS, MiTASetting, label
 
 PLAN_FORMAT = 'mita_seg.swap_plan/1'
+# what identifies a layer of the model a plan was made for (its entry's keys, ints >= 1)
+SHAPE_KEYS = ('embed_dims', 'num_heads')
 # what a layer name must look like: an attention module of a token owner's layers
 _LAYER_NAME = re.compile(r'^([A-Za-z_][\w.]*\.)?layers\.(\d+)\.attn$')
 
@@ -40,6 +48,25 @@ _LAYER_NAME = re.compile(r'^([A-Za-z_][\w.]*\.)?layers\.(\d+)\.attn$')
 class PlanError(ValueError):
     """A plan file that cannot be read or is malformed, or a plan that does not fit the
     model it is applied to (the message names the file, the layer and the fix)."""
+
+
+def attention_shape(attn: Any) -> Dict[str, int]:
+    """The shape of an attention module that a plan records and checks (:data:`SHAPE_KEYS`:
+    its ``embed_dims`` and ``num_heads``, as mmcv's, mmseg's BEiT and the MiTA modules hold
+    them); the keys a module does not have are left out.
+
+    Args:
+        attn (nn.Module): an attention module (standard or swapped).
+
+    Returns:
+        dict: ``{'embed_dims': C, 'num_heads': H}``, or the part of it the module has.
+    """
+    out = {}
+    for key in SHAPE_KEYS:
+        value = getattr(attn, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = value
+    return out
 
 
 @dataclass
@@ -57,6 +84,8 @@ class SwapPlan:
     layers: Dict[str, Optional[MiTASetting]]
     info: Dict[str, Any] = field(default_factory=dict)
     source: str = ''
+    # whether check_fits has logged that the plan records no shapes (once a plan)
+    _noted_unchecked: bool = field(default=False, repr=False, compare=False)
 
     @property
     def what(self) -> str:
@@ -104,6 +133,14 @@ class SwapPlan:
             else:
                 raise PlanError(f'{what}: layer {name}: setting must be "dense" or an object '
                                 f'of settings ({", ".join(SETTING_KEYS)}), got {setting!r}')
+            for key in SHAPE_KEYS:
+                value = entry.get(key)
+                if key in entry and (not isinstance(value, int) or isinstance(value, bool)
+                                     or value < 1):
+                    raise PlanError(f'{what}: layer {name}: {key} must be an int >= 1 (the '
+                                    f'layer\'s {key} in the model the plan was made for), got '
+                                    f'{value!r}; remove it to check the plan by its layer '
+                                    'names only')
             layers[name] = setting
             layer_info[name] = {k: v for k, v in entry.items() if k not in ('name', 'setting')}
         info = {k: v for k, v in data.items() if k not in ('format', 'layers')}
@@ -145,12 +182,27 @@ class SwapPlan:
         atomic_write_text(json.dumps(self.to_dict(), indent=2) + '\n', path)
         return path
 
-    def check_fits(self, names: Sequence[str], model: str = 'the model') -> None:
-        """Check that the plan names exactly the attention layers ``names`` of a model.
+    def check_fits(self, names: Sequence[str], model: str = 'the model',
+                   shapes: Optional[Dict[str, Dict[str, int]]] = None,
+                   config: Optional[str] = None) -> None:
+        """Check that the plan names exactly the attention layers ``names`` of a model and,
+        where its entries record their shapes (:data:`SHAPE_KEYS`), that the model's layers
+        have those shapes: a plan made for another model (another width or head count, as
+        ViT-T's plan on ViT-B, with the same layer names) is refused. A plan that records no
+        shape (written before plans recorded them, or by hand) is checked by its names only,
+        and, read from a file, says so once in the log.
+
+        Args:
+            names (Sequence[str]): the model's attention layers, in its order.
+            model (str): the model, for messages. Default: 'the model'.
+            shapes (dict, optional): each layer's :func:`attention_shape` in the model; None:
+                the names only. Default: None.
+            config (str, optional): the model's config, for messages. Default: None.
 
         Raises:
-            PlanError: another layer count (a plan for another model), or a layer the model
-                does not have, or one of its layers missing.
+            PlanError: another layer count (a plan for another model), a layer the model
+                does not have, or one of another shape than the plan records (the message
+                names the model the plan was made for, and this one).
         """
         have, want = list(names), list(self.layers)
         if len(have) != len(want):
@@ -162,6 +214,51 @@ class SwapPlan:
         if unknown:
             raise PlanError(f'{self.what} names layer {unknown[0]}, which {model} does not '
                             f'have (its attention layers: {_span(have)})')
+        if shapes is None:
+            return
+        recorded = self.shapes()
+        if not recorded:
+            if self.source and not self._noted_unchecked:
+                from mmengine.logging import print_log
+                made_for = f' (made for {self.made_for})' if self.made_for else ''
+                print_log(f'{self.what}{made_for} records no shapes of its layers (written '
+                          'before plans recorded them, or by hand): checked against '
+                          f'{model} by its layer names only. Calibrate it again '
+                          '(tools/calibrate_swap.py) to have it checked', logger='current',
+                          level=logging.WARNING)
+                self._noted_unchecked = True
+            return
+        for name in want:
+            planned, actual = recorded.get(name, {}), shapes.get(name, {})
+            if any(k in planned and k in actual and planned[k] != actual[k]
+                   for k in SHAPE_KEYS):
+                keys = [k for k in SHAPE_KEYS if k in planned and k in actual]
+                ours = f'{model} ({osp.basename(config)})' if config else model
+                raise PlanError(
+                    f'{self.what} was made for {self.made_for or "another model"}, whose '
+                    f'{name} has '
+                    f'{_shape_text(planned, keys)}; in {ours} it has '
+                    f'{_shape_text(actual, keys)}: a plan for another model. Calibrate one '
+                    'for this model with tools/calibrate_swap.py')
+
+    def shapes(self) -> Dict[str, Dict[str, int]]:
+        """The layers' shapes in the model the plan was made for, where its entries record
+        them (:data:`SHAPE_KEYS`): name -> ``{'embed_dims': C, 'num_heads': H}``."""
+        out = {}
+        for name in self.layers:
+            li = self.info.get('layer_info', {}).get(name, {})
+            shape = {k: li[k] for k in SHAPE_KEYS if k in li}
+            if shape:
+                out[name] = shape
+        return out
+
+    @property
+    def made_for(self) -> Optional[str]:
+        """The config of the model the plan was made for, as the plan records it
+        (``model.config``); None where it records none."""
+        model = self.info.get('model')
+        config = model.get('config') if isinstance(model, dict) else None
+        return str(config) if config else None
 
     def owner_settings(self, owner: str, num_layers: int) -> List[Optional[Dict[str, Any]]]:
         """The settings of ``<owner>.layers.<i>.attn`` for ``i < num_layers`` as dicts (None:
@@ -201,6 +298,11 @@ class SwapPlan:
         dense = counts.pop('dense', 0)
         on = ', '.join(f'{n} {name}' for name, n in counts.items()) or '0 on MiTA'
         return f'{len(self.layers)} layers: {on}, {dense} dense'
+
+
+def _shape_text(shape: Dict[str, int], keys: Sequence[str]) -> str:
+    """``embed_dims 192 and num_heads 3``: the ``keys`` of a layer's shape."""
+    return ' and '.join(f'{k} {shape[k]}' for k in keys)
 
 
 def _span(names: Sequence[str]) -> str:

@@ -12,7 +12,7 @@ from .attention import (MiTASettingsMixin, can_use_mita, layer_indices, use_dens
                         use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
-from .plan import PlanError, SwapPlan
+from .plan import PlanError, SwapPlan, attention_shape
 
 # Attention modules this tool knows it cannot swap, by class name, and why.
 _UNSWAPPABLE = {
@@ -80,7 +80,10 @@ def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
     """Put each layer of ``plan`` on its setting; returns the layers now on MiTA and the
     dense ones (name -> why, for the log)."""
     layers = attention_layers(model)
-    plan.check_fits([name for name, _, _ in layers], type(model).__name__)
+    config = getattr(getattr(model, 'cfg', None), 'filename', None)  # init_model's
+    plan.check_fits([name for name, _, _ in layers], type(model).__name__,
+                    {name: attention_shape(owner.layers[i].attn) for name, owner, i in layers},
+                    config if isinstance(config, str) else None)
     swapped, dense = [], {}
     for name, owner, i in layers:
         setting = plan.layers[name]
@@ -162,7 +165,8 @@ def swap_attention(model: nn.Module,
         NothingToSwapError: nothing in ``model`` can be swapped (a ``ValueError`` whose
             message lists the attention modules found).
         PlanError: ``plan`` cannot be read, or does not fit the model (another layer count,
-            a layer the model does not have, dense for a layer built on MiTA).
+            a layer the model does not have, a layer of another width or head count than
+            the plan records, dense for a layer built on MiTA).
         ValueError: ``layers`` names a layer that does not exist, or a setting is unknown
             or has a bad value.
     """
