@@ -339,6 +339,33 @@ def test_relative_position_bias_that_does_not_fit_is_refused():
         attend(MiTASetting.parse('agent:2'), q, k, v, (h, w), 1, rel_pos_bias=bias)
 
 
+def test_agent_refuses_an_infinite_shared_scale():
+    """As mita_attention: shared_scale=inf made every output NaN."""
+    q, k, v, _ = qkv(BIAS_LAYOUT)
+    B, H, h, w, p, s, d = BIAS_LAYOUT
+    for bad in (math.inf, 0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match='shared_scale must be finite and > 0'):
+            agent_attention(q, k, v, (h, w), 2, p, shared_scale=bad)
+
+
+def test_attend_runs_every_kind_as_fitted_to_the_grid():
+    """ops.attend runs a pool larger than the grid on the grid, MiTA as the other kinds
+    (MiTA's operator alone refuses one)."""
+    from mita_seg.ops import mita_attention
+    from mita_seg.ops.kinds import attend
+    from mita_seg.setting import MiTASetting
+    B, H, h, w, p, s, d = BIAS_LAYOUT
+    q, k, v, _ = qkv(BIAS_LAYOUT)
+    big = MiTASetting.parse('7:49')
+    with pytest.raises(ValueError, match='no larger than the grid'):
+        mita_attention(q, k, v, (h, w), 7, 12, p)
+    fitted = big.fit((h, w), q.shape[2])
+    want = mita_attention(q, k, v, (h, w), fitted.pool_size, fitted.topk, p)
+    torch.testing.assert_close(attend(big, q, k, v, (h, w), p), want, rtol=0, atol=0)
+    for kind in ('agent:7', 'window:9'):
+        assert attend(MiTASetting.parse(kind), q, k, v, (h, w), p).shape == q.shape
+
+
 BF16_CASES = ['agent-2x3', 'block-2-of-ragged-2x2', 'topk-5-chunks-of-4', 'window-3']
 
 
@@ -404,7 +431,7 @@ def test_bad_arguments():
         agent_attention(q, q, q, (3, 4), (4, 2), 1)
     with pytest.raises(ValueError, match='pool_size'):
         agent_attention(q, q, q, (3, 4), 0, 1)
-    with pytest.raises(ValueError, match='shared_scale must be > 0'):
+    with pytest.raises(ValueError, match='shared_scale must be finite and > 0'):
         agent_attention(q, q, q, (3, 4), 2, 1, shared_scale=0.)
     # block: positive sizes and counts
     with pytest.raises(ValueError, match='block_size must be >= 1'):

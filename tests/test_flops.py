@@ -201,6 +201,14 @@ def test_mita_count_with_global_tokens():
                                                     backend=cpu_backend())
 
 
+
+def test_mita_flops_of_a_k_beyond_the_keys_is_what_runs():
+    """mita_attention runs a k beyond the N - T keys it routes over as k = N - T: the
+    analytic count says the same, as the traced call does."""
+    assert mita_flops(1, 1, 17, 4, 4, 49) == mita_flops(1, 1, 17, 4, 4, 17) == 3400
+    assert (mita_flops(2, 3, 20, 8, 4, 99, num_global_tokens=3)
+            == mita_flops(2, 3, 20, 8, 4, 17, num_global_tokens=3))
+
 # ----------------------------------------------------------------------------------------
 # Small segmentors from mmseg's Segmenter config.
 # ----------------------------------------------------------------------------------------

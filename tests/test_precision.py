@@ -64,7 +64,9 @@ def _check(what, mita, mita_ref, sdpa, sdpa_ref, same_function):
         assert err <= 2 * base, f'{what}: MiTA error {err:.3g} > 2 x SDPA error {base:.3g}'
 
 
-@pytest.mark.parametrize('backend', [None, 'varlen'], ids=['auto', 'varlen'])
+# blocked: on CUDA its gathers and P @ V run in the input dtype, its logits in float32
+@pytest.mark.parametrize('backend', [None, 'varlen', 'blocked'],
+                         ids=['auto', 'varlen', 'blocked'])
 @pytest.mark.parametrize('device', ['cpu', 'cuda'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
 @pytest.mark.parametrize('case', list(CASES.values()), ids=list(CASES))

@@ -17,6 +17,7 @@ Equivalent PyTorch code (one batch item and head; ``o`` the grid positions ``p:p
         out[n] = softmax(logits, -1) @ cat([V_R, v[g]])
     out[g] = softmax(q[g] @ k.T / sqrt(d), -1) @ v
 """
+import math
 from typing import Optional
 
 import torch
@@ -58,8 +59,8 @@ def agent_attention(q: Tensor,
             f'pool_size {(ph, pw)} must be >= 1 and no larger than the grid {(h, w)}: '
             f'use a pool_size of at most {(h, w)}')
     d = q.shape[-1]
-    if shared_scale is not None and not shared_scale > 0:
-        raise ValueError(f'shared_scale must be > 0 (it scales the logits q . R), got '
+    if shared_scale is not None and not 0 < shared_scale < math.inf:
+        raise ValueError(f'shared_scale must be finite and > 0 (it scales the logits q . R), got '
                          f'{shared_scale}; None means 1/d')
     scale = 1.0 / d if shared_scale is None else float(shared_scale)
 

@@ -105,8 +105,10 @@ def mita_attention_blocked(inp):
                       None if bias is None else landmark_bias(bias, inp.pool_size))
     M = rt.landmarks.shape[2]
     acc = routing_dtype(q.dtype)
-    # Matmuls run in the input dtype on GPU; CPU low-precision matmuls are slow and
-    # less accurate, so there everything runs in float32.
+    # The gathers and P @ V run in the input dtype on GPU; the logits are formed in float32
+    # everywhere, as the other backends form them (logits rounded to bf16 before the softmax
+    # gave ~30x their error). CPU low-precision matmuls are slow and less accurate, so there
+    # everything runs in float32.
     mm = q.dtype if q.is_cuda else acc
 
     # Routed experts, tiled: [BH, nT, T] items against [BH, nT, k] keys.
@@ -125,7 +127,7 @@ def mita_attention_blocked(inp):
     key_rows = tile_keys.view(BH, nT * topk) + base * N
     k_tiles = _rows(k_rows, key_rows).view(BH, nT, topk, d)
     v_tiles = _rows(v_rows, key_rows).view(BH, nT, topk, d)
-    logits = (q_tiles @ k_tiles.transpose(-1, -2)).to(acc)           # [BH, nT, T, k]
+    logits = q_tiles.to(acc) @ k_tiles.to(acc).transpose(-1, -2)     # [BH, nT, T, k]
     if bias is not None:  # B[n, key] of every (slot, key) pair
         heads = (base % H).view(BH, 1, 1, 1)
         logits = logits + gather_bias(bias, heads, (slot_item // r).view(BH, nT, T, 1),

@@ -113,6 +113,7 @@ def mita_flops(batch: int, num_heads: int, num_tokens: int, head_dim: int, num_e
     queries over all ``N`` keys (:func:`mita_seg.ops.flops.global_flops_per_head`)."""
     per_head = BACKENDS[backend].flops if backend else mita_flops_per_head
     T = num_global_tokens
+    topk = min(topk, num_tokens - T)   # as mita_attention runs a k beyond the keys
     total = batch * num_heads * (
         per_head(num_tokens - T, head_dim, num_experts, topk, router_topk, with_shared_expert,
                  block_size) + global_flops_per_head(num_tokens, T, head_dim))
@@ -234,6 +235,7 @@ def attend_setting(setting, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    rel_pos_bias: Optional[RelPosBias] = None) -> torch.Tensor:
     """MiTA of a setting (:class:`~mita_seg.setting.MiTASetting`, as it runs on this grid:
     :meth:`~mita_seg.setting.MiTASetting.fit`) (:func:`mita_seg.ops.attend`)."""
+    setting = setting.fit(hw_shape, q.shape[2] - sum(global_tokens))
     return mita_attention(q, k, v, hw_shape, setting.pool_size, setting.topk,
                           setting.router_topk, num_prefix_tokens, setting.with_shared_expert,
                           setting.shared_scale, rel_pos_bias=rel_pos_bias,

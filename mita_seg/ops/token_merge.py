@@ -65,7 +65,8 @@ class MergePlan(NamedTuple):
 
 def merged_count(num_grid_tokens: int, ratio: float) -> int:
     """``r``: how many of ``num_grid_tokens`` grid tokens a merge at ``ratio`` removes,
-    ``floor(ratio * n)``, at most the ``ceil(n / 2)`` tokens of set A.
+    ``int(ratio * n)``, the product in floating point as ToMe's reference computes it
+    (``0.29 * 100`` gives 28), at most the ``ceil(n / 2)`` tokens of set A.
 
     Raises:
         ValueError: ``ratio`` outside ``[0, 0.5]``.
