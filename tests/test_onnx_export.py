@@ -237,6 +237,138 @@ def test_compare_layer_counts_flipped_ties():
     assert not c.ok and c.mismatched == 1 and c.max_diff > c.tolerance
 
 
+def test_compare_layer_nan_rows_never_pass():
+    # a NaN (or inf) row is a wrong graph whether its routing is clear or at a near-tie;
+    # NaN > tol is False, so counting "diff > tol" let such rows through
+    from mita_seg.apis.onnx_export import compare_layer
+    ref = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(0))
+    ties = torch.zeros(1, 2, 10, dtype=torch.bool)
+    ties[0, 1, 3] = True
+    out = ref.clone()
+    out[0, 1, 3, 0] = float('nan')                               # at a near-tie
+    c = compare_layer('layer', out, ref, ties)
+    assert not c.ok and (c.mismatched, c.flipped, c.nonfinite) == (1, 0, 1)
+    out = ref.clone()
+    out[0, 0, 5, 2] = float('inf')                               # routing clear
+    c = compare_layer('layer', out, ref, ties)
+    assert not c.ok and (c.mismatched, c.nonfinite) == (1, 1)
+    c = compare_layer('layer', ref * float('nan'), ref, ties)     # everything NaN
+    assert not c.ok and c.mismatched == c.rows == 20
+    with pytest.raises(OnnxExportError, match='a wrong graph'):   # [B, H, N, d] mixed up
+        compare_layer('layer', ref.transpose(1, 2), ref, ties)
+
+
+def test_onnx_check_near_ties_are_no_free_pass():
+    # routing: beyond float32 rounding end to end, near-ties in MiTA calls explain the
+    # difference only where the graph around MiTA agrees with MiTA's node replaced by the
+    # stand-in; NaN logits never pass, near-ties or not
+    from mita_seg.apis.onnx_export import LayerCheck, OnnxCheck, StandInCheck
+    layers = (LayerCheck('attn', 2056, 2, 0, 0, 3e-7, 7.7e-5), )
+    clean = OnnxCheck('routing', 9e-6, 9.0, 1.0, 150, layers)
+    assert clean.ok and clean.stand_in is None and not clean.needs_stand_in
+    far = OnnxCheck('routing', 1.1, 9.0, 0.856, 150, layers)    # the wrong GELU's figures
+    assert far.needs_stand_in and not far.ok                       # unchecked: refused
+    assert far._replace(stand_in=StandInCheck(4e-6, 9.0, 1.0)).ok  # only a flip differs
+    wrong = far._replace(stand_in=StandInCheck(0.7, 9.0, 0.92))
+    assert not wrong.ok and 'outside MiTA' in wrong.problem(), wrong.problem()
+    nan_stand_in = far._replace(stand_in=StandInCheck(float('nan'), 9.0, 0.0, (5, 0)))
+    assert not nan_stand_in.ok
+    nan = OnnxCheck('routing', float('nan'), 9.0, 0.0, 150, layers, nonfinite=(2457600, 0))
+    assert not nan.ok and not nan.needs_stand_in and 'NaN' in nan.problem()
+    assert not nan._replace(level='strict').ok
+    ref_nan = OnnxCheck('routing', float('nan'), 9.0, 0.0, 150, layers, nonfinite=(0, 7))
+    assert not ref_nan.ok and "PyTorch's own logits" in ref_nan.problem()
+    # no near-tie: nothing to explain a difference, as before
+    untied = OnnxCheck('routing', 1.1, 9.0, 0.856, 150, (layers[0]._replace(ties=0), ))
+    assert not untied.needs_stand_in and not untied.ok
+
+
+def test_onnx_session_errors_are_export_errors(tmp_path):
+    # ONNX Runtime's own errors (a file it cannot load, a graph that fails to run) are the
+    # export's error, one line, not a raw traceback of onnxruntime's classes
+    from onnx import TensorProto, helper
+
+    from mita_seg.apis.onnx_export import onnx_session, run_session
+    junk = tmp_path / 'junk.onnx'
+    junk.write_bytes(b'not a model')
+    with pytest.raises(OnnxExportError, match='cannot load'):
+        onnx_session(str(junk))
+    x = helper.make_tensor_value_info('x', TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info('y', TensorProto.FLOAT, None)
+    shape = helper.make_tensor('shape', TensorProto.INT64, [1], [3])   # 4 values into 3
+    graph = helper.make_graph([helper.make_node('Reshape', ['x', 'shape'], ['y'])], 'g',
+                              [x], [y], [shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 18)])
+    model.ir_version = 8
+    path = tmp_path / 'reshape.onnx'
+    onnx.save(model, str(path))
+    sess = onnx_session(str(path))
+    with pytest.raises(OnnxExportError, match='fails to run'):
+        run_session(sess, {'x': torch.zeros(4).numpy()}, str(path))
+
+
+def test_opsets_the_installed_packages_support():
+    # the range is derived from onnx, onnxscript's version converter and onnxruntime; the
+    # export refuses outside it before building anything, naming the package that bounds it
+    from mita_seg.apis import onnx_export
+    limits = dict(onnx_export.opset_limits())
+    top = onnx_export.max_opset()
+    assert top == min(limits.values()) >= onnx_export.MIN_OPSET
+    assert top <= onnx.defs.onnx_opset_version()
+    for opset in (onnx_export.MIN_OPSET - 1, top + 1):
+        with pytest.raises(OnnxExportError, match=f'--opset {opset}: '):
+            onnx_export.export_onnx(TINY_SEGMENTER, 'no-such.pth', 'never.onnx', opset=opset)
+    with pytest.raises(OnnxExportError, match='goes up to opset') as err:
+        onnx_export.check_opset(top + 1)
+    assert f'give --opset {onnx_export.MIN_OPSET} to {top}' in str(err.value)
+
+
+def test_export_module_verifies_the_declared_opset(tmp_path):
+    # above onnxscript's version converter the exporter fell back on onnx's, which fails on
+    # GELU and left a file declaring opset 18 with opset-20 operators: read back, refused
+    from mita_seg.apis.onnx_export import export_module, max_opset, verify_onnx
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).eval()
+    path = str(tmp_path / 'gelu.onnx')
+    export_module(module, (torch.zeros(1, 4), ), path, 18, {}, ['x'], ['y'], 'a test')
+    with pytest.raises(OnnxExportError, match='wrote opset 18, not the opset 20'):
+        verify_onnx(path, 20)
+    with pytest.raises(OnnxExportError, match='opset'):
+        export_module(module, (torch.zeros(1, 4), ), str(tmp_path / 'o.onnx'),
+                      max_opset() + 1, {}, ['x'], ['y'], 'a test')
+    # a file the checker refuses (an operator the opset does not have)
+    model = onnx.load(path)
+    model.graph.node[0].op_type = 'NoSuchOp'
+    onnx.save(model, path)
+    with pytest.raises(OnnxExportError, match="checker"):
+        verify_onnx(path, 18)
+
+
+def test_atomic_path_fsyncs_what_another_writer_wrote(tmp_path, monkeypatch):
+    # torch.onnx writes the temporary file itself, without fsync: atomic_path syncs its
+    # bytes before the rename makes them the file (and the directory after)
+    from mita_seg.engine import atomic_io
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def logged_fsync(fd):
+        events.append(('fsync', os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def logged_replace(src, dst):
+        events.append(('replace', os.stat(src).st_ino))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, 'fsync', logged_fsync)
+    monkeypatch.setattr(os, 'replace', logged_replace)
+    with atomic_io.atomic_path(tmp_path / 'm.onnx', suffix='.onnx.part') as tmp:
+        with open(tmp, 'wb') as f:   # no flush, no fsync: as the exporter writes
+            f.write(b'onnx')
+    ino = os.stat(tmp_path / 'm.onnx').st_ino
+    assert ('fsync', ino) in events, events
+    assert events.index(('fsync', ino)) < events.index(('replace', ino)), events
+    assert events[-1] == ('fsync', os.stat(tmp_path).st_ino), events     # the directory
+
+
 def wrong_table(factor):
     """MiTA's translation with the shared logits' scale multiplied by ``factor``: a wrong
     graph (the exporter reads the translation's signature, which ``functools.wraps``
@@ -415,7 +547,7 @@ def test_export_onnx_bad_input(tiny_ckpts, tools, tmp_path):
     seg = tiny_ckpts['segmenter']
     out = tmp_path / 'x.onnx'
     # an argument wrong on its own: one error line (no usage block), exit 2
-    for args in (['--shape', '0', '64'], ['--opset', '17'],
+    for args in (['--shape', '0', '64'], ['--opset', '17'], ['--opset', '99'],
                  ['--swap-attn', 'none', '--mita-cfg', 'topk=4']):
         code, text = tools('tools/export_onnx.py', TINY_SEGMENTER, seg, '--out', out, *args,
                            check=False)
@@ -473,6 +605,108 @@ def test_export_onnx_wrong_translation_is_caught(factor, tiny_ckpts, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def gelu_table(wrong):
+    """MiTA's translation, and ``aten.gelu`` translated wrongly outside MiTA: as SiLU
+    (``'silu'``) or as NaN (``'nan'``)."""
+    import numpy as np
+    import onnx_ir as ir
+    from onnxscript import FLOAT
+    from onnxscript import opset18 as op
+
+    def silu(x: FLOAT, approximate: str = 'none') -> FLOAT:
+        return op.Mul(x, op.Sigmoid(x))
+
+    def nan(x: FLOAT, approximate: str = 'none') -> FLOAT:
+        return op.Mul(x, op.Constant(value=ir.tensor(np.array(np.nan, np.float32))))
+
+    gelu = dict(silu=silu, nan=nan)[wrong]
+    return {**mita_translation_table(), torch.ops.aten.gelu.default: gelu}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('wrong,match', [
+    ('silu', 'disagrees with PyTorch outside MiTA: with MiTA\'s node replaced by the same '
+             'deterministic stand-in'),
+    ('nan', 'logits hold .* NaN or infinite values where PyTorch\'s are finite'),
+])
+def test_export_onnx_wrong_graph_outside_mita_is_caught(wrong, match, tiny_ckpts, tmp_path):
+    # the MiTA-trained UperNet has query rows at near-ties (2 of 2056): they used to excuse
+    # any end-to-end difference, a GELU exported as SiLU (max diff 1.1, 86% of the classes)
+    # and all-NaN logits included. Near-ties explain nothing around MiTA: the graph with
+    # MiTA's node replaced by a stand-in on both sides must agree, and NaN never passes
+    from mita_seg.apis import onnx_export
+    out = tmp_path / 'm.onnx'
+    checks = []
+    check_onnx = onnx_export.check_onnx
+
+    def kept(*args, **kwargs):
+        checks.append(check_onnx(*args, **kwargs))
+        return checks[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(onnx_export, 'check_onnx', kept)
+        with pytest.raises(OnnxExportError, match=match):
+            onnx_export.export_onnx(TINY_UPERNET, tiny_ckpts['upernet'], str(out),
+                                    table=gelu_table(wrong))
+    assert checks[0].ties > 0 and all(layer.ok for layer in checks[0].layers)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_export_onnx_nan_translation_is_caught(tiny_ckpts, tmp_path):
+    # MiTA's translation with its output multiplied by NaN: every row of every call is NaN,
+    # near-tie or not: refused in the calls themselves, nothing written
+    import numpy as np
+    import onnx_ir as ir
+    from onnxscript import opset18 as op
+
+    from mita_seg.apis import export_onnx
+    (key, right), = mita_translation_table().items()
+
+    @functools.wraps(right)
+    def nan(*args, **kwargs):
+        return op.Mul(right(*args, **kwargs),
+                      op.Constant(value=ir.tensor(np.array(np.nan, np.float32))))
+
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError, match='NaN or infinite .* a wrong graph'):
+        export_onnx(TINY_UPERNET, tiny_ckpts['upernet'], str(out), table={key: nan})
+    assert os.listdir(tmp_path) == []
+
+
+def beit_checkpoint(path):
+    """Random weights of the tiny BEiT UperNet (no pretrained file), and its config."""
+    from mita_seg.apis import load_config
+    cfg = load_config(TINY_BEIT)
+    cfg.model.pop('pretrained', None)
+    cfg.model.backbone.init_cfg = None
+    return cfg, random_checkpoint(cfg, path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('which', ['upernet', 'beit'])
+def test_stand_in_graph_agrees_on_honest_models(which, tiny_ckpts, tmp_path):
+    # the graph around MiTA, MiTA's node a stand-in on both sides (with BEiT's relative
+    # position bias table read by it): within float32 rounding, every MiTA call replaced
+    # (no TopK of MiTA's routing left in the graph)
+    from mita_seg.apis import init_model
+    from mita_seg.apis.onnx_export import SegLogits, _check_stand_in
+    if which == 'beit':
+        cfg, ckpt = beit_checkpoint(tmp_path / 'beit.pth')
+        model, shape = init_model(cfg, ckpt, mita_cfg={}), (256, 256)
+    else:
+        model, shape = init_model(TINY_UPERNET, tiny_ckpts['upernet']), (128, 128)
+    module = SegLogits(model, shape).eval()
+    img = torch.randn(1, 3, *shape, generator=torch.Generator().manual_seed(0))
+    workdir = tmp_path / 'work'
+    workdir.mkdir()
+    r = _check_stand_in(module, img, mita_translation_table(), 18, str(workdir))
+    assert r.ok and r.nonfinite == (0, 0) and r.max_diff < 1e-4 * (1 + r.max_ref), r
+    assert r.class_agreement == 1.0
+    ops = {n.op_type for n in onnx.load(str(workdir / 'stand_in.onnx')).graph.node}
+    assert 'TopK' not in ops and 'Sigmoid' in ops, ops
+
+
 @pytest.mark.slow
 def test_export_onnx_global_tokens_routed_is_caught(tiny_ckpts, tmp_path):
     # a translation that routes the head's class tokens instead of treating them as global
@@ -491,6 +725,54 @@ def test_export_onnx_global_tokens_routed_is_caught(tiny_ckpts, tmp_path):
         export_onnx(TINY_SEGMENTER, tiny_ckpts['segmenter'], str(out),
                     mita_cfg=dict(pool_size=3, topk=12, include_head=True),
                     table={key: routed})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_export_onnx_external_data_beside_out(tiny_ckpts, tmp_path, monkeypatch):
+    # weights over torch's large-model threshold (1.5 GiB; BEiT-L UperNet) go to an
+    # external data file: lowered to 0 here. The file names its data by the final name,
+    # both are moved whole with the umask, and ORT runs the file from where it lies; a
+    # failing check leaves neither
+    import torch.onnx._internal.exporter._onnx_program as program
+    from mita_seg.apis import onnx_export
+    monkeypatch.setattr(program, '_LARGE_MODEL_THRESHOLD', 0)
+    out = tmp_path / 'm.onnx'
+    old = os.umask(0o027)
+    try:
+        r = onnx_export.export_onnx(TINY_UPERNET, tiny_ckpts['upernet'], str(out))
+    finally:
+        os.umask(old)
+    assert r.ok and r.data == str(out) + '.data'
+    assert sorted(os.listdir(tmp_path)) == ['m.onnx', 'm.onnx.data']
+    for f in ('m.onnx', 'm.onnx.data'):
+        assert os.stat(tmp_path / f).st_mode & 0o777 == 0o640, f
+    model = onnx.load(str(out), load_external_data=False)
+    places = {e.value for t in model.graph.initializer for e in t.external_data
+              if e.key == 'location'}
+    assert places == {'m.onnx.data'}, places
+    got, ref = ort_vs_pytorch(str(out), TINY_UPERNET, tiny_ckpts['upernet'], (128, 128))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # a check that fails: nothing new, neither file of the failed export left behind
+    monkeypatch.setattr(onnx_export, 'ATOL', -1.0)
+    with pytest.raises(OnnxExportError, match='disagrees'):
+        onnx_export.export_onnx(TINY_UPERNET, tiny_ckpts['upernet'],
+                                str(tmp_path / 'n.onnx'), check='strict')
+    assert sorted(os.listdir(tmp_path)) == ['m.onnx', 'm.onnx.data']
+
+
+@pytest.mark.slow
+def test_export_onnx_check_none_verifies_the_opset(tiny_ckpts, tmp_path, monkeypatch):
+    # an opset past onnxscript's version converter (allowed here by a raised bound): the
+    # exporter leaves opset 18 with newer operators; even unchecked, the file is read back
+    # and refused, nothing written
+    from mita_seg.apis import onnx_export
+    top = onnx_export.max_opset()
+    monkeypatch.setattr(onnx_export, 'max_opset', lambda: top + 5)
+    out = tmp_path / 'm.onnx'
+    with pytest.raises(OnnxExportError, match=f'wrote opset 18, not the opset {top + 1}'):
+        onnx_export.export_onnx(TINY_UPERNET, tiny_ckpts['upernet'], str(out),
+                                opset=top + 1, check='none')
     assert os.listdir(tmp_path) == []
 
 
@@ -527,6 +809,12 @@ def test_export_onnx_tool_at_crop(config, shape, seed, tools, tmp_path):
     assert f'float32 [1, 3, {shape}, {shape}]' in out and 'MiTA attention layers' in out
     assert 'check (routing)' in out and 'MiTA calls on their own q, k, v' in out
     assert "PyTorch's own noise floor (fused_cpu vs blocked backend)" in out
+    # beyond float32 rounding end to end, the graph around MiTA was checked with MiTA's
+    # node a stand-in on both sides, and agreed
+    import re
+    diff, tol = map(float, re.search(r'end to end max \|ORT - PyTorch\| = (\S+) \(float32 '
+                                     r'rounding (\S+)\)', out).groups())
+    assert ('around MiTA (its node a deterministic stand-in in both)' in out) == (diff > tol)
     assert sorted(os.listdir(tmp_path)) == ['model.onnx', 'model.pth']
     # against a PyTorch model built anew from the files, on the tool's input and another:
     # the classes agree (a flipped near-tie moves a few pixels, never the map)

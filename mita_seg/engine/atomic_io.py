@@ -62,10 +62,11 @@ def new_file_mode(filepath: Union[str, Path]) -> int:
 @contextlib.contextmanager
 def atomic_path(filepath: Union[str, Path], suffix: str = '.tmp') -> Iterator[str]:
     """A temporary path beside ``filepath`` to write to; when the block ends without an
-    exception it takes :func:`new_file_mode` and replaces ``filepath`` in one rename (the
-    directory ``fsync``-ed); otherwise it is removed and ``filepath`` is untouched.
-    Parent directories are created. A writer that opens the path itself (``torch.onnx.export``)
-    uses this; bytes in memory go through :func:`atomic_write_bytes`.
+    exception it takes :func:`new_file_mode`, is ``fsync``-ed (whoever wrote it) and replaces
+    ``filepath`` in one rename (the directory ``fsync``-ed); otherwise it is removed and
+    ``filepath`` is untouched. Parent directories are created. A writer that opens the path
+    itself (``torch.onnx.export``) uses this; bytes in memory go through
+    :func:`atomic_write_bytes`.
 
     Args:
         filepath (str | Path): the target.
@@ -79,6 +80,13 @@ def atomic_path(filepath: Union[str, Path], suffix: str = '.tmp') -> Iterator[st
     try:
         yield tmp
         os.chmod(tmp, new_file_mode(filepath))
+        # the bytes on disk before the rename makes them the file (the writer may not have
+        # synced them: a power cut would leave filepath empty or torn)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, filepath)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -42,7 +42,9 @@ from the table at the index mmseg's ``relative_position_index`` would hold.
 The package is in three parts, each importing only those before it. :mod:`.common` holds
 what both others need, with torch alone (the settings, the error, the landmarks' averaging
 matrices, the tile size, why a call cannot be translated); this module adds the routing-aware
-tie check and :func:`mita_translation_table`, and re-exports :mod:`.common`'s names;
+tie check, the check's stand-in for MiTA's node (:func:`stand_in_attention`,
+:func:`stand_in_table`) and :func:`mita_translation_table`, and re-exports :mod:`.common`'s
+names;
 :mod:`.graph` builds the graph, importing ``onnxscript`` at its top, and is imported only when a
 table is built (:func:`mita_translation_table`), so ``import mita_seg.ops.onnx`` works without
 onnxscript.
@@ -58,7 +60,8 @@ from .common import (FORMULATIONS, TIE_RTOL, OnnxExportError, onnx_block_size,
                      onnx_unsupported, pool_matrix)
 
 __all__ = ['OnnxExportError', 'FORMULATIONS', 'TIE_RTOL', 'pool_matrix',
-           'mita_translation_table', 'onnx_unsupported', 'onnx_block_size', 'routing_ties']
+           'mita_translation_table', 'onnx_unsupported', 'onnx_block_size', 'routing_ties',
+           'stand_in_attention', 'stand_in_table']
 
 
 def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],
@@ -116,6 +119,42 @@ def routing_ties(q: torch.Tensor, k: torch.Tensor, hw_shape: Tuple[int, int],
     return router_tie | chosen_tie.any(-1)
 
 
+def stand_in_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A deterministic, continuous stand-in for MiTA's output, which the export's check puts
+    in place of ``mita_seg::mita_attention`` in PyTorch and in ONNX (its ONNX graph:
+    :func:`stand_in_table`) to compare everything around MiTA's node strictly: each value
+    gated by its query's agreement with the mean key,
+    ``v * sigmoid(q . mean_n(k) / sqrt(d) + mean(bias_table[h]))``. Not attention, but
+    every input is read (the projections that make ``q``, ``k``, ``v`` and the bias table
+    are all in the graph) and no decision can flip: two correct float32 implementations
+    agree within float32 rounding.
+
+    Args:
+        q, k, v (Tensor): ``[B, H, N, d]``, as the operator takes them.
+        bias_table (Tensor, optional): ``[H, T]``, the operator's relative position bias
+            table. Default: None.
+
+    Returns:
+        Tensor: ``[B, N, H, d]``, contiguous, as the operator returns it.
+    """
+    logit = (q * k.mean(2, keepdim=True)).sum(-1, keepdim=True) * q.shape[-1] ** -0.5
+    if bias_table is not None:
+        logit = logit + bias_table.mean(-1).view(1, -1, 1, 1)
+    return (v * torch.sigmoid(logit)).transpose(1, 2).contiguous()
+
+
+def _graph():
+    """:mod:`.graph`, or :class:`OnnxExportError` if onnxscript is missing."""
+    try:
+        from . import graph
+    except ImportError as e:
+        raise OnnxExportError(
+            f'exporting MiTA to ONNX needs onnxscript ({e}): pip install the versions '
+            'pinned in requirements.txt (onnx, onnxruntime, onnxscript)') from None
+    return graph
+
+
 def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] = None
                            ) -> Dict[Callable, Callable]:
     """The ``custom_translation_table`` that exports ``mita_seg::mita_attention``.
@@ -137,10 +176,19 @@ def mita_translation_table(formulation: str = 'tiles', tile_size: Optional[int] 
     if formulation not in FORMULATIONS:
         raise OnnxExportError(f'unknown formulation {formulation!r}; choose one of '
                               f'{FORMULATIONS}')
-    try:
-        from . import graph
-    except ImportError as e:
-        raise OnnxExportError(
-            f'exporting MiTA to ONNX needs onnxscript ({e}): pip install the versions '
-            'pinned in requirements.txt (onnx, onnxruntime, onnxscript)') from None
-    return graph.translation_table(formulation, tile_size)
+    return _graph().translation_table(formulation, tile_size)
+
+
+def stand_in_table(table: Optional[Dict[Callable, Callable]] = None
+                   ) -> Dict[Callable, Callable]:
+    """``table`` (None: none) with ``mita_seg::mita_attention`` translated as
+    :func:`stand_in_attention` (:func:`.graph.stand_in_translation`): the graph the export's
+    check compares with PyTorch's model under the same stand-in, to check everything around
+    MiTA's node strictly (every other entry of ``table`` is kept).
+
+    Raises:
+        OnnxExportError: ``onnxscript`` is not installed.
+    """
+    graph = _graph()
+    return {**(table or {}),
+            torch.ops.mita_seg.mita_attention.default: graph.stand_in_translation}

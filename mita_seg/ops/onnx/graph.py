@@ -24,7 +24,8 @@ from ..bias import table_size
 from ..blocked import num_tiles
 from .common import OnnxExportError, onnx_block_size, onnx_unsupported, pool_matrix
 
-__all__ = ['Call', 'Values', 'translation_table', 'mita_call_graph', 'mita_graph']
+__all__ = ['Call', 'Values', 'translation_table', 'stand_in_translation', 'mita_call_graph',
+           'mita_graph']
 
 
 @dataclass(frozen=True)
@@ -498,3 +499,22 @@ def translation_table(formulation: str = 'tiles', tile_size: Optional[int] = Non
         return op.Transpose(out, perm=[0, 2, 1, 3])     # [B, N, H, d], as the op returns
 
     return {torch.ops.mita_seg.mita_attention.default: translation}
+
+
+def stand_in_translation(q: FLOAT, k: FLOAT, v: FLOAT, h: int, w: int, ph: int, pw: int,
+                         topk: int, router_topk: int, num_prefix_tokens: int,
+                         with_shared_expert: bool, shared_scale: float, block_size: int,
+                         backend: str, bias_table: Optional[FLOAT] = None, window_h: int = 0,
+                         window_w: int = 0, global_prefix: int = 0, global_suffix: int = 0
+                         ) -> FLOAT:
+    """The graph of :func:`mita_seg.ops.onnx.stand_in_attention` with the operator's
+    signature (MiTA's settings unused): ``v * sigmoid(q . mean_n(k) / sqrt(d) +
+    mean(bias_table[h]))`` as ``[B, N, H, d]``."""
+    B, H, N, d = _static_shape(q)
+    logit = op.Mul(op.ReduceSum(op.Mul(q, op.ReduceMean(k, const([2]), keepdims=1)),
+                                const([-1]), keepdims=1),
+                   const(d ** -0.5, np.float32))                          # [B, H, N, 1]
+    if bias_table is not None:
+        logit = op.Add(logit, op.Reshape(op.ReduceMean(bias_table, const([-1]), keepdims=0),
+                                         const([1, H, 1, 1])))
+    return op.Transpose(op.Mul(v, op.Sigmoid(logit)), perm=[0, 2, 1, 3])
