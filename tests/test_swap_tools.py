@@ -203,6 +203,26 @@ def test_recorder_fractions(mita, never):
     assert len(rec.records) == 4
 
 
+def test_recorder_leaves_the_heads_global_class_tokens_out():
+    """A swapped Segmenter head's 150 class tokens are global (every query reads them; the
+    experts route over the 256 patch tokens): the recorder routes as the layer runs, over
+    the patches only, so one expert of one key leaves all but one patch unselected."""
+    torch.manual_seed(0)
+    model = MODELS.build(Config.fromfile(osp.join(
+        ROOT, 'configs', 'baselines', 'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py'
+    )).model).eval()
+    swap_attention(model, pool_size=1, topk=1, include_head=True, verbose=False)
+    with TokenSelectionRecorder(model) as rec, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        model(torch.randn(1, 3, 128, 128), mode='tensor')
+    head = [r for r in rec.records if r.name.startswith('decode_head')]
+    assert [r.name for r in head] == ['decode_head.layers.0.attn', 'decode_head.layers.1.attn']
+    for r in head:
+        assert r.selected.shape[-1] == 256 and r.num_prefix_tokens == 0
+        assert r.frac_never_selected == pytest.approx(1 - 1 / 256)
+        assert r.grid_map().shape[-2:] == (16, 16)
+
+
 def test_recorder_needs_mita():
     model = VisionTransformer(img_size=64, embed_dims=32, num_layers=1, num_heads=2)
     # no MiTA modules: say how to get them

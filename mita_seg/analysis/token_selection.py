@@ -5,7 +5,9 @@ Each routed expert ``m`` reads the ``k`` keys ``I_m`` with the largest landmark 
 shared expert, as part of the pooled values). :class:`TokenSelectionRecorder` hooks every
 :class:`~mita_seg.models.MiTAAttention` of a model, recomputes ``q, k`` from the layer input
 and ``attn.in_proj_weight`` exactly as the layer does, and takes the routing decisions from
-:func:`mita_seg.ops.mita_routing`, the function every MiTA backend routes with.
+:func:`mita_seg.ops.mita_routing`, the function every MiTA backend routes with. Global tokens
+(a swapped Segmenter head's class tokens) are left out of a layer's record: every query reads
+them, and the experts route over the other tokens, as the layer runs.
 
 Example::
 
@@ -25,6 +27,7 @@ import torch.nn as nn
 
 from mita_seg.ops import mita_routing
 from mita_seg.ops.bias import landmark_bias
+from mita_seg.ops.global_tokens import split_tokens
 from mita_seg.ops.routing import pair
 
 
@@ -76,10 +79,11 @@ class LayerSelection:
     Attributes:
         name (str): the module name in the model.
         hw_shape (tuple[int, int]): the patch grid of this call.
-        num_prefix_tokens (int): tokens before the grid (cls).
+        num_prefix_tokens (int): tokens before the grid (cls) that are not global.
         num_experts (int): ``M``.
-        topk (int): keys per expert used (clamped to N).
-        selected (Tensor): bool ``[B, H, N]``, selected by at least one routed expert.
+        topk (int): keys per expert used (clamped to the routed tokens).
+        selected (Tensor): bool ``[B, H, N]`` over the ``N`` routed tokens (the global ones
+            left out), selected by at least one routed expert.
         used (Tensor): bool ``[B, H, N]``, selected by an expert at least one query reads.
     """
     name: str
@@ -181,7 +185,7 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
     """Recompute the routing of ``module`` (a MiTA attention module) on its input
     ``query``, as its ``forward`` does."""
     from mita_seg.models import MiTABEiTAttention
-    bias = None
+    bias, global_tokens = None, (0, 0)
     if isinstance(module, MiTABEiTAttention):
         q, k, _, (h, w), p = module.project(query)
         bias = module.rel_pos_bias()
@@ -191,6 +195,13 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
         if not module.batch_first:
             query = query.transpose(0, 1)
         q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
+        global_tokens = kwargs.get('global_tokens')
+        if global_tokens is None:   # as the module's forward resolves them
+            global_tokens = ((0, 0) if module.grid is None
+                             else module.grid.global_tokens(q.shape[2], (h, w)))
+    if any(global_tokens):   # every query reads them; the experts route over the others
+        (q, _), (k, _) = split_tokens(q, global_tokens), split_tokens(k, global_tokens)
+        p -= global_tokens[0]
     s = module.setting_on(q.shape[2], (h, w), record=False)
     selected, used = selection_from_qk(q, k, (h, w), s.pool, s.topk, s.router_topk, p, bias)
     return LayerSelection(name, (h, w), p, s.num_experts, s.topk, selected.cpu(), used.cpu())
