@@ -182,6 +182,56 @@ def test_route_only_all_keys_with_bias_is_beit_attention(tmp_path):
                                atol=2e-6, rtol=1e-5)
 
 
+class MiTAStack(torch.nn.Module):
+    """``layers`` MiTA calls in a row, each with its own relative position bias table (a
+    parameter, as in BEiT's layers) or none."""
+
+    def __init__(self, hw, pool, topk, layers, bias, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.calls = torch.nn.ModuleList(
+            MiTACall(hw, pool, topk,
+                     table=torch.randn(2, table_size(hw), generator=g) if bias else None)
+            for _ in range(layers))
+
+    def forward(self, q, k, v):
+        for call in self.calls:
+            q = call(q, k, v)
+        return q
+
+
+def initializer_bytes(path, skip=()):
+    """``(total, [(bytes, name), ...] largest first)`` of the file's initializers, those
+    named in ``skip`` left out."""
+    from onnx import numpy_helper
+    sizes = sorted(((numpy_helper.to_array(t).nbytes, t.name)
+                    for t in onnx.load(str(path)).graph.initializer if t.name not in skip),
+                   reverse=True)
+    return sum(n for n, _ in sizes), sizes
+
+
+def test_bias_adds_no_constant_of_the_grid(tmp_path):
+    # The relative position bias adds constants of the landmarks' size to the file, none of
+    # the grid's, however many layers. The exporter's optimizer folded its box sums'
+    # indices (8 int64 [Ph, Pw, Wh, Ww] per layer) into the file, and from a table of up to
+    # 8192 values the float64 integral image or Bq and Bk themselves, layer by layer: 12.8
+    # MB of the tiny BEiT's 15.6 MB at 256 (here 37 KB at 8 x 8, 147 KB at 16 x 16)
+    added = {}
+    for hw in ((8, 8), (16, 16)):
+        q, k, v, _ = case_inputs(1, 2, 8, hw, 1, 0, False, seed=7)
+        consts = []
+        for bias in (False, True):
+            module = MiTAStack(hw, (4, 4), 8, 2, bias)
+            path = tmp_path / f'{hw[0]}-{bias}.onnx'
+            out = run_in_ort(module, (q, k, v), path)
+            params = {name for name, _ in module.named_parameters()}
+            consts.append(initializer_bytes(path, params))
+        added[hw] = consts[1][0] - consts[0][0]
+        with torch.no_grad():      # the two layers with their bias, as PyTorch runs them
+            torch.testing.assert_close(out, module(q, k, v), atol=1e-5, rtol=1e-5)
+    assert added[(16, 16)] <= added[(8, 8)] < 2048, (added, consts[1][1][:4])
+
+
 def test_pool_matrix_is_adaptive_avg_pool():
     x = torch.randn(3, 7, 10, dtype=torch.float64)
     P = torch.from_numpy(pool_matrix((7, 10), (3, 4))).double()
@@ -705,6 +755,24 @@ def test_stand_in_graph_agrees_on_honest_models(which, tiny_ckpts, tmp_path):
     assert r.class_agreement == 1.0
     ops = {n.op_type for n in onnx.load(str(workdir / 'stand_in.onnx')).graph.node}
     assert 'TopK' not in ops and 'Sigmoid' in ops, ops
+
+
+@pytest.mark.slow
+def test_export_onnx_beit_file_is_its_weights(tmp_path):
+    # the tiny BEiT on MiTA at 256 (4 layers, N = 1025, 7 x 7 landmarks): the file's
+    # initializers are its weights and little more. Its relative position bias stored 8
+    # int64 [7, 7, 32, 32] box-sum indices per layer: 15.0 MB of initializers for 1.6 MB of
+    # weights (BEiT-B at 1024: about 154 MB of indices)
+    from mita_seg.apis import export_onnx
+    _, ckpt = beit_checkpoint(tmp_path / 'beit.pth')
+    weights = sum(t.numel() * t.element_size()
+                  for t in torch.load(ckpt, map_location='cpu')['state_dict'].values()
+                  if t.is_floating_point())
+    out = tmp_path / 'beit.onnx'
+    r = export_onnx(TINY_BEIT, ckpt, str(out), mita_cfg={}, check='none')
+    assert r.mita_layers == 4 and r.data is None
+    total, sizes = initializer_bytes(out)
+    assert total < 1.25 * weights, (total, weights, sizes[:6])
 
 
 @pytest.mark.slow

@@ -37,7 +37,11 @@ that the tile logits need no transposed operand (10% slower).
 With a relative position bias the graph never forms the ``[H, N, N]`` bias: the landmarks'
 mean biases are box sums of the 2-D table (an integral image in float64, as
 :func:`mita_seg.ops.bias.landmark_bias` computes them), and each routed logit's bias is read
-from the table at the index mmseg's ``relative_position_index`` would hold.
+from the table at the index mmseg's ``relative_position_index`` would hold. Nothing of the
+grid's size is a constant of the file: the box sums' indices are built in the graph (separable
+reads, a ``Range`` per axis), and what is computed from the table is kept from the exporter's
+constant folding (:func:`.graph.unfolded`), so that a layer adds its table and constants of
+the landmarks' size; ONNX Runtime computes the landmarks' biases once, when it loads the file.
 
 The package is in three parts, each importing only those before it. :mod:`.common` holds
 what both others need, with torch alone (the settings, the error, the landmarks' averaging

@@ -142,44 +142,76 @@ def bias_index(qi, kj, Wh, Ww):
     return op.Where(op.And(q_cls, k_cls), const(T - 1), idx)
 
 
-def _box_sums(ii, H, Ww, a0, a1, b0, b1, shape):
-    """Sums over ``[a0, a1) x [b0, b1)`` of the table's offsets (``a*``: rows, ``b*``:
-    columns), four reads of the integral image ``ii`` (``[H, 2Wh 2Ww]``), as ``[H, *shape]``."""
-    def read(a, b):
-        idx = op.Add(const(a * (2 * Ww)), const(b))
-        return op.Gather(ii, op.Reshape(idx, const([-1])), axis=1)
-    s = op.Add(op.Sub(op.Sub(read(a1, b1), read(a0, b1)), read(a1, b0)), read(a0, b0))
-    return op.Reshape(s, const([H] + shape))
+def unfolded(x, dtype=np.float32):
+    """``x`` plus a scalar zero that onnxscript's optimizer never folds (it keeps every
+    ``ConstantOfShape``), so that it folds nothing computed from ``x`` into the file.
+    The optimizer folds a node whose inputs are constants of up to 8192 values (a small
+    bias table is one) into a constant of up to 512 x 512 values, stored per layer: the box
+    sums' indices, the table's float64 integral image, rows gathered from it. ONNX Runtime
+    folds the zero and all that follows it when it loads the file, so none of it runs per
+    inference. ``dtype``: ``x``'s numpy dtype."""
+    zero = op.ConstantOfShape(const([]), value=ir.tensor(np.zeros(1, dtype)))
+    return op.Add(x, zero)
+
+
+def _offsets(outer, inner):
+    """``outer[i] + inner[j]`` flattened, ``i`` major: ``[len(outer) len(inner)]``."""
+    return op.Reshape(op.Add(op.Unsqueeze(outer, const([1])), op.Unsqueeze(inner, const([0]))),
+                      const([-1]))
+
+
+def _box_sums(ii, a0, a1, b0, b1, A: Tuple[int, int], B: Tuple[int, int]):
+    """Sums over ``[a0, a1) x [b0, b1)`` of the table's offsets, four reads of the integral
+    image ``ii`` (``[H, 2Wh, 2Ww]``) in the reference's order (bit for bit its sums), as
+    ``[H, A1 B1, A2 B2]``. ``a*``: the ``[A1 A2]`` row offsets (``A = (A1, A2)``, ``A1``
+    major), ``b*``: the ``[B1 B2]`` column offsets. Separable: the rows are gathered first
+    (``[H, A1 A2, 2Ww]``), then their columns, so no index of one value per sum is formed."""
+    (A1, A2), (B1, B2) = A, B
+
+    def read(rows, b):
+        return op.Gather(rows, b, axis=2)                                     # [H, A, B]
+
+    R0, R1 = op.Gather(ii, a0, axis=1), op.Gather(ii, a1, axis=1)            # [H, A, 2Ww]
+    s = op.Add(op.Sub(op.Sub(read(R1, b1), read(R0, b1)), read(R1, b0)), read(R0, b0))
+    s = op.Transpose(op.Reshape(s, const([0, A1, A2, B1, B2])), perm=[0, 1, 3, 2, 4])
+    return op.Reshape(s, const([0, A1 * B1, A2 * B2]))
 
 
 def landmark_bias_graph(table, H, Wh, Ww, Ph, Pw):
     """``(Bq [H, M, N], Bk [H, N, M])`` of :func:`mita_seg.ops.bias.landmark_bias`: box
     sums over the 2-D table (an integral image in float64, four reads each), never the
-    ``[H, N, N]`` bias. The corner indices are sums of two small constants, broadcast
-    in the graph (no ``M N`` constant in the file)."""
+    ``[H, N, N]`` bias.
+
+    Nothing of the grid's size is a constant of the file: the reads are separable
+    (:func:`_box_sums`), their indices built in the graph from the regions' bounds
+    (``Ph``, ``Pw`` values) and a ``Range`` over each axis of the grid, and ``table``
+    (``[H, T]``) comes through :func:`unfolded` (:func:`landmark_scores`), as do the
+    ranges, so the exporter's optimizer folds neither the indices (it stored 8 int64
+    tensors of ``M N`` values per layer, 12.8 MB of the tiny BEiT's 15.6 MB at 256) nor the
+    table's integral image into the file. ONNX Runtime computes ``Bq`` and ``Bk`` once,
+    when it loads the file (all of it is constant there)."""
     T = table_size((Wh, Ww))
     t2 = op.Reshape(op.Cast(op.Slice(table, const([0]), const([T - 3]), const([1])),
                             to=11), const([H, 2 * Wh - 1, 2 * Ww - 1]))
     ii = op.CumSum(op.CumSum(t2, const(1)), const(2))
-    ii = op.Reshape(op.Pad(ii, const([0, 1, 1, 0, 0, 0])), const([H, -1]))  # [H, 2Wh 2Ww]
+    ii = op.Pad(ii, const([0, 1, 1, 0, 0, 0]))                                # [H, 2Wh, 2Ww]
     r0, r1 = (np.arange(Ph) * Wh) // Ph, -(-((np.arange(Ph) + 1) * Wh) // Ph)
     c0, c1 = (np.arange(Pw) * Ww) // Pw, -(-((np.arange(Pw) + 1) * Ww) // Pw)
-    y, x = np.arange(Wh), np.arange(Ww)
+    start = unfolded(const(0), np.int64)
+    y = op.Range(start, const(Wh), const(1))                                 # [Wh]
+    x = op.Range(start, const(Ww), const(1))                                 # [Ww]
     area = ((r1 - r0)[:, None] * (c1 - c0)[None, :]).reshape(-1).astype(np.float64)
     M = Ph * Pw
     # Bq: queries in region m (rows yi in [r0, r1)), key at (y, x): dy = yi - y.
-    bq = _box_sums(ii, H, Ww,
-                   (r0[:, None] - y[None] + Wh - 1).reshape(Ph, 1, Wh, 1),
-                   (r1[:, None] - y[None] + Wh - 1).reshape(Ph, 1, Wh, 1),
-                   (c0[:, None] - x[None] + Ww - 1).reshape(1, Pw, 1, Ww),
-                   (c1[:, None] - x[None] + Ww - 1).reshape(1, Pw, 1, Ww), [M, Wh * Ww])
+    ny, nx = op.Neg(y), op.Neg(x)
+    bq = _box_sums(ii, _offsets(const(r0 + Wh - 1), ny), _offsets(const(r1 + Wh - 1), ny),
+                   _offsets(const(c0 + Ww - 1), nx), _offsets(const(c1 + Ww - 1), nx),
+                   (Ph, Wh), (Pw, Ww))
     bq = op.Cast(op.Div(bq, const(area.reshape(1, M, 1), np.float64)), to=1)
     # Bk: query at (y, x), keys in region m (yj in [r0, r1)): dy = y - yj.
-    bk = _box_sums(ii, H, Ww,
-                   (y[:, None] - r1[None] + Wh).reshape(Wh, 1, Ph, 1),
-                   (y[:, None] - r0[None] + Wh).reshape(Wh, 1, Ph, 1),
-                   (x[:, None] - c1[None] + Ww).reshape(1, Ww, 1, Pw),
-                   (x[:, None] - c0[None] + Ww).reshape(1, Ww, 1, Pw), [Wh * Ww, M])
+    bk = _box_sums(ii, _offsets(y, const(Wh - r1)), _offsets(y, const(Wh - r0)),
+                   _offsets(x, const(Ww - c1)), _offsets(x, const(Ww - c0)),
+                   (Wh, Ph), (Ww, Pw))
     bk = op.Cast(op.Div(bk, const(area.reshape(1, 1, M), np.float64)), to=1)
     # cls: grid queries towards the cls key use token-to-cls (T - 2); the cls query
     # towards grid keys uses cls-to-token (T - 3).
@@ -236,6 +268,8 @@ def landmark_scores(c: Call, x: Values, bias_table) -> None:
     G = op.MatMul(x.q3, op.Transpose(op.Mul(R, const(c.shared_scale, np.float32)),
                                      perm=[0, 2, 1]))                       # [BH, N, M]
     if bias_table is not None:
+        # no copy of the table, nor anything computed from it, folded into the file
+        bias_table = unfolded(bias_table)
         Bq, Bk = landmark_bias_graph(bias_table, c.H, c.window_h, c.window_w, c.ph, c.pw)
         S = op.Reshape(op.Add(op.Reshape(S, const([c.B, c.H, M, N])), Bq), const([BH, M, N]))
         G = op.Reshape(op.Add(op.Reshape(G, const([c.B, c.H, N, M])), Bk), const([BH, N, M]))
