@@ -186,11 +186,11 @@ class MiTAStack(torch.nn.Module):
     """``layers`` MiTA calls in a row, each with its own relative position bias table (a
     parameter, as in BEiT's layers) or none."""
 
-    def __init__(self, hw, pool, topk, layers, bias, seed=0):
+    def __init__(self, hw, pool, topk, layers, bias, seed=0, router_topk=1):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.calls = torch.nn.ModuleList(
-            MiTACall(hw, pool, topk,
+            MiTACall(hw, pool, topk, router_topk,
                      table=torch.randn(2, table_size(hw), generator=g) if bias else None)
             for _ in range(layers))
 
@@ -230,6 +230,30 @@ def test_bias_adds_no_constant_of_the_grid(tmp_path):
         with torch.no_grad():      # the two layers with their bias, as PyTorch runs them
             torch.testing.assert_close(out, module(q, k, v), atol=1e-5, rtol=1e-5)
     assert added[(16, 16)] <= added[(8, 8)] < 2048, (added, consts[1][1][:4])
+
+
+@pytest.mark.parametrize('router_topk', [1, 2])
+def test_mita_adds_no_constant_of_the_grid(router_topk, tmp_path):
+    # A MiTA layer's constants do not grow with the grid (nor with B H): the pooling's
+    # two averaging matrices ([Ph, h], [Pw, w]) are all that does. The tiles' layout built
+    # its item numbers, a ones and a zeros tensor by Expand of small constants, which the
+    # exporter's optimizer folded into int64 constants of [BH, N r], [BH, N r] and [BH, L]
+    # per layer (the tiny BEiT: 236 KB of its 4 layers; BEiT-B at 1024: about 18 MB): here
+    # 26 KB at 8 x 8 and 67 KB at 16 x 16 with r = 1 (34 and 133 KB with r = 2), now under
+    # 1 KB at both
+    total, sizes = {}, {}
+    for hw in ((8, 8), (16, 16)):
+        q, k, v, _ = case_inputs(2, 2, 8, hw, 1, 0, False, seed=11)
+        module = MiTAStack(hw, (4, 4), 8, 2, False, router_topk=router_topk)
+        path = tmp_path / f'{hw[0]}.onnx'
+        out = run_in_ort(module, (q, k, v), path)
+        total[hw], sizes[hw] = initializer_bytes(path)
+        with torch.no_grad():      # the two layers, as PyTorch runs them
+            torch.testing.assert_close(out, module(q, k, v), atol=1e-5, rtol=1e-5)
+    grown = total[(16, 16)] - total[(8, 8)]
+    # the averaging matrices grow by at most 2 layers x 2 x 4 x 8 float32 (512 B; the
+    # exporter keeps one copy of equal constants: 128 B)
+    assert grown <= 1024 and total[(16, 16)] < 4096, (total, sizes[(16, 16)][:4])
 
 
 def test_pool_matrix_is_adaptive_avg_pool():

@@ -32,7 +32,12 @@ gathered again per tile; and (ONNX Runtime 1.32.0, AVX2 Zen 3) the router's ArgM
 one ``TopK(k=1)`` (slower than ArgMax + ReduceMax), items ranked within their experts by a
 cumulative sum over one-hot rows instead of a sort (the sort is cheap; the one-hot ops are
 not), and each expert's ``K^T`` gathered once and then per tile as whole ``[d, k]`` slices, so
-that the tile logits need no transposed operand (10% slower).
+that the tile logits need no transposed operand (10% slower). The layout's item numbers and
+its ones and zeros are built in the graph (a ``Range``, ``ConstantOfShape``), not folded into
+the file by the exporter: a layer's constants, but for the pooling's two averaging matrices,
+do not grow with the grid (the folded ``[B H, N r]`` and ``[B H, L]`` int64 tensors were
+236 KB of the tiny BEiT's file, about 18 MB of BEiT-B's at 1024); ONNX Runtime computes them
+once, when it loads the file.
 
 With a relative position bias the graph never forms the ``[H, N, N]`` bias: the landmarks'
 mean biases are box sums of the 2-D table (an integral image in float64, as

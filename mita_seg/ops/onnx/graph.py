@@ -154,6 +154,13 @@ def unfolded(x, dtype=np.float32):
     return op.Add(x, zero)
 
 
+def filled(shape, value, dtype=np.int64):
+    """A ``shape`` tensor of ``value`` (int64 unless ``dtype``): a ``ConstantOfShape``, which
+    onnxscript's optimizer never folds into the file (an ``Expand`` of a one-value constant
+    it folds, up to 512 x 512 values)."""
+    return op.ConstantOfShape(const(shape), value=ir.tensor(np.full(1, value, dtype)))
+
+
 def _offsets(outer, inner):
     """``outer[i] + inner[j]`` flattened, ``i`` major: ``[len(outer) len(inner)]``."""
     return op.Reshape(op.Add(op.Unsqueeze(outer, const([1])), op.Unsqueeze(inner, const([0]))),
@@ -339,15 +346,17 @@ def tile_layout(c: Call, items_e, T: int) -> TileLayout:
     NR = c.N * r
     L = num_tiles(NR, M, T) * T
     # Sort the items by expert (TopK on the unique key e * NR + item): an item's rank
-    # within its expert is its sorted position less the expert's start.
-    items = op.Expand(const(np.arange(NR).reshape(1, NR)), const([BH, NR]))
+    # within its expert is its sorted position less the expert's start. The item numbers,
+    # ones and zeros are built in the graph (a Range from an unfolded start, ConstantOfShape),
+    # so that the exporter's optimizer folds no [BH, NR] or [BH, L] constant into the file.
+    items = op.Expand(op.Unsqueeze(op.Range(unfolded(const(0), np.int64), const(NR),
+                                            const(1)), const([0])),
+                      const([BH, NR]))                                       # [BH, NR]
     _, order = op.TopK(op.Add(op.Mul(items_e, const(NR)), items), const([NR]), axis=-1,
                        largest=0, sorted=1)                                  # [BH, NR]
     position = op.ScatterElements(items, order, items, axis=1)              # inverse
-    count = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
-                                         const([BH, M])), items_e,
-                               op.Expand(const(np.ones((1, 1), np.int64)),
-                                         const([BH, NR])), axis=1, reduction='add')
+    count = op.ScatterElements(filled([BH, M], 0), items_e, filled([BH, NR], 1), axis=1,
+                               reduction='add')
     first = op.CumSum(count, const(1), exclusive=1)                          # [BH, M]
     rank = op.Sub(position, op.GatherElements(first, items_e, axis=1))       # [BH, NR]
     ntile = op.Div(op.Add(count, const(T - 1)), const(T))
@@ -357,9 +366,8 @@ def tile_layout(c: Call, items_e, T: int) -> TileLayout:
                        rank)                                                 # [BH, NR]
     used = op.ReduceMax(tile_end, keepdims=1)                                # [1, 1] tiles
     used_slots = op.Reshape(op.Mul(used, const(T)), const([1]))
-    slot_item = op.ScatterElements(op.Expand(const(np.zeros((1, 1), np.int64)),
-                                             const([BH, L])),
-                                   item_slot, items, axis=1)                 # [BH, L]
+    slot_item = op.ScatterElements(filled([BH, L], 0), item_slot, items,
+                                   axis=1)                                   # [BH, L]
     slot_item = op.Slice(slot_item, const([0]), used_slots, const([1]))      # [BH, Lu]
     slot_query = op.Div(slot_item, const(r)) if r > 1 else slot_item
     tile_ids = op.Range(const(0), op.Reshape(used, const([])), const(1))      # [NTu]
