@@ -260,6 +260,7 @@ def test_a_plan_checks_the_shapes_of_its_model(segmenter_ckpt, tmp_path, log_rec
                      '(tools/calibrate_swap.py) to have it checked'], records.messages
 
 
+@pytest.mark.slow   # the tool on mmseg's ViT-B (meta device), ~15 s; the check itself: above
 def test_get_flops_refuses_a_plan_for_another_model(tools, tmp_path):
     """The reviewer's case: a plan for Segmenter ViT-T counted on Segmenter ViT-B (the same
     14 layer names) is one error line naming both, exit 1; on ViT-T it is counted."""
