@@ -26,7 +26,7 @@ from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
 from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
-                             attention_layers, attention_shape, current_plan)
+                             check_plan_fits, current_plan)
 from mita_seg.utils import CheckpointMismatchError, load_local_checkpoint
 from .config import config_name, load_config, use_slim_inference
 from .model import init_model
@@ -161,10 +161,7 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     base = init_model(copy.deepcopy(cfg), checkpoint)  # strict
     exported = None
     if plan is not None:
-        layers = attention_layers(base)
-        plan.check_fits([name for name, _, _ in layers], config_name(config),
-                        {name: attention_shape(owner.layers[i].attn)
-                         for name, owner, i in layers}, config)
+        check_plan_fits(plan, base, config_name(config), config)
     else:
         # the exported model must run what `tools/test.py --mita-cfg` evaluates: where the
         # config's own settings make the two differ (a config that holds a plan, layers of

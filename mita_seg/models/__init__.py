@@ -20,10 +20,10 @@ from .fast_attention import (DENSE_ATTN_MODES, FastMultiheadAttention, check_den
                              dense_attn_of, set_dense_attn)
 from .grid import GridContext, GridMismatchError, guard_grids
 from .heads import MiTASegmenterMaskTransformerHead
-from .plan import PLAN_FORMAT, PlanError, SwapPlan, attention_shape
+from .plan import PLAN_FORMAT, PlanError, SwapPlan
 from .segmentors import SlimEncoderDecoder
-from .swap import (SWAP_RULES, NothingToSwapError, attention_layers, current_plan,
-                   swap_attention)
+from .swap import (SWAP_RULES, NothingToSwapError, attention_layers, check_plan_fits,
+                   current_plan, swap_attention)
 from .token_merge import NothingToMergeError, ToMeAttention, ToMeFFN, TokenMerger, merge_tokens
 
 register_safe_globals()
@@ -37,8 +37,8 @@ __all__ = [
     'MITA_KEYS', 'SETTING_KEYS', 'SETTING_DEFAULTS', 'SWAP_RULES', 'NothingToSwapError',
     'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',
-    'attention_shape',
-    'attention_layers', 'current_plan', 'use_dense', 'MiTASettingError', 'MiTASetting',
+    'attention_layers', 'check_plan_fits', 'current_plan', 'use_dense', 'MiTASettingError',
+    'MiTASetting',
     'DENSE_ATTN_MODES', 'FastMultiheadAttention', 'check_dense_attn', 'dense_attn_of',
     'set_dense_attn'
 ]

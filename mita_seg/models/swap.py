@@ -76,14 +76,37 @@ def current_plan(model: nn.Module, ran: bool = False) -> SwapPlan:
     return SwapPlan(layers)
 
 
+def check_plan_fits(plan: SwapPlan, model: nn.Module, what: Optional[str] = None,
+                    config: Optional[str] = None) -> List[Tuple[str, nn.Module, int]]:
+    """Check ``plan`` against ``model``'s :func:`attention_layers`, their names and the
+    shapes the plan records (:meth:`SwapPlan.check_fits`).
+
+    Args:
+        plan (SwapPlan): the plan.
+        model (nn.Module): the model it is applied to.
+        what (str, optional): the model, for messages. Default: its class name.
+        config (str, optional): its config, for messages. Default: ``model.cfg``'s file
+            (:func:`~mita_seg.apis.init_model` sets it), if any.
+
+    Returns:
+        list: ``model``'s :func:`attention_layers`.
+
+    Raises:
+        PlanError: the plan is for another model.
+    """
+    layers = attention_layers(model)
+    if config is None:
+        config = getattr(getattr(model, 'cfg', None), 'filename', None)  # init_model's
+    plan.check_fits([name for name, _, _ in layers], what or type(model).__name__,
+                    {name: attention_shape(owner.layers[i].attn) for name, owner, i in layers},
+                    config if isinstance(config, str) else None)
+    return layers
+
+
 def _apply_plan(model: nn.Module, plan: SwapPlan) -> Tuple[List[str], dict]:
     """Put each layer of ``plan`` on its setting; returns the layers now on MiTA and the
     dense ones (name -> why, for the log)."""
-    layers = attention_layers(model)
-    config = getattr(getattr(model, 'cfg', None), 'filename', None)  # init_model's
-    plan.check_fits([name for name, _, _ in layers], type(model).__name__,
-                    {name: attention_shape(owner.layers[i].attn) for name, owner, i in layers},
-                    config if isinstance(config, str) else None)
+    layers = check_plan_fits(plan, model)
     swapped, dense = [], {}
     for name, owner, i in layers:
         setting = plan.layers[name]
