@@ -10,7 +10,7 @@ current figures between ``<!-- bench-docs:current:begin/end -->``, a table per r
 another CPU is one more entry."""
 import json
 import os.path as osp
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from mita_seg.utils.doc_blocks import DocBlocks
 from mita_seg.utils.errors import InputError
@@ -53,6 +53,12 @@ def _source(record: dict, path: str) -> str:
             f"commit `{m.get('commit') or 'not recorded'}`.")
 
 
+# the keys of each level's timed rows (what tells a record's levels apart)
+_OP = ('times', 'pass_', 'macs')
+_MODEL = ('times', 'mode', 'image')
+_ONNX = ('kind', 'label', 'base', 'bound')
+
+
 def _levels(record: dict, keys: set) -> List[dict]:
     """The levels of ``record`` whose timed rows hold ``keys`` (an ONNX level's notes and
     skips aside)."""
@@ -68,7 +74,7 @@ def model_speed_table(record: dict, path: str) -> List[str]:
     Raises:
         InputError: ``record`` holds no model-level rows.
     """
-    levels = _levels(record, {'times', 'mode', 'image'})
+    levels = _levels(record, set(_MODEL))
     if not levels:
         raise InputError(f'{path} holds no model-level rows (a record of tools/benchmark.py '
                          '--level model --json): point MODEL_RECORD in '
@@ -103,7 +109,7 @@ def op_table(record: dict, path: str) -> List[str]:
            '| N | dtype | pass | SDPA ms | mmcv ms | MiTA ms | MiTA vs SDPA | MiTA vs mmcv | '
            'MiTA vs the faster | multiply-add ratio |',
            '|---:|---|---|---:|---:|---:|---:|---:|---:|---:|']
-    for level in _levels(record, {'times', 'pass_', 'macs'}):
+    for level in _levels(record, set(_OP)):
         for r in level['rows']:
             t = r['times']
             alts = [x for x in (t.get('SDPA'), t.get('mmcv')) if x]
@@ -122,7 +128,7 @@ def onnx_table(record: dict, path: str) -> List[str]:
     out = [_source(record, path), '',
            '| model, image | attention | img/s against the unswapped export | bound | '
            "MiTA's share of the bound |", '|---|---|---:|---:|---:|']
-    for level in _levels(record, {'kind', 'label', 'base', 'bound'}):
+    for level in _levels(record, set(_ONNX)):
         for r in level['rows']:
             if r['kind'] != 'row' or not r['label'].startswith('MiTA'):
                 continue
@@ -149,33 +155,42 @@ def _vs_sdpa(t: dict) -> Optional[float]:
     return t['SDPA'] / t['MiTA'] if t.get('SDPA') and t.get('MiTA') else None
 
 
-# issue 57's targets, each read from the rows of one level: (the level's keys, the target,
-# what is asked, the rows it reads, their value). The operator's bf16 targets are asked of
-# AMX Xeons only.
-TARGETS = (
-    (('times', 'mode', 'image'), 'model: ViT-B whole 1024, float32, share of the bound', 0.93,
-     lambda r: (r['name'] == 'segmenter-vit-b' and r['mode'] == 'whole' and r['N'] == 4097
-                and r['dtype'] == 'float32'), lambda r: _share(r['times'])),
-    (('times', 'mode', 'image'), 'model: ViT-B whole 1024, bfloat16, share of the bound', 0.93,
-     lambda r: (r['name'] == 'segmenter-vit-b' and r['mode'] == 'whole' and r['N'] == 4097
-                and r['dtype'] == 'bfloat16'), lambda r: _share(r['times'])),
-    (('kind', 'label', 'base', 'bound'), 'ONNX Runtime: ViT-B 512, MiTA 7:49, share of the '
-     'bound', 0.90, lambda r: (r['kind'] == 'row' and r['label'] == 'MiTA 7:49'
-                               and r['size'] == 512), _onnx_share),
-    (('kind', 'label', 'base', 'bound'), 'ONNX Runtime: ViT-B 1024, MiTA 7:49, share of the '
-     'bound', 0.90, lambda r: (r['kind'] == 'row' and r['label'] == 'MiTA 7:49'
-                               and r['size'] == 1024), _onnx_share),
-    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward, N = 1025, vs SDPA', 1.5,
-     lambda r: r['dtype'] == 'bfloat16' and r['N'] == 1025 and r['pass_'] == 'fwd',
-     lambda r: _vs_sdpa(r['times'])),
-    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward, N = 4097, vs SDPA', 6.0,
-     lambda r: r['dtype'] == 'bfloat16' and r['N'] == 4097 and r['pass_'] == 'fwd',
-     lambda r: _vs_sdpa(r['times'])),
-    (('times', 'pass_', 'macs'), 'operator (AMX): bfloat16 forward+backward, N = 1025, vs '
-     'SDPA', 2.5, lambda r: (r['dtype'] == 'bfloat16' and r['N'] == 1025
-                             and r['pass_'] == 'fwd+bwd'), lambda r: _vs_sdpa(r['times'])),
-)
+class Target(NamedTuple):
+    """One of issue 57's targets: the rows of a record that measure it and what is asked."""
+    what: str                     # as the table words it
+    keys: Tuple[str, ...]         # the keys of its level's rows (LEVEL_TABLES)
+    where: Dict[str, Any]         # the values of the rows it reads
+    asked: float
+    value: Callable[[dict], Optional[float]]
+    share: bool                   # a share of the bound (shown in %), else a ratio (x)
+    amx_only: bool = False        # asked of AMX Xeons only
 
+    def reads(self, row: dict) -> bool:
+        return all(k in row for k in self.keys) and all(
+            row.get(k) == v for k, v in self.where.items())
+
+
+_VIT_B_1024 = dict(name='segmenter-vit-b', mode='whole', N=4097)
+_ONNX_ROW = dict(kind='row', label='MiTA 7:49')
+TARGETS = (
+    Target('model: ViT-B whole 1024, float32, share of the bound', _MODEL,
+           dict(_VIT_B_1024, dtype='float32'), 0.93, lambda r: _share(r['times']), True),
+    Target('model: ViT-B whole 1024, bfloat16, share of the bound', _MODEL,
+           dict(_VIT_B_1024, dtype='bfloat16'), 0.93, lambda r: _share(r['times']), True),
+    Target('ONNX Runtime: ViT-B 512, MiTA 7:49, share of the bound', _ONNX,
+           dict(_ONNX_ROW, size=512), 0.90, _onnx_share, True),
+    Target('ONNX Runtime: ViT-B 1024, MiTA 7:49, share of the bound', _ONNX,
+           dict(_ONNX_ROW, size=1024), 0.90, _onnx_share, True),
+    Target('operator (AMX): bfloat16 forward, N = 1025, vs SDPA', _OP,
+           dict(dtype='bfloat16', N=1025, pass_='fwd'), 1.5, lambda r: _vs_sdpa(r['times']),
+           False, True),
+    Target('operator (AMX): bfloat16 forward, N = 4097, vs SDPA', _OP,
+           dict(dtype='bfloat16', N=4097, pass_='fwd'), 6.0, lambda r: _vs_sdpa(r['times']),
+           False, True),
+    Target('operator (AMX): bfloat16 forward+backward, N = 1025, vs SDPA', _OP,
+           dict(dtype='bfloat16', N=1025, pass_='fwd+bwd'), 2.5,
+           lambda r: _vs_sdpa(r['times']), False, True),
+)
 
 # the runs of tools/benchmark.py that measure TARGETS on a CPU (tools/bench_targets.py), the
 # commands of the AMX Xeon's records: a record each, <date>_<cpu tag>_<name>.json
@@ -207,30 +222,26 @@ def targets_table(records: List[tuple]) -> List[str]:
         cpu = record['machine']['cpu']
         amx = 'AMX' in cpu and 'no AMX' not in cpu
         bf16_units = amx or 'BF16' in cpu
-        for keys, what, asked, pick, value in TARGETS:
-            if what.startswith('operator (AMX)') and not amx:
+        for t in TARGETS:
+            if t.amx_only and not amx:
                 continue
-            for level in _levels(record, set(keys)):
-                for r in level['rows']:
-                    if not all(k in r for k in keys) or not pick(r):
-                        continue
-                    got = value(r)
-                    share = 'share' in what
-                    shown = 'n/a' if got is None else f'{got:.1%}' if share else f'{got:.2f}x'
-                    met = ('n/a' if got is None else 'met' if got >= asked - 1e-9
+            for level in _levels(record, set(t.keys)):
+                for r in filter(t.reads, level['rows']):
+                    got = t.value(r)
+                    shown = ('n/a' if got is None else f'{got:.1%}' if t.share
+                             else f'{got:.2f}x')
+                    met = ('n/a' if got is None else 'met' if got >= t.asked - 1e-9
                            else '**not met**')
-                    if 'bfloat16' in what and not bf16_units and got is not None:
+                    if t.where.get('dtype') == 'bfloat16' and not bf16_units and got is not None:
                         met += ' (bf16 emulated: no bf16 units)'
-                    need = f'>= {asked:.0%}' if share else f'>= {asked:g}x'
-                    out.append(f'| {_cpu_name(cpu)} | {what} | {need} | {shown} | {met} | '
+                    need = f'>= {t.asked:.0%}' if t.share else f'>= {t.asked:g}x'
+                    out.append(f'| {_cpu_name(cpu)} | {t.what} | {need} | {shown} | {met} | '
                                f'`{osp.basename(path)}` |')
     return out
 
 
 # the levels docs/benchmark.md tables: a row's keys say which it is
-LEVEL_TABLES = ((('times', 'pass_', 'macs'), op_table),
-                (('times', 'mode', 'image'), model_speed_table),
-                (('kind', 'label', 'base', 'bound'), onnx_table))
+LEVEL_TABLES = ((_OP, op_table), (_MODEL, model_speed_table), (_ONNX, onnx_table))
 
 
 def level_table(record: dict, path: str) -> List[str]:
@@ -251,18 +262,22 @@ def level_table(record: dict, path: str) -> List[str]:
                      'out of CURRENT_RECORDS in mita_seg/benchmark/docs.py')
 
 
+def _load(path: str, fix: str) -> dict:
+    """The JSON at ``path``; an :class:`InputError` ending with ``fix`` if it cannot be read."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f'{path} cannot be read ({e}): {fix}') from None
+
+
 def read_record(path: str) -> dict:
     """A record of ``tools/benchmark.py --json``.
 
     Raises:
         InputError: the file cannot be read as JSON, or holds no ``machine``.
     """
-    try:
-        with open(path, encoding='utf-8') as f:
-            record = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f'{path} cannot be read as a record ({e}): give the --json file of '
-                         'a tools/benchmark.py run') from None
+    record = _load(path, 'give the --json file of a tools/benchmark.py run')
     if not isinstance(record, dict) or 'machine' not in record:
         raise InputError(f'{path} is no record of tools/benchmark.py --json (no "machine"): '
                          'give the --json file of a run')
@@ -270,12 +285,8 @@ def read_record(path: str) -> dict:
 
 
 def _read(root: str, rel: str) -> dict:
-    try:
-        with open(osp.join(root, rel), encoding='utf-8') as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f'{rel} cannot be read ({e}): restore it (git checkout -- {rel}) or '
-                         'name another record in mita_seg/benchmark/docs.py') from None
+    return _load(osp.join(root, rel), f'restore it (git checkout -- {rel}) or name another '
+                 'record in mita_seg/benchmark/docs.py')
 
 
 def _current(root: str) -> List[str]:
