@@ -58,8 +58,7 @@ class AttentionMacCounter:
                 grid, glob = module.grid_shape(N), (0, 0)
             else:
                 grid, _ = module.token_layout(N, kwargs.get('hw_shape'))
-                glob = kwargs.get('global_tokens') or (
-                    module.grid.global_tokens(N, grid) if module.grid is not None else (0, 0))
+                glob = module.global_tokens_of(N, grid, kwargs.get('global_tokens'))
             # global tokens (a swapped Segmenter head's class tokens): MiTA's, exact both
             # ways; every other kind takes the tokens off the grid as global
             T = sum(glob) if module.setting.is_mita else N - grid[0] * grid[1]

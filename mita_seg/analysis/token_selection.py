@@ -195,10 +195,7 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
         if not module.batch_first:
             query = query.transpose(0, 1)
         q, k, _, (h, w), p = module.project(query, kwargs.get('hw_shape'))
-        global_tokens = kwargs.get('global_tokens')
-        if global_tokens is None:   # as the module's forward resolves them
-            global_tokens = ((0, 0) if module.grid is None
-                             else module.grid.global_tokens(q.shape[2], (h, w)))
+        global_tokens = module.global_tokens_of(q.shape[2], (h, w), kwargs.get('global_tokens'))
     if any(global_tokens):   # every query reads them; the experts route over the others
         (q, _), (k, _) = split_tokens(q, global_tokens), split_tokens(k, global_tokens)
         p -= global_tokens[0]

@@ -238,6 +238,15 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             p = self.num_prefix_tokens
         return resolve_grid(num_tokens, p, hw_shape), p
 
+    def global_tokens_of(self, num_tokens: int, hw_shape: Tuple[int, int],
+                         given: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+        """The ``(prefix, suffix)`` global tokens of a forward over ``num_tokens`` tokens on
+        a ``hw_shape`` grid: ``given`` (its ``global_tokens``), else the grid context's (a
+        swapped Segmenter head's class tokens), else none."""
+        if given is not None:
+            return given
+        return (0, 0) if self.grid is None else self.grid.global_tokens(num_tokens, hw_shape)
+
     def project(self, query: torch.Tensor, hw_shape: Optional[Tuple[int, int]] = None):
         """Heads and grid of ``query`` (``[B, N, C]``, batch first).
 
@@ -294,8 +303,7 @@ class MiTAAttention(MiTASettingsMixin, MultiheadAttention):
             query = query.transpose(0, 1)
         B, N, C = query.shape
         q, k, v, (h, w), p = self.project(query, hw_shape)
-        if global_tokens is None:
-            global_tokens = (0, 0) if self.grid is None else self.grid.global_tokens(N, (h, w))
+        global_tokens = self.global_tokens_of(N, (h, w), global_tokens)
         # MiTA's experts' keys: the tokens that are not global
         setting = self.setting_on(N - sum(global_tokens), (h, w))
         x = attend(setting, q, k, v, (h, w), p, global_tokens)              # [B, H, N, d]
