@@ -17,7 +17,7 @@ from .flop_handles import CONVENTION
 
 __all__ = [
     'slide_crops', 'inference_crops', 'build_segmentor', 'decode_head_called_as_module',
-    'FlopComparison', 'SegmentorFlops', 'default_shape', 'test_inputs'
+    'FlopComparison', 'SegmentorFlops', 'crop_size', 'default_shape', 'test_inputs'
 ]
 
 
@@ -69,10 +69,16 @@ def _hw(shape, name: str) -> Tuple[int, int]:
     return h, w
 
 
+def crop_size(cfg):
+    """The config's crop size, where it sets one (``crop_size``, else
+    ``model.test_cfg.crop_size``); else None."""
+    return cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+
+
 def default_shape(cfg) -> Tuple[int, int]:
-    """The shape ``tools/get_flops.py`` counts by default: the config's crop size
-    (``crop_size``, else ``test_cfg.crop_size``), else 512x512."""
-    crop = cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+    """The shape ``tools/get_flops.py`` counts by default: the config's :func:`crop_size`,
+    else 512x512."""
+    crop = crop_size(cfg)
     return tuple(crop) if crop else (512, 512)
 
 

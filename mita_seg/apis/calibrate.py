@@ -579,10 +579,8 @@ def _default_shape(cfg: Config) -> Tuple[int, int]:
 
 
 def _crop_size(cfg: Config):
-    """The config's crop size, where it sets one (``crop_size``, else
-    ``model.test_cfg.crop_size``, as :func:`~mita_seg.analysis.segmentor_cost.default_shape`
-    reads it); else None (that counts at its default, 512x512)."""
-    return cfg.get('crop_size') or cfg.model.get('test_cfg', {}).get('crop_size')
+    from mita_seg.analysis.segmentor_cost import crop_size
+    return crop_size(cfg)
 
 
 def calibrate_swap(config,
