@@ -107,6 +107,63 @@ def test_class_names_without_checkpoint_meta(segmenter_ckpt, tmp_path):
     assert len(model.dataset_meta['classes']) == 150              # the config's dataset
 
 
+def test_class_names_of_the_config_dataset():
+    from mita_seg.apis.model import dataset_meta
+    cfg = load_config(osp.join(ROOT, 'configs', 'baselines',
+                               'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py'))
+    # a custom dataset gives its classes in the config (mmseg's BaseSegDataset + metainfo),
+    # not in a class: those names, not none (show_result_pyplot then failed on None)
+    cfg.test_dataloader.dataset.type = 'BaseSegDataset'
+    cfg.test_dataloader.dataset.metainfo = dict(classes=('road', 'car'),
+                                                palette=[[1, 2, 3], [4, 5, 6]])
+    assert dataset_meta(cfg, None) == dict(classes=('road', 'car'),
+                                           palette=[[1, 2, 3], [4, 5, 6]])
+    # a subset of ADE20K's classes in the config: those, with their palette (mmseg's rule),
+    # not ADE20K's 150 names
+    cfg.test_dataloader.dataset.type = 'ADE20KDataset'
+    cfg.test_dataloader.dataset.metainfo = dict(classes=('wall', 'sky'))
+    meta = dataset_meta(cfg, None)
+    assert meta['classes'] == ('wall', 'sky')
+    assert meta['palette'] == [[120, 120, 120], [6, 230, 230]]
+    # classes without a palette: mmseg's seeded random one, as many colours as classes
+    cfg.test_dataloader.dataset.type = 'BaseSegDataset'
+    cfg.test_dataloader.dataset.metainfo = dict(classes=('a', 'b', 'c'))
+    assert len(dataset_meta(cfg, None)['palette']) == 3
+
+
+def test_class_names_of_a_model_only_config(tmp_path):
+    from mita_seg.apis import show_result_pyplot
+    cfg = load_config(osp.join(ROOT, 'configs', 'baselines',
+                               'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py'))
+    bare = tmp_path / 'bare.pth'
+    torch.save(init_model(cfg).state_dict(), bare)               # no meta
+    # test_dataloader = None (a config without a test split) was an AttributeError
+    cfg.test_dataloader = None
+    model = init_model(cfg, str(bare))
+    # mmseg's rule: a dataset with the model's number of classes (ADE20K's 150)
+    assert len(model.dataset_meta['classes']) == 150 == len(model.dataset_meta['palette'])
+    # no dataset has that many classes: named by their index, and the drawing works
+    cfg.model.decode_head.num_classes = 5
+    torch.save(init_model(cfg).state_dict(), bare)
+    model = init_model(cfg, str(bare))
+    assert model.dataset_meta['classes'] == tuple('01234')
+    img = np.random.RandomState(0).randint(0, 255, (64, 80, 3), dtype=np.uint8)
+    drawn = show_result_pyplot(model, img, inference_model(model, img), show=False)
+    assert drawn.shape == (64, 80, 3)
+
+
+def test_inferencer_class_names_without_checkpoint_meta(tmp_path):
+    config = osp.join(ROOT, 'configs', 'baselines',
+                      'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
+    bare = tmp_path / 'bare.pth'
+    torch.save(init_model(config).state_dict(), bare)             # no meta
+    # the config's ADE20K names (as init_model), not mmseg's Cityscapes 19 for a 150-class
+    # model (the drawing then left out every class id >= 19)
+    inferencer = MiTASegInferencer(load_config(config), weights=str(bare), device='cpu')
+    assert len(inferencer.model.dataset_meta['classes']) == 150
+    assert inferencer.model.dataset_meta == init_model(config, str(bare)).dataset_meta
+
+
 def test_inferencer_with_swap(segmenter_ckpt, tiny_data, tmp_path):
     config, ckpt = segmenter_ckpt
     img = osp.join(tiny_data, 'images', 'validation', 'ADE_val_00000002.jpg')

@@ -29,7 +29,7 @@ from mmseg.utils import register_all_modules
 from mita_seg import swap_attention
 from mita_seg.analysis.segmentor_cost import SegmentorFlops
 from mita_seg.analysis.token_selection import TokenSelectionRecorder
-from mita_seg.apis import load_config
+from mita_seg.apis import MiTASegInferencer, load_config
 from mita_seg.apis.export import mita_config
 from mita_seg.setting import MiTASetting, MiTASettingError
 from mita_seg.analysis.attention_macs import AttentionMacCounter
@@ -437,6 +437,17 @@ def test_grid_mismatch_is_a_clear_error(zoo):
     with pytest.raises(GridMismatchError, match='21 tokens are not a cls token followed by '
                        'the 4x4 patch grid'):
         MiTABEiTAttention(64, 4, (4, 4))(torch.randn(1, 21, 64))
+
+
+def test_inferencer_grid_mismatch_is_a_clear_error(zoo):
+    # MiTASegInferencer guards the grid as init_model does
+    name, cfg, path = zoo
+    config = load_config(ZOO[name])
+    config.model = copy.deepcopy(cfg)
+    config.model.test_cfg = dict(mode='whole')
+    model = MiTASegInferencer(config, weights=path, mita_cfg='7:49', device='cpu').model
+    with pytest.raises(GridMismatchError, match='built for a 8x10 patch grid'):
+        logits(model, (128, 192))
 
 
 def test_checkpoint_of_another_grid_says_what_to_do(zoo, tmp_path):

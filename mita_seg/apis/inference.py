@@ -7,11 +7,11 @@ import numpy as np
 import torch.nn as nn
 from mmseg.apis import MMSegInferencer, inference_model, show_result_pyplot
 
-from mita_seg.models import check_dense_attn
+from mita_seg.models import check_dense_attn, guard_grids
 from mita_seg.setting import MiTASetting
 from mita_seg.utils.checkpoint import check_checkpoint_keys
 from .config import use_dense_attn, use_slim_inference
-from .model import swap_model
+from .model import dataset_meta, swap_model
 
 __all__ = ['inference_model', 'show_result_pyplot', 'MiTASegInferencer', 'draw_title']
 
@@ -83,18 +83,26 @@ class MiTASegInferencer(MMSegInferencer):
     def _init_model(self, cfg, weights: Optional[str], device: str = 'cpu') -> nn.Module:
         """``MMSegInferencer``'s model, built as ``SlimEncoderDecoder`` where the config has
         an ``EncoderDecoder`` (:func:`~mita_seg.apis.use_slim_inference`), its dense
-        attention on the config's path (``dense_attn``, ``'fast'`` by default)."""
+        attention on the config's path (``dense_attn``, ``'fast'`` by default), a BEiT/MAE
+        given another grid an error that says what to do (:func:`guard_grids`)."""
         if self.dense_attn is not None:
             cfg.dense_attn = self.dense_attn
         model = super()._init_model(use_slim_inference(cfg), weights, device)
         use_dense_attn(model, cfg)
+        guard_grids(model)
         return model
 
     def _load_weights_to_model(self, model: nn.Module, checkpoint: Optional[dict], cfg) -> None:
-        """Check the checkpoint's keys, let mmseg load it (and its class names), then
-        swap the attention (keys are unchanged by the swap)."""
+        """Check the checkpoint's keys, let mmseg load it, take the class names of
+        :func:`~mita_seg.apis.model.dataset_meta` (the checkpoint's, else the config's
+        test dataset's, where mmseg takes Cityscapes' 19 whatever the model), then swap the
+        attention (keys are unchanged by the swap)."""
         if checkpoint is not None:
             check_checkpoint_keys(model, checkpoint, source=self.weights_source or '')
         super()._load_weights_to_model(model, checkpoint, cfg)
+        meta = dataset_meta(cfg, checkpoint,
+                            getattr(getattr(model, 'decode_head', None), 'num_classes', None))
+        if meta is not None:   # what the visualizer takes (set_dataset_meta(**meta))
+            model.dataset_meta = dict(classes=meta['classes'], palette=meta['palette'])
         if self.mita_cfg is not None:
             swap_model(model, self.mita_cfg)

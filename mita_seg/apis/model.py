@@ -1,9 +1,12 @@
 """Segmentors for the tools: built from a config, checkpoint loaded strictly and
 weights-only, optionally swapped to MiTA."""
+import copy
+import logging
 import os
 from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 from mmengine.config import Config
@@ -38,19 +41,85 @@ def swap_model(model: nn.Module, mita_cfg: Union[dict, str, MiTASetting],
     return swap_attention(model, verbose=verbose, **mita_cfg)
 
 
-def dataset_meta(cfg: Config, checkpoint: Optional[dict]) -> Optional[dict]:
+def dataset_meta(cfg: Config, checkpoint: Optional[dict],
+                 num_classes: Optional[int] = None) -> Optional[dict]:
     """Class names and palette: the checkpoint's ``meta`` (mmseg 1.x ``dataset_meta``,
-    0.x ``CLASSES``/``PALETTE``), else those of the config's test dataset class."""
+    0.x ``CLASSES``/``PALETTE``), else those of the config's test dataset as mmseg builds
+    it (:func:`config_dataset_meta`: its class's ``METAINFO`` with the config's
+    ``metainfo`` over it), else, given the model's ``num_classes``, mmseg ``init_model``'s
+    rule (the first of mmseg's datasets with that many classes; where none has, the names
+    ``'0'``, ``'1'``... with mmseg's seeded random palette). A palette that is missing or
+    does not match the classes is mmseg's seeded random one; None where nothing is known.
+    """
     meta = (checkpoint or {}).get('meta') or {}
-    if isinstance(meta.get('dataset_meta'), dict):
-        return meta['dataset_meta']
-    if 'CLASSES' in meta:
-        return dict(classes=meta['CLASSES'], palette=meta.get('PALETTE'))
+    if isinstance(meta.get('dataset_meta'), dict) and meta['dataset_meta'].get('classes'):
+        found = meta['dataset_meta']
+    elif meta.get('CLASSES'):
+        found = dict(classes=meta['CLASSES'], palette=meta.get('PALETTE'))
+    else:
+        found = config_dataset_meta(cfg) or _dataset_meta_of_size(num_classes)
+    if not found:
+        return None
+    classes, palette = found['classes'], found.get('palette')
+    if not palette or len(palette) != len(classes):
+        palette = _random_palette(len(classes))
+    return dict(found, classes=classes, palette=palette)
+
+
+def config_dataset_meta(cfg: Config) -> Optional[dict]:
+    """The class names and palette of ``cfg``'s test dataset as mmseg builds it: the
+    dataset class's ``METAINFO`` with the config's ``metainfo`` over it (a
+    ``BaseSegDataset`` of a custom dataset gives its classes there) and mmseg's palette
+    rule (the palette's subset of the classes kept, a seeded random one where it has none);
+    None where the config has no test dataset, or one without classes."""
+    from mmseg.datasets import BaseSegDataset
     from mmseg.registry import DATASETS
-    dataset = cfg.get('test_dataloader', {}).get('dataset', {})
+    loader = cfg.get('test_dataloader', None)          # None in a model-only config
+    dataset = loader.get('dataset') if isinstance(loader, dict) else None
+    while (isinstance(dataset, dict) and 'metainfo' not in dataset
+           and isinstance(dataset.get('dataset'), dict)):   # RepeatDataset and the like
+        dataset = dataset['dataset']
     kind = dataset.get('type') if isinstance(dataset, dict) else None
-    cls = DATASETS.get(kind) if kind else None    # (a model-only config has no dataset)
-    return dict(getattr(cls, 'METAINFO', {})) or None
+    cls = kind if isinstance(kind, type) else DATASETS.get(kind) if kind else None
+    if not isinstance(cls, type):
+        return None
+    if not issubclass(cls, BaseSegDataset):
+        return dict(getattr(cls, 'METAINFO', {})) or None
+    meta = cls._load_metainfo(copy.deepcopy(dataset.get('metainfo')))
+    if not meta.get('classes'):
+        return None
+    probe = cls.__new__(cls)        # mmseg's palette rule, without building the dataset
+    probe._metainfo, probe.label_map = meta, cls.get_label_map(meta['classes'])
+    try:
+        palette = probe._update_palette()
+    except ValueError:              # a palette that does not match: dataset_meta's own
+        palette = None
+    return dict(classes=meta['classes'], palette=palette)
+
+
+def _dataset_meta_of_size(num_classes: Optional[int]) -> Optional[dict]:
+    """mmseg ``init_model``'s class names for a checkpoint without them: the first of its
+    datasets with ``num_classes`` classes; where none has (mmseg then takes Cityscapes'
+    19 whatever the count), the names ``'0'``, ``'1'``..."""
+    if not isinstance(num_classes, int) or num_classes < 1:
+        return None
+    from mmengine.logging import print_log
+    from mmseg.utils import dataset_aliases, get_classes, get_palette
+    for name in dataset_aliases:
+        if len(get_classes(name)) == num_classes:
+            print_log(f'class names: neither the checkpoint nor the config has them; those of '
+                      f'{name}, which has {num_classes} classes too', logger='current',
+                      level=logging.WARNING)
+            return dict(classes=tuple(get_classes(name)), palette=get_palette(name))
+    print_log(f'class names: neither the checkpoint nor the config has them, and no dataset '
+              f'of mmseg has {num_classes} classes: they are named by their index',
+              logger='current', level=logging.WARNING)
+    return dict(classes=tuple(str(i) for i in range(num_classes)), palette=None)
+
+
+def _random_palette(num_classes: int) -> list:
+    """mmseg's palette for classes without one (``BaseSegDataset``'s: seed 42)."""
+    return np.random.RandomState(42).randint(0, 255, size=(num_classes, 3)).tolist()
 
 
 def init_model(config: Union[str, Config],
@@ -126,7 +195,8 @@ def init_model(config: Union[str, Config],
     if mita_cfg is not None:
         swap_model(model, mita_cfg)
     ckpt = load_checkpoint(model, checkpoint, adapt=adapt) if checkpoint is not None else None
-    model.dataset_meta = dataset_meta(model.cfg, ckpt)
+    model.dataset_meta = dataset_meta(
+        model.cfg, ckpt, getattr(getattr(model, 'decode_head', None), 'num_classes', None))
     return model.to(device).eval()
 
 
