@@ -48,6 +48,8 @@ SETTING_KEYS = MITA_KEYS + tuple(KIND_DEFAULTS)
 SETTING_DEFAULTS: Dict[str, Any] = {**MITA_DEFAULTS, **KIND_DEFAULTS}
 DENSE = 'dense'
 EXAMPLES = '7:49, 4x6:16 or 7:49:route'
+# the settings the spelling has no place for: written and read after it as ``key=value``
+UNSPELT_KEYS = ('router_topk', 'shared_scale')
 # The per-layer candidates a swap plan is calibrated over by default
 # (mita_seg.apis.calibrate_swap, tools/calibrate_swap.py): dense, pool 4/5/7 x k 16/49/100,
 # with the shared expert and route-only.
@@ -145,7 +147,7 @@ class Kind:
                 out[key] = int(ph) if pw is None else (int(ph), int(pw))
             elif key == 'with_shared_expert':
                 out[key] = groups.pop(0) is None      # ':route' given: route-only
-            elif key not in ('router_topk', 'shared_scale'):   # those are not spelt
+            elif key not in UNSPELT_KEYS:
                 out[key] = int(groups.pop(0))
         return out
 
@@ -413,17 +415,19 @@ class MiTASetting:
     def parse(cls, text: str) -> 'MiTASetting':
         """The setting a user typed: MiTA's ``P:K``, ``PhxPw:K``, with ``:route`` for
         route-only (``7:49``, ``4x6:16``, ``7:49:route``), or another kind's spelling
-        (``agent:7``, ``block:8:4``, ``topk:49``, ``window:7``).
+        (``agent:7``, ``block:8:4``, ``topk:49``, ``window:7``), followed by the
+        ``router_topk``/``shared_scale`` :attr:`text` writes as ``key=value``
+        (``7:49 router_topk=2``).
 
         Raises:
             MiTASettingError: anything else (the message names the text and shows the
                 spelling; the old ``7,49`` is shown as ``7:49``).
         """
-        text_ = text.strip() if isinstance(text, str) else ''
-        kind = KINDS.get(text_.split(':')[0], KINDS[MITA])
-        m = re.match(kind.pattern, text_)
+        head, *extras = text.split() if isinstance(text, str) and text.strip() else ['']
+        kind = KINDS.get(head.split(':')[0], KINDS[MITA])
+        m = re.match(kind.pattern, head)
         if m is not None and min(int(v) for v in m.groups() if v and v.isdigit()) >= 1:
-            return cls(kind=kind.name, **kind.read(m))
+            return cls(kind=kind.name, **kind.read(m), **_read_extras(text, extras))
         if kind.name != MITA:
             raise MiTASettingError(f'{kind.name} setting {text!r}: write {kind.spelling} '
                                    f'(positive integers), e.g. {kind.example}')
@@ -605,8 +609,28 @@ DEFAULT_SETTING = MiTASetting()
 
 def _extras(cfg: Dict[str, Any]) -> list:
     """``router_topk``/``shared_scale`` of ``cfg`` off their defaults, as ``key=value``."""
-    return [f'{k}={cfg[k]}' for k in ('router_topk', 'shared_scale')
-            if k in cfg and cfg[k] != MITA_DEFAULTS[k]]
+    return [f'{k}={cfg[k]}' for k in UNSPELT_KEYS if k in cfg and cfg[k] != MITA_DEFAULTS[k]]
+
+
+def _read_extras(text: str, extras: Iterable[str]) -> Dict[str, Any]:
+    """The ``key=value`` words :func:`_extras` writes after a spelling (``router_topk=2``,
+    ``shared_scale=0.125``), as settings.
+
+    Raises:
+        MiTASettingError: a word that is not one of them, or a value that is no number.
+    """
+    out = {}
+    for word in extras:
+        key, _, value = word.partition('=')
+        if key not in UNSPELT_KEYS or not value:
+            raise MiTASettingError(f'setting {text!r}: {word!r} is not key=value of '
+                                   f'{" or ".join(UNSPELT_KEYS)} (e.g. 7:49 router_topk=2)')
+        try:
+            out[key] = int(value) if key == 'router_topk' else (
+                None if value == 'None' else float(value))
+        except ValueError:
+            raise MiTASettingError(f'setting {text!r}: {key}={value} is not a number') from None
+    return out
 
 
 def label(setting: Union[MiTASetting, Dict[str, Any], None]) -> str:

@@ -26,6 +26,17 @@ def test_spelling_label_and_config():
     x = MiTASetting(7, 49, router_topk=2, shared_scale=0.02)
     assert x.text == '7:49 router_topk=2 shared_scale=0.02'
     assert x.label == 'M=7x7 k=49 router_topk=2 shared_scale=0.02'
+    # ... which parse reads back (a tool's line pasted into --settings)
+    assert MiTASetting.parse(x.text) == x
+    assert MiTASetting.parse('agent:7 shared_scale=0.5') == MiTASetting(
+        7, kind='agent', shared_scale=0.5)
+    with pytest.raises(MiTASettingError, match="'top_k=2' is not key=value of router_topk or "
+                       'shared_scale'):
+        MiTASetting.parse('7:49 top_k=2')
+    with pytest.raises(MiTASettingError, match='router_topk=two is not a number'):
+        MiTASetting.parse('7:49 router_topk=two')
+    with pytest.raises(MiTASettingError, match='router_topk is not a setting of window'):
+        MiTASetting.parse('window:7 router_topk=2')
     # a config dict and back; settings not given are the defaults
     assert MiTASetting.from_cfg(x.cfg()) == x
     assert MiTASetting.from_cfg(dict(topk=16)) == MiTASetting(7, 16)
