@@ -30,7 +30,7 @@ test-sanitize: setup
 swap-study: setup
 	$(PY) tools/swap_study.py --work-dir work_dirs/swap_study --fig-dir docs/swap_study --threads 1
 
-# The study's tables in docs/swap_study.md and README.md, regenerated from the JSON committed
+# The study's tables in docs/swap_study.md, docs/longrange_data.md and README.md, regenerated from the JSON committed
 # under docs/swap_study/ (seconds, no training; tests/test_swap_study.py checks they match).
 .PHONY: study-docs
 study-docs:

@@ -676,23 +676,104 @@ def test_one_model_on_two_cpus_side_by_side():
         return Loaded(Run(key, f'{key}.json', 'm', key.upper()),
                       dict(machine=machine, started='s', finished='f'), res)
 
-    base = dict(kind='baseline', setting='unswapped', delta_mIoU=0.0)
+    base = dict(kind='baseline', setting='unswapped', delta_mIoU=0.0, M=None, topk=None)
+    swap = dict(kind='swap', setting='MiTA 7:49', M=49, topk=49, model_GFLOPs=0.3,
+                **{'model_reduction_%': 60.0})
+    agent = dict(kind='equal-cost', setting='agent', budget='7:49', attention='agent',
+                 within=True, delta_mIoU=-10.0)
     a = loaded('a', [dict(base, mIoU=80.0, std=dict(mIoU=0.5, delta_mIoU=0.0)),
-                     dict(kind='swap', setting='MiTA 7:49', mIoU=78.0, delta_mIoU=-2.0,
-                          std=dict(mIoU=0.4, delta_mIoU=0.3)),
-                     dict(kind='equal-cost', setting='agent', mIoU=70.0, delta_mIoU=-10.0),
+                     dict(swap, mIoU=78.0, delta_mIoU=-2.0, std=dict(mIoU=0.4, delta_mIoU=0.3)),
+                     dict(agent, mIoU=70.0),
                      dict(kind='check', setting='window:1', mIoU=60.0, delta_mIoU=-20.0)])
     b = loaded('b', [dict(base, mIoU=81.0, std=dict(mIoU=0.2, delta_mIoU=0.0)),
-                     dict(kind='swap', setting='MiTA 7:49', mIoU=78.5, delta_mIoU=-2.5,
-                          std=dict(mIoU=0.1, delta_mIoU=0.2)),
-                     dict(kind='equal-cost', setting='agent', mIoU=71.0, delta_mIoU=-10.0)])
+                     dict(swap, mIoU=78.5, delta_mIoU=-2.5, std=dict(mIoU=0.1, delta_mIoU=0.2)),
+                     dict(agent, mIoU=71.0)])
     lines = _across(a, b)
     assert lines[0].startswith('- Source: `a.json` (A; seeds 1 / 2): cpu a')
     assert lines[1].startswith('- Source: `b.json` (B; seeds 1 / 2): cpu b')
-    assert lines[-2:] == ['| unswapped | 80.00 ± 0.50 | +0.00 ± 0.00 | 81.00 ± 0.20 | '
+    assert lines[5:7] == ['| unswapped | 80.00 ± 0.50 | +0.00 ± 0.00 | 81.00 ± 0.20 | '
                           '+0.00 ± 0.00 | +0.00 |',
                           '| MiTA 7:49 | 78.00 ± 0.40 | -2.00 ± 0.30 | 78.50 ± 0.10 | '
                           '-2.50 ± 0.20 | +0.50 |']
+    # no per-seed values in these rows: every inequality is "not measured" on both runs
+    assert lines[7:] == ['', "The inequalities of the claims table judged on each run's rows "
+                         '(the rules below): the verdict differs on 0 of 7.']
+
+
+def test_two_cpus_list_the_verdicts_that_differ():
+    """The verdicts of two runs of one model are not said to agree by hand: the block lists
+    each inequality whose verdict's rule differs between the runs (here MiTA minus block at
+    7:49: +1 / -1 / +2 on one CPU, +1 on every seed on the other), with both runs' values;
+    an inequality whose values move but whose rule stays (MiTA minus agent) is not listed."""
+    from projects.swap_study.docs import Loaded, Run, _across
+
+    def loaded(key, res):
+        return Loaded(Run(key, f'{key}.json', 'm', key.upper()),
+                      dict(machine=dict(cpu=key, torch='2', threads=1), started='s',
+                           finished='f'), res)
+
+    a, b = loaded('a', _result()), loaded('b', _result(block=(1.0, 1.0, 1.0)))
+    b.res['rows'][3]['per_seed']['mIoU']['1'] = 74.0                  # agent moves, seed 1
+    lines = _across(a, b)
+    assert lines[-5] == ("The inequalities of the claims table judged on each run's rows (the "
+                         'rules below): the verdict differs on 1 of 7:')
+    assert lines[-1] == (
+        '| 3. | at the encoder attention cost of MiTA 7:49: MiTA minus block, mIoU > 0 (rows '
+        '`equal-cost` of budget 7:49, each within 10% of it) | +0.67 ± 1.53 (+1.00 / -1.00 / '
+        '+2.00) | mixed (2 of 3 seeds) | +1.00 ± 0.00 (+1.00 / +1.00 / +1.00) | reproduced |')
+
+
+def test_verdicts_are_not_decided_by_float_noise():
+    # a difference of two-decimal mIoUs carries float noise: 31.02 - 32.02 is
+    # -1.0000000000000036 and 55.02 - 70.02 is -14.999999999999993; the tables print -1.00
+    # and -15.00, a loss of at most one point and a control that loses 15, so the verdict
+    # must read them as such
+    from projects.swap_study.verdicts import WITHIN, verdict
+    within = 31.02 - 32.02
+    control = 55.02 - 70.02
+    assert within < -WITHIN and control > -15.0          # the noise this test is about
+    assert verdict({'1': within}, lambda v: v >= -WITHIN, {'1': -20.0}) == 'reproduced'
+    assert verdict({'1': 0.5}, lambda v: v > 0, {'1': control}) == 'reproduced'
+
+
+def test_the_readme_quotes_the_rows_the_claims_judge():
+    """The README's columns are the rows the claims table judges (one lookup each, in
+    verdicts.py): its fine-tune column is the paper's M = k = 49 fine-tuned, not the first
+    fine-tune in the JSON (``--finetune 4:16 7:49``)."""
+    from projects.swap_study.docs import Loaded, Run, _readme
+    from projects.swap_study.verdicts import finetune_row
+
+    res = _result()
+    seeds = ('1', '2', '3')
+    for M, topk, mean in ((16, 16, -5.0), (49, 49, -0.5)):
+        res['rows'].append(dict(kind='finetune', setting=f'MiTA {M}:{topk}, fine-tuned', M=M,
+                                topk=topk, mIoU=80.0 + mean, delta_mIoU=mean, seeds=3,
+                                std=dict(delta_mIoU=0.0),
+                                per_seed=dict(delta_mIoU=dict.fromkeys(seeds, mean))))
+    assert finetune_row(res)['M'] == 49
+    loaded = Loaded(Run('toy', 'toy.json', 'toy', 'Toy'),
+                    dict(machine=dict(cpu='cpu', torch='t', threads=1), started='s',
+                         finished='f'), res)
+    row = next(line for line in _readme({'segmenter': loaded, 'beit': loaded})
+               if line.startswith('| Toy |'))
+    assert row.split(' | ')[4] == '-0.50 ± 0.00'
+
+
+def test_longrange_data_quotes_the_committed_run_through_a_generated_block():
+    """docs/longrange_data.md's measure of the committed long-range Segmenter is a generated
+    block (every figure from the JSON, per seed), not typed."""
+    import json
+    from projects.swap_study.docs import DOCS, RUNS, _longrange, load_runs
+    assert DOCS['docs/longrange_data.md'] == ('longrange-v4', )
+    run = next(r for r in RUNS if r.key == 'segmenter')
+    with open(osp.join(ROOT, run.path), encoding='utf-8') as f:
+        res = next(m for m in json.load(f)['models'] if m['name'] == run.model)
+    base = next(r for r in res['rows'] if r['kind'] == 'baseline')
+    one = next(r for r in res['rows'] if '1:1:route' in r['setting'])
+    lines = _longrange(load_runs(ROOT))
+    for seed, miou in base['per_seed']['mIoU'].items():
+        line = next(line for line in lines if line.startswith(f'| {seed} | {miou:.2f} | '))
+        assert f"**{one['per_seed']['delta_mIoU'][seed]:+.2f}**" in line
 
 
 def _result(control=(-20.0, -30.0, -25.0), block=(1.0, -1.0, 2.0)):
@@ -704,7 +785,8 @@ def _result(control=(-20.0, -30.0, -25.0), block=(1.0, -1.0, 2.0)):
     def row(kind, setting, values, M=None, topk=None, **extra):
         per_seed = {s: v for s, v in zip(seeds, values)}
         return dict(extra, kind=kind, setting=setting, M=M, topk=topk, mIoU=sum(values) / 3,
-                    model_GFLOPs=1.0, seeds=3, **{'model_reduction_%': 0.0},
+                    delta_mIoU=sum(values) / 3 - 80.0, model_GFLOPs=1.0, seeds=3,
+                    **{'model_reduction_%': 0.0},
                     per_seed=dict(mIoU=per_seed,
                                   delta_mIoU={s: v - 80.0 for s, v in per_seed.items()}))
 

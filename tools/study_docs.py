@@ -1,5 +1,5 @@
-"""`make study-docs`: the swap study's tables in docs/swap_study.md and README.md, generated
-from the JSON committed under docs/swap_study/ (no training; seconds).
+"""`make study-docs`: the swap study's tables in docs/swap_study.md, docs/longrange_data.md and
+README.md, generated from the JSON committed under docs/swap_study/ (no training; seconds).
 
 Usage::
 
@@ -24,9 +24,9 @@ def _generator():
     return STUDY_DOCS
 
 
-main = doc_tool('the swap study\'s tables in docs/swap_study.md and README.md, from the JSON '
-                'committed under docs/swap_study/', _generator, 'the study docs are',
-                'the committed JSON', 'make study-docs', ROOT)
+main = doc_tool('the swap study\'s tables in docs/swap_study.md, docs/longrange_data.md and '
+                'README.md, from the JSON committed under docs/swap_study/', _generator,
+                'the study docs are', 'the committed JSON', 'make study-docs', ROOT)
 
 if __name__ == '__main__':
     run_tool(main)
