@@ -553,7 +553,7 @@ def careless_cases(f):
         'swap_study/finetune-old-spelling': ('swap_study', ['--finetune', '7,49'], 2,
                                              "'7,49' is the old spelling: write 7:49"),
         'swap_study/work-dir-file': ('swap_study', ['--work-dir', afile], 2, 'is a file'),
-        'train_demo/iters-0': ('train_demo', ['--iters', 0], 2, "'0': must be >= 1"),
+        'train_demo/iters-1': ('train_demo', ['--iters', 1], 2, "'1': must be >= 2"),
         'train_demo/data-root-file': ('train_demo', ['--data-root', afile], 2, 'is a file'),
         # --- tools/make_standin_checkpoint.py
         'standin/config-missing': ('make_standin_checkpoint', ['nope.py', '--out', 's.pth'], 2,

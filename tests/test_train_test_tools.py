@@ -126,3 +126,16 @@ def test_getattr_is_limited_to_history_buffer(tmp_path):
     register_safe_globals()
     with pytest.raises(pickle.UnpicklingError, match='refusing getattr'):
         load_local_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_demo_runs_as_the_readme_shows(tools, tmp_path):
+    # `make demo` (the main job) short: the dataset written, the schedule fitted to --iters
+    # (its warm-up too), trained, evaluated, the summary printed
+    work, data = tmp_path / 'demo', tmp_path / 'tiny_ade20k'
+    _, out = tools('tools/train_demo.py', '--iters', 6, '--work-dir', work, '--data-root', data)
+    assert osp.isfile(data / 'annotations' / 'validation' / 'ADE_val_00000040.png')
+    assert osp.isfile(work / 'iter_6.pth')
+    assert '6 iterations\n  trained in ' in out and f': {work}/iter_6.pth\n' in out
+    miou = float(out.split('\n  mIoU: ')[-1].split()[0])
+    assert 0 <= miou <= 100 and '(always the most frequent class: ' in out

@@ -68,9 +68,10 @@ def main(argv=None):
     from mita_seg.cli import int_range, output_dir
     from mita_seg.cli.core import ToolParser
     parser = ToolParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--iters', type=int_range(1), default=300,
+    parser.add_argument('--iters', type=int_range(2), default=300,
                         help='training iterations (the config has 600; 300 keep the demo to '
-                        'a few minutes on 2 cores)')
+                        'a few minutes on 2 cores); the warm-up is a sixth of them, 50 at '
+                        'most')
     parser.add_argument('--work-dir', type=output_dir('--work-dir'),
                         default=osp.join(ROOT, 'work_dirs', 'demo'))
     parser.add_argument('--data-root', type=output_dir('--data-root', if_missing=True),
@@ -85,9 +86,12 @@ def main(argv=None):
              args.data_root, '--train', '200', '--val', '40', '--size', '128'])
     data_opts = [f'{loader}.dataset.data_root={args.data_root}'
                  for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader')]
-    # the whole schedule (poly decay to 0, validation and checkpoint at the end) in --iters
+    # the whole schedule (warm-up, poly decay to 0, validation and checkpoint at the end) in
+    # --iters: the config's 50 warm-up iterations, fewer in a shorter run
+    warm = max(1, min(50, args.iters // 6))
     train_opts = data_opts + [
-        f'train_cfg.max_iters={args.iters}', f'param_scheduler.1.end={args.iters}',
+        f'train_cfg.max_iters={args.iters}', f'param_scheduler.0.end={warm}',
+        f'param_scheduler.1.begin={warm}', f'param_scheduler.1.end={args.iters}',
         f'train_cfg.val_interval={args.iters}', f'default_hooks.checkpoint.interval={args.iters}'
     ]
 
@@ -114,8 +118,8 @@ def main(argv=None):
     print(f'MiTA UperNet (ViT {vit.num_layers}x{vit.embed_dims}, patch {vit.patch_size}, '
           f'MiTA pool_size={vit.mita_cfg.pool_size}, topk={vit.mita_cfg.topk}) on tiny ADE20K, '
           f'{args.iters} iterations')
-    print(f'  trained in {train_s:.0f} s, evaluated in {test_s:.0f} s: '
-          f'{osp.relpath(checkpoint, ROOT)}')
+    shown = osp.relpath(checkpoint, ROOT) if checkpoint.startswith(ROOT + os.sep) else checkpoint
+    print(f'  trained in {train_s:.0f} s, evaluated in {test_s:.0f} s: {shown}')
     print(f'  mIoU: {float(found[-1]):.2f}   (always the most frequent class: '
           f'{majority_miou(args.data_root):.2f})')
     print('=' * 72)
