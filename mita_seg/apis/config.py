@@ -23,8 +23,8 @@ def load_config(config: str,
     """An mmengine ``Config`` from a file or from an installed package, ready for a tool.
 
     Args:
-        config (str): a config file, or ``'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'``
-            (a config shipped with mmsegmentation).
+        config (str): a config file, or a config shipped with mmsegmentation
+            (``'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'``).
         cfg_options (dict, optional): ``--cfg-options``, merged into the config and
             remembered (:func:`~mita_seg.utils.cfg_options.merge_cfg_options`): a model,
             dataloader... that cannot be built with one of them says which (a
@@ -62,7 +62,8 @@ def load_config(config: str,
                              'mmsegmentation') from e
     else:
         raise FileNotFoundError(f'config {config!r} does not exist: give a config file or '
-                         "'mmseg::<dir>/<config>.py' (a config of the mmsegmentation package)")
+                                "'mmseg::<dir>/<config>.py' (a config of the mmsegmentation "
+                                'package)')
     if not isinstance(cfg.get('model'), dict):
         raise InputError(f'config {config} defines no model (no `model = dict(...)`): give '
                          'an mmseg config, e.g. one of configs/')

@@ -90,5 +90,5 @@ def make_standin_checkpoint(config, out: str, seed: int = 0,
     buffer = io.BytesIO()      # not saved to a temporary name: the archive would carry it
     torch.save({'meta': meta, 'state_dict': state}, buffer)
     atomic_write_bytes(buffer.getvalue(), out)
-    return dict(path=out, config=config_name(source), parameters=sum(p.numel() for p in model.parameters()),
-                bytes=osp.getsize(out))
+    return dict(path=out, config=config_name(source),
+                parameters=sum(p.numel() for p in model.parameters()), bytes=osp.getsize(out))
