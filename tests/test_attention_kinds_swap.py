@@ -110,11 +110,9 @@ def test_a_key_the_kind_does_not_read_is_refused_where_it_enters(segmenter):
 def test_traced_macs_match_each_kinds_formula(spec):
     """The jit-traced multiply-adds of one swapped attention layer (projections aside) are
     the setting's formula (MiTA's through its custom op's handle, the others through their
-    matmuls), and the analytic counter of swap_sweep/get_flops agrees. The formulas count
-    pooling as no multiply-adds (MiTA's convention); mmengine counts adaptive_avg_pool2d's
-    input elements, so agent's trace holds ``h w d`` more per head. (On a grid that is no
-    multiple of the block, block's formula counts the keys attended, its trace the padded
-    blocks it gathers: tests/test_attention_kinds.py.)"""
+    matmuls), and the analytic counter of swap_sweep/get_flops agrees. Pooling is no
+    multiply-adds: agent's landmark pooling counts 0 in the trace, as MiTA's (inside its
+    op) does."""
     from mmcv.cnn.bricks.transformer import MultiheadAttention
     from mita_seg.analysis.attention_macs import AttentionMacCounter
     from mita_seg.analysis.flop_handles import flop_analyzer
@@ -127,8 +125,7 @@ def test_traced_macs_match_each_kinds_formula(spec):
     traced = flop_analyzer(attn, (x, None, None, None, None, None, None, None, (h, w))).total()
     projections = B * N * C * 3 * C + B * N * C * C
     want = B * H * setting.attention_macs((h, w), N, C // H)
-    pooling = B * H * h * w * (C // H) if setting.kind == 'agent' else 0
-    assert traced - projections - pooling == want
+    assert traced - projections == want
     with AttentionMacCounter(attn) as counter, torch.no_grad():
         attn(x, hw_shape=(h, w))
     assert counter.macs == want

@@ -22,7 +22,7 @@ from mita_seg.analysis.flop_handles import CONVENTION
 from mita_seg.analysis.segmentor_cost import (SegmentorFlops, decode_head_called_as_module,
                                               inference_crops, slide_crops)
 from mita_seg.apis import load_config
-from mita_seg.models import MiTAAttention, swap_attention
+from mita_seg.models import MiTAAttention
 from mita_seg.ops import Inputs, attention_flops, mita_flops, select_backend
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -201,13 +201,67 @@ def test_mita_count_with_global_tokens():
                                                     backend=cpu_backend())
 
 
-
 def test_mita_flops_of_a_k_beyond_the_keys_is_what_runs():
     """mita_attention runs a k beyond the N - T keys it routes over as k = N - T: the
     analytic count says the same, as the traced call does."""
     assert mita_flops(1, 1, 17, 4, 4, 49) == mita_flops(1, 1, 17, 4, 4, 17) == 3400
     assert (mita_flops(2, 3, 20, 8, 4, 99, num_global_tokens=3)
             == mita_flops(2, 3, 20, 8, 4, 17, num_global_tokens=3))
+
+
+class GridLayer(nn.Module):
+    """A swapped attention module called on a given grid, and an adaptive pooling outside
+    it (a PSP head's): its count must stay mmengine's."""
+
+    def __init__(self, attn, grid):
+        super().__init__()
+        self.attn, self.grid = attn, grid
+        self.pool = nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x):
+        y = self.attn(x, hw_shape=self.grid)
+        return y, self.pool(y.unsqueeze(0))
+
+
+# 5 x 7 grid + cls: non-square, not a multiple of the blocks, pools or windows asked.
+@pytest.mark.parametrize('spec', ['3:10', '2x4:99:route', 'agent:3', 'agent:9', 'block:2:3',
+                                  'block:3:2', 'block:4:99', 'topk:6', 'window:4', 'window:9'])
+def test_every_kind_counts_as_it_prices(spec):
+    """On a ragged grid, for every kind: the traced count (``tools/get_flops.py``) is the
+    formula the MAC counter and the equal-cost pricing use (``attention_macs``: block
+    attention's padded gathers as executed, pools and windows clamped to the grid), and
+    the swap leaves the rest as it was: the projections, ``4 N C^2``, and the pooling
+    outside the attention (the agent kind's landmark pooling is not counted, as MiTA's)."""
+    from mita_seg.analysis.attention_macs import AttentionMacCounter
+    from mita_seg.setting import MiTASetting
+    torch.manual_seed(0)
+    grid, n = (5, 7), 1 + 5 * 7
+    attn = MiTAAttention(C, HEADS, setting=spec).eval()
+    layer, x = GridLayer(attn, grid), torch.randn(B, n, C)
+    flops = count_flops(layer, (x, ))
+    with AttentionMacCounter(layer) as counter, torch.no_grad():
+        layer(x)
+    setting = MiTASetting.parse(spec)
+    glob = 0 if setting.is_mita else 1          # the other kinds take cls as global
+    priced = B * HEADS * setting.attention_macs(grid, n, C // HEADS, glob)
+    assert flops.attention == counter.macs == priced
+    assert flops.total - flops.attention == B * 4 * n * C * C + B * n * C  # + outside pool
+    assert flops.by_operator['adaptive_avg_pool2d'] == B * n * C
+
+
+def test_block_flops_on_a_ragged_grid():
+    """5 x 5 grid, 2 x 2 blocks (nb = 9, the last row and column of blocks smaller), 2 per
+    query: ``n nb d + 2 n b bh bw d``, every chosen block gathered padded to 4 slots."""
+    from mita_seg.ops import block_flops_per_head
+    n, d = 25, 8
+    assert block_flops_per_head((5, 5), d, 2, 2) == (n * 9 + 2 * n * 2 * 4) * d
+    # cls global: + 2 n T d + 2 T (n + T) d
+    assert block_flops_per_head((5, 5), d, 2, 2, 1) == (n * 9 + 2 * n * 2 * 4) * d + (
+        2 * n + 2 * (n + 1)) * d
+    # every block (and a block over the grid): softmax attention
+    assert block_flops_per_head((5, 5), d, 2, 9) == block_flops_per_head((5, 5), d, 8, 1) \
+        == 2 * n * n * d
+
 
 # ----------------------------------------------------------------------------------------
 # Small segmentors from mmseg's Segmenter config.

@@ -20,6 +20,9 @@ traced op                                     MACs
                                               bias (``with_bias=True``)
 ``aten::add`` of BEiT/MAE's bias              ``B H N^2`` (``attn + bias`` in mmseg's
                                               ``BEiTAttention``; every other add stays 0)
+``aten::adaptive_avg_pool2d`` in a swapped    0 (the agent kind's landmark pooling, like
+attention module                              MiTA's inside its op: not MACs); mmengine's
+                                              count elsewhere
 ``aten::index_add_`` (ToMe's merge)         the adds: ``source`` elements less
                                               ``output`` elements, e.g. ``r (C + 1)`` per item to
                                               merge ``n`` tokens into ``n - r`` (one add =
@@ -69,8 +72,8 @@ from mmengine.analysis.jit_handles import get_shape
 
 __all__ = [
     'CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'REL_POS_BIAS', 'MERGE_ADDS',
-    'flop_analyzer',
-    'meta_tracing', 'rel_pos_bias_add_handle'
+    'flop_analyzer', 'landmark_pool_handle', 'meta_tracing', 'rel_pos_bias_add_handle',
+    'swapped_attention_modules'
 ]
 
 # Op-count key of the relative-position bias add of unswapped BEiT/MAE attention.
@@ -165,8 +168,8 @@ def mita_flop_jit(inputs: List[Any], outputs: List[Any]) -> Counter:
     args = dict(zip(_mita_arg_names(), inputs))
     B, H, N, d = _shape(args['q'], 'the MiTA query')
     c = {n: _constant(args[n], n) for n in ('h', 'w', 'ph', 'pw', 'topk', 'router_topk',
-                                             'num_prefix_tokens', 'with_shared_expert',
-                                             'shared_scale', 'block_size', 'backend')}
+                                            'num_prefix_tokens', 'with_shared_expert',
+                                            'shared_scale', 'block_size', 'backend')}
     global_tokens = tuple(_constant(args[n], n) if n in args else 0
                           for n in ('global_prefix', 'global_suffix'))
     bias = args.get('bias_table')       # a traced tensor, or a None constant / left out
@@ -221,6 +224,35 @@ def _gathered_from_table(value: Any) -> bool:
     return node.kind() == 'aten::index'
 
 
+def _scope(value: torch._C.Value) -> str:
+    """Name of the innermost module whose forward computed a traced value."""
+    scope = value.node().scopeName().split('/')[-1]
+    return scope[len('__module.'):] if scope.startswith('__module.') else scope
+
+
+def swapped_attention_modules(model: nn.Module) -> List[str]:
+    """Names of the modules of ``model`` that run a kind of :mod:`mita_seg.setting` (MiTA
+    and the others: agent, block, top-k, window)."""
+    from mita_seg.models.attention import MiTASettingsMixin
+    return [name for name, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
+
+
+def landmark_pool_handle(module_names: Sequence[str]):
+    """An ``aten::adaptive_avg_pool2d`` handle: 0 for the landmark pooling executed directly
+    in one of the modules named ``module_names`` (:func:`swapped_attention_modules`: the
+    agent kind's landmarks, traced as plain ops), as for MiTA's (inside its op) and as
+    :mod:`mita_seg.ops.flops` prices both (pooling is not a multiply-accumulate); mmengine's
+    count (the input's elements) everywhere else (a PSP head's pooling)."""
+    names = set(module_names)
+
+    def handle(inputs: List[Any], outputs: List[Any]) -> Counter:
+        if _scope(outputs[0]) in names:
+            return Counter()
+        return Counter({'adaptive_avg_pool2d': prod(_shape(inputs[0], 'the pooled input'))})
+
+    return handle
+
+
 def rel_pos_bias_add_handle(module_names: Sequence[str]):
     """An ``aten::add`` handle that counts the relative-position bias add of the modules
     named ``module_names`` (:func:`rel_pos_bias_modules`): ``attn + bias`` executed directly
@@ -229,10 +261,7 @@ def rel_pos_bias_add_handle(module_names: Sequence[str]):
     names = set(module_names)
 
     def handle(inputs: List[Any], outputs: List[Any]) -> Counter:
-        scope = outputs[0].node().scopeName().split('/')[-1]
-        if scope.startswith('__module.'):
-            scope = scope[len('__module.'):]
-        if scope not in names or not any(map(_gathered_from_table, inputs[:2])):
+        if _scope(outputs[0]) not in names or not any(map(_gathered_from_table, inputs[:2])):
             return Counter()   # index arithmetic, outputs merged: not the bias add
         return Counter({REL_POS_BIAS: prod(_shape(outputs[0], 'the biased attention logits'))})
 
@@ -297,6 +326,9 @@ def flop_analyzer(model: nn.Module, inputs: Union[torch.Tensor, Tuple]) -> FlopA
     biased = rel_pos_bias_modules(model)
     if biased:
         analyzer.set_op_handle('aten::add', rel_pos_bias_add_handle(biased))
+    swapped = swapped_attention_modules(model)
+    if swapped:
+        analyzer.set_op_handle('aten::adaptive_avg_pool2d', landmark_pool_handle(swapped))
     analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     analyzer.tracer_warnings('none')
     return analyzer

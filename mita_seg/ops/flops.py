@@ -84,34 +84,28 @@ def agent_flops_per_head(hw_shape, head_dim: int, pool_size, num_global_tokens: 
 
 def block_flops_per_head(hw_shape, head_dim: int, block_size, num_blocks: int,
                          num_global_tokens: int = 0) -> int:
-    """MACs of :func:`mita_seg.ops.block_attention` (``nb`` blocks, each query attending
-    to ``b = min(num_blocks, nb)``)::
+    """MACs of :func:`mita_seg.ops.block_attention` (``nb`` blocks of ``bh x bw`` tokens,
+    the block clamped to the grid, each query attending to ``b = min(num_blocks, nb)``),
+    as it executes::
 
         block scores q . mean_k           n nb d
-        logits + output over its keys     2 n_keys d
+        logits + output over its blocks   2 n b bh bw d
         global tokens                     global_flops_per_head(n + T, T, d)
 
-    ``n_keys``, the attended keys summed over the grid queries, is exact for the layout up
-    to the choice of blocks: a query in a block of ``size`` tokens is counted with its own
-    block plus the ``b - 1`` largest other blocks. Exact where every block has the same size
-    (``h`` and ``w`` multiples of the block); elsewhere an upper bound (the smaller blocks of
-    the last row and column may be chosen). With every block (``b = nb``) it is softmax
-    attention and no scores are computed: ``2 n^2 d``. The implementation gathers each
-    chosen block padded to ``bh * bw`` slots: it executes ``n nb d + 2 n b bh bw d``. The
-    block means are sums, not MACs."""
+    Each chosen block is gathered padded to ``bh * bw`` slots (the smaller blocks of the
+    last row and column of a grid that is not a multiple of the block too; their padding
+    slots are masked, but computed): this is what a trace of the kind counts
+    (``tools/get_flops.py``), independent of which blocks are chosen. With every block
+    (``b = nb``) it is softmax attention and no scores are computed: ``2 n^2 d``. The block
+    means are sums, not MACs."""
     (h, w), (bh, bw) = _pair(hw_shape), _pair(block_size)
     bh, bw = min(bh, h), min(bw, w)
     n, d, T = h * w, head_dim, num_global_tokens
-    sizes = [min(bh, h - i) * min(bw, w - j) for i in range(0, h, bh) for j in range(0, w, bw)]
-    nb = len(sizes)
+    nb = -(-h // bh) * -(-w // bw)
     b = min(num_blocks, nb)
     if b == nb:
         return 2 * n * n * d + global_flops_per_head(n + T, T, d)
-    n_keys = 0
-    for i, size in enumerate(sizes):
-        others = sorted(sizes[:i] + sizes[i + 1:], reverse=True)
-        n_keys += size * (size + sum(others[:b - 1]))
-    return n * nb * d + 2 * n_keys * d + global_flops_per_head(n + T, T, d)
+    return n * nb * d + 2 * n * b * bh * bw * d + global_flops_per_head(n + T, T, d)
 
 
 def topk_flops_per_head(hw_shape, head_dim: int, topk: int, num_global_tokens: int = 0) -> int:
@@ -140,8 +134,8 @@ def window_flops_per_head(hw_shape, head_dim: int, window_size,
     """
     (h, w), (wh, ww) = _pair(hw_shape), _pair(window_size)
     n, T = h * w, num_global_tokens
-    return 2 * n * min(wh, h) * min(ww, w) * head_dim + global_flops_per_head(n + T, T,
-                                                                            head_dim)
+    return (2 * n * min(wh, h) * min(ww, w) * head_dim
+            + global_flops_per_head(n + T, T, head_dim))
 
 
 def global_bias_adds_per_head(num_grid: int, num_global_tokens: int) -> int:
