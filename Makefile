@@ -14,8 +14,9 @@ setup:
 demo: setup
 	$(PY) tools/train_demo.py
 
+# a pytest-xdist worker per core, each test file on one worker (its module fixtures built once)
 test: setup
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest tests -m "not slow" -n auto --dist loadfile
 
 test-slow: setup
 	$(PY) -m pytest tests -m slow

@@ -17,6 +17,17 @@ import pytest
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 if ROOT not in sys.path:   # experiments outside the library: `from projects.swap_study import`
     sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test``: a worker per core), one intra-op thread per
+    worker: the workers share the cores. A test that needs threads sets them
+    (``torch.set_num_threads``)."""
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        import torch
+        torch.set_num_threads(1)
+
+
 TINY_UPERNET = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
 TINY_SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
                           'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
