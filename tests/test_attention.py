@@ -48,7 +48,7 @@ def test_route_only_full_topk_equals_mmcv(prefix, suffix):
 
 
 @pytest.mark.parametrize('prefix,suffix,global_tokens', [(1, 0, (1, 0)), (0, 5, (0, 5)),
-                                                        (1, 3, (1, 2))])
+                                                         (1, 3, (1, 2))])
 def test_route_only_full_topk_with_global_tokens_equals_mmcv(prefix, suffix, global_tokens):
     """Global tokens passed to forward: route-only MiTA whose experts hold every other key
     is still softmax attention."""
@@ -102,7 +102,8 @@ def test_batch_first_false_and_identity():
         out = m(x, identity=ident)
         out_bf = MiTAAttention(16, 2, pool_size=2, topk=4).eval()
         out_bf.load_state_dict(m.state_dict())
-        torch.testing.assert_close(out.transpose(0, 1), out_bf(x.transpose(0, 1)) - x.transpose(0, 1),
+        torch.testing.assert_close(out.transpose(0, 1),
+                                   out_bf(x.transpose(0, 1)) - x.transpose(0, 1),
                                    atol=1e-5, rtol=1e-5)
 
 

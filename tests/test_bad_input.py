@@ -579,7 +579,7 @@ def cfg_options_cases(f):
         'with it (TypeError: '
     had = 'the config has model.backbone.embed_dims=64'
     data = [f'test_dataloader.{k}' for k in (f"dataset.data_root={f['data']}", 'num_workers=0',
-                                              'persistent_workers=False')]
+                                             'persistent_workers=False')]
     return {
         'test/cfg-options-word': ('test', [CFG, ck, '--work-dir', work + '/t1', '--cfg-options',
                                            'model.backbone.embed_dims=abc'], 1, had),
@@ -626,9 +626,9 @@ def cfg_options_cases(f):
                                                           'p.json', '--cfg-options',
                                                           'model.backbone.embed_dims=abc'],
                                        1, word),
-        'standin/cfg-options-word': ('make_standin_checkpoint', [CFG, '--out', work + '/s.pth',
-                                                              '--cfg-options',
-                                                              'model.backbone.embed_dims=abc'],
+        'standin/cfg-options-word': ('make_standin_checkpoint',
+                                     [CFG, '--out', work + '/s.pth', '--cfg-options',
+                                      'model.backbone.embed_dims=abc'],
                                      1, word),
         'export_onnx/cfg-options-word': ('export_onnx', [CFG, ck, '--out', 'm.onnx',
                                                          '--cfg-options',
@@ -688,8 +688,6 @@ def unwritable_output_cases(f):
                                                ['--preview', '/proc/p.png'], 2,
                                                f"--preview '/proc/p.png': {no}"),
     }
-
-
 
 
 def one_error_line(out):

@@ -206,7 +206,7 @@ def test_onnx_level(tools):
                    '--onnx-sizes', 64, '--settings', '2:8', '--min-run-time', 0.01)
     rows = _rows(out, 'segmenter-vit-t')
     assert [' '.join(r[0][3:]) for r in rows] == ['softmax', 'MiTA 2:8',
-                                                   'no mixing (bound)'], out
+                                                  'no mixing (bound)'], out
     # model, image, N, attention | img/s, x (, % of the bound's) | peak MiB | diff
     for _, (speed, ratio, *share), (peak, ), (diff, ) in rows:
         assert float(speed) > 0 and float(peak) >= 0

@@ -24,7 +24,7 @@ from mmseg.structures import SegDataSample
 from mita_seg.apis import init_model, load_config, use_slim_inference
 from mita_seg.cli import InputError, KeyValueAction, add_mita_args
 from mita_seg.models import (FastMultiheadAttention, MiTAAttention, SlimEncoderDecoder,
-                             dense_attn_of, set_dense_attn, swap_attention, use_dense)
+                             dense_attn_of, set_dense_attn, use_dense)
 
 VIT_T = 'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'
 UPERNET = 'mmseg::vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py'

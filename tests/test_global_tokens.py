@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from mita_seg.ops import BACKENDS, Inputs, mita_attention, mita_flops, mita_routing
+from mita_seg.ops import BACKENDS, mita_attention, mita_flops, mita_routing
 from mita_seg.ops.flops import global_flops_per_head
 from mita_seg.ops.fused_cpu import _C
 

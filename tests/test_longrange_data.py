@@ -1,8 +1,9 @@
-"""``tools/dataset/make_longrange_ade20k.py`` (:mod:`mita_seg.datasets.longrange_scenes`): scenes whose labels need long-range evidence
-(issue 43). Seeded determinism (arrays and the CLI's files, byte for byte), ADE20K's layout and
-label range, and that labels truly depend on distant evidence: re-drawing a scene with the
-other cue changes the labels far from the cue and no pixel there; changing the texture of a
-plain object's distant partner changes the plain object's label and none of its pixels.
+"""``tools/dataset/make_longrange_ade20k.py`` (:mod:`mita_seg.datasets.longrange_scenes`):
+scenes whose labels need long-range evidence (issue 43). Seeded determinism (arrays and the
+CLI's files, byte for byte), ADE20K's layout and label range, and that labels truly depend
+on distant evidence: re-drawing a scene with the other cue changes the labels far from the
+cue and no pixel there; changing the texture of a plain object's distant partner changes the
+plain object's label and none of its pixels.
 """
 import os
 import os.path as osp

@@ -33,7 +33,7 @@ def test_matches_dense_reference(case, shared, impl):
     kw = dict(hw_shape=(h, w), pool_size=pool, topk=topk, router_topk=r, num_prefix_tokens=p,
               with_shared_expert=shared)
     ref = mita_attention_reference(Inputs(q, k, v, **{**kw, 'pool_size': (pool, pool) if
-                                               isinstance(pool, int) else pool}))
+                                                      isinstance(pool, int) else pool}))
     if impl == 'op':
         out = mita_attention(q, k, v, **kw)
     else:  # every backend, forced through the public op

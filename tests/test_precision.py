@@ -104,7 +104,7 @@ def _check_low_precision(case, dtype, device, backend):
               with_shared_expert=shared)
 
     ref = mita_attention_reference(Inputs(*fp32, **{**kw, 'pool_size': (pool, pool) if
-                                             isinstance(pool, int) else pool}))
+                                                    isinstance(pool, int) else pool}))
     out = mita_attention(*lowp, **kw, backend=backend)
     assert out.dtype == dtype and torch.isfinite(out).all()
     sdpa_ref = F.scaled_dot_product_attention(*fp32)

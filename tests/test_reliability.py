@@ -234,7 +234,6 @@ def test_atomic_write_keeps_old_file_when_writing_fails(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ['ckpt.pth']  # no temporary file left behind
 
 
-
 @pytest.mark.parametrize('umask', [0o022, 0o077, 0o002])
 def test_atomic_writes_follow_the_umask_and_keep_a_replaced_files_mode(tmp_path, umask):
     """A new file gets ``0666 & ~umask``, as ``open`` gives it (mkstemp's temporary file is

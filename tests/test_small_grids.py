@@ -39,7 +39,8 @@ def test_settings_are_checked_when_built():
     with pytest.raises(ValueError, match=r'router_topk=0: router_topk must be an int >= 1'):
         MiTAAttention(32, 2, router_topk=0)
     # shared_scale: > 0 or None
-    with pytest.raises(ValueError, match=r'shared_scale=0: shared_scale must be a finite number > 0'):
+    with pytest.raises(ValueError,
+                       match=r'shared_scale=0: shared_scale must be a finite number > 0'):
         MiTAAttention(32, 2, shared_scale=0)
     # through a config, the backbone's mita_cfg too
     with pytest.raises(ValueError, match=r"unknown MiTA setting 'top_k'; allowed: pool_size"):

@@ -146,8 +146,8 @@ def test_export_refuses_what_it_cannot_swap(segmenter_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r'missing keys \(8\): '
                        r'backbone\.layers\.\{0\.\.3\}\.attn\.dwc\.\{bias,weight\}'):
         init_model(cfg, ckpt)
-    out_cfg, _ = export_swapped(config, ckpt, str(tmp_path), dict(layers=[-1],
-                                                                 include_head=False))
+    out_cfg, _ = export_swapped(config, ckpt, str(tmp_path),
+                                dict(layers=[-1], include_head=False))
     cfg = Config.fromfile(out_cfg)
     assert cfg.model.backbone.mita_layers == [-1]
     assert cfg.model.decode_head.type == 'SegmenterMaskTransformerHead'

@@ -379,7 +379,7 @@ def test_benchmark_model_level(tools):
     _, out = tools('tools/benchmark.py', '--level', 'model', '--models', 'segmenter-vit-t',
                    '--images', '64x80', '--merge-ratio', 0.3, '--rounds', 1, '--no-memory',
                    '--min-run-time', 0.01, timeout=600)
-    header = next(l for l in out.splitlines() if l.strip().startswith('model '))
+    header = next(ln for ln in out.splitlines() if ln.strip().startswith('model '))
     assert header.split('|')[1].split()[-1] == 'ToMe' and 'ToMe/dense' in header, header
-    line = next(l for l in out.splitlines() if l.strip().startswith('segmenter-vit-t'))
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith('segmenter-vit-t'))
     assert math.isfinite(float(line.split('|')[1].split()[-1]))      # ToMe's img/s

@@ -160,7 +160,7 @@ def test_gradcheck_float64():
         kw = dict(hw_shape=(3, 4), pool_size=2, topk=4, with_shared_expert=shared,
                   backend='varlen')
         assert torch.autograd.gradcheck(lambda a, b, c: mita_attention(a, b, c, **kw),
-                                         (q, k, v))
+                                        (q, k, v))
 
 
 def test_router_top2_is_refused_with_the_reason_and_falls_back():
@@ -257,7 +257,7 @@ def test_segmenter_vit_t_trains_a_step_and_evaluates_on_varlen(monkeypatch):
     for _ in range(2):
         inputs.append(torch.randint(0, 256, (3, *crop), generator=g, dtype=torch.uint8))
         sample = SegDataSample(gt_sem_seg=PixelData(data=torch.randint(0, 150, (1, *crop),
-                                                                         generator=g)))
+                                                                       generator=g)))
         sample.set_metainfo(dict(img_shape=crop, ori_shape=crop, pad_shape=crop))
         samples.append(sample)
 
@@ -265,7 +265,7 @@ def test_segmenter_vit_t_trains_a_step_and_evaluates_on_varlen(monkeypatch):
         monkeypatch.setenv('MITA_BACKEND', backend)
         model.eval()
         return [p.seg_logits.data for p in model.test_step(dict(inputs=inputs,
-                                                                 data_samples=samples))]
+                                                                data_samples=samples))]
 
     # Evaluation on varlen equals the dense reference (before training: afterwards one
     # SGD step of lr 0.1 leaves near-ties in the routing of the deeper layers, where any

@@ -117,7 +117,8 @@ def main(argv=None):
     note = (f'{FLOP_NOTE}; counted on {args.flops_images} test batch(es), first input '
             f'{shape[0]}x{shape[1]}, test mode {mode!r}. Checkpoint: {args.checkpoint}.')
     md, csv_path = write_tables(rows, ensure_parent(out_md), note)
-    png = plot_sweep(rows, ensure_parent(out_png), f'{osp.basename(args.config)} ({mode} inference)')
+    png = plot_sweep(rows, ensure_parent(out_png),
+                     f'{osp.basename(args.config)} ({mode} inference)')
     print(f'\n{"setting":<28}{"mIoU":>8}{"delta":>8}{"model GFLOPs":>14}{"attn GMACs":>12}')
     for r in rows:
         print(f'{r.label:<28}{r.mIoU:8.2f}{r.delta_mIoU:+8.2f}'

@@ -263,8 +263,8 @@ def cpu_description() -> str:
     """The CPU in words, from ``/proc/cpuinfo`` (and lscpu's hypervisor vendor): its name,
     family and model (with the core generation where known: AMD's Zen, Intel's Xeons), the
     logical CPUs (vCPUs under a hypervisor) and the vector units, e.g. ``AMD EPYC (family 25
-    model 1, Zen 3), 2 vCPUs under KVM, AVX2, no AVX-512, no AMX``. Falls back to ``platform.processor()``
-    where there is no ``/proc/cpuinfo``."""
+    model 1, Zen 3), 2 vCPUs under KVM, AVX2, no AVX-512, no AMX``. Falls back to
+    ``platform.processor()`` where there is no ``/proc/cpuinfo``."""
     import platform
     info = _cpuinfo()
     name = info.get('model name') or platform.processor() or 'unknown CPU'

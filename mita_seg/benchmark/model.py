@@ -244,10 +244,14 @@ class ModelLevel:
         """A row of :meth:`rows` as printed (and the kernel's share on a line below)."""
         times, peaks, names = row['times'], row['memory'], self.names
         speed = lambda v: f'{1 / times[v]:8.3g}' if v in times else f"{'n/a':>8}"  # noqa
-        ratio = lambda a, b, w: (f'{times[a] / times[b]:{w - 1}.2f}x' if a in times and
-                                 b in times else f"{'n/a':>{w}}")  # noqa
-        mem = lambda v, w: (f'{peaks[v]:{w}.0f}' if peaks[v] is not None
-                            else f"{'n/a':>{w}}")  # noqa
+
+        def ratio(a, b, w):
+            return (f'{times[a] / times[b]:{w - 1}.2f}x' if a in times and b in times
+                    else f"{'n/a':>{w}}")
+
+        def mem(v, w):
+            return f'{peaks[v]:{w}.0f}' if peaks[v] is not None else f"{'n/a':>{w}}"
+
         line = (f"{row['name']:>16} {row['image']:>9} {row['mode']:>5} {row['N']:>6} "
                 f"{row['dtype']:>8} | " + ' '.join(speed(v) for v in names) + ' | ' +
                 ' '.join(ratio(a, b, _wide(s, 11)) for s, a, b in self.speedups) +

@@ -139,7 +139,7 @@ class OnnxLevel:
             paths.append(path)
             # memory first, in a session that gives its buffers back after the run
             mem_sess = onnx_session(path, self.threads, arena=False)
-            out, peak = peak_memory_rise(lambda: mem_sess.run(None, feed)[0],
+            out, peak = peak_memory_rise(lambda sess=mem_sess: sess.run(None, feed)[0],
                                          torch.device('cpu'))
             del mem_sess
             peaks.append(peak)

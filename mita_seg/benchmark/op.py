@@ -53,6 +53,16 @@ def op_header(heads, head_dim, setting, device):
     return lines + [header, '-' * len(header)]
 
 
+def _op_calls(q, k, v, side, setting):
+    """The calls of a row of :func:`op_rows` by alternative: SDPA, mmcv, MiTA, blocked."""
+    return {
+        'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
+        'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
+        'MiTA': lambda: mita_call(setting, q, k, v, side),
+        'blocked': lambda: mita_call(setting, q, k, v, side, backend='blocked'),
+    }
+
+
 def _op_cases(tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gib):
     """The cases of the operator table: ``(N, dtype, pass, MAC ratio, runs)``, ``runs``
     the call of each alternative by name (None where skipped); the inputs live until the
@@ -65,12 +75,7 @@ def _op_cases(tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gi
             dt = getattr(torch, dtype)
             for pass_ in passes:
                 q, k, v, grad, _ = random_inputs(H, N, d, dev, dt, pass_ == 'fwd+bwd')
-                fns = {
-                    'SDPA': lambda: F.scaled_dot_product_attention(q, k, v),
-                    'mmcv': lambda: mmcv_attention_core(q, k, v)[0],
-                    'MiTA': lambda: mita_call(setting, q, k, v, side),
-                    'blocked': lambda: mita_call(setting, q, k, v, side, backend='blocked'),
-                }
+                fns = _op_calls(q, k, v, side, setting)
                 # the mmcv path holds ~2 H N^2 floats: skip it where that does not fit
                 mmcv_bytes = 2 * H * N * N * dt.itemsize * (3 if pass_ == 'fwd+bwd' else 1)
                 runs = {}
@@ -78,7 +83,7 @@ def _op_cases(tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gi
                     skip = name == 'mmcv' and mmcv_bytes > max_mmcv_gib * 2**30
                     runs[name] = None if skip else timed_call(f, pass_, (q, k, v), grad)
                 yield N, dtype, pass_, macs, runs
-                del q, k, v, grad, runs
+                del q, k, v, grad, runs, fns, f
 
 
 def op_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',

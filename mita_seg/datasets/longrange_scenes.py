@@ -451,8 +451,8 @@ def sample_scene(rng: np.random.Generator, size: int = 256, kinds: Sequence[str]
     seeds = rng.uniform(0, size, (k, 2))
     textures = list(TEXTURES) + [TEXTURES[i] for i in rng.integers(0, 3, k - 3)]
     textures = [textures[i] for i in rng.permutation(k)]
-    regions = [Region(t, _tone(rng), int(rng.choice((6, 8))), tuple(int(v) for v in
-                                                                   rng.integers(0, 8, 2)))
+    regions = [Region(t, _tone(rng), int(rng.choice((6, 8))),
+                      tuple(int(v) for v in rng.integers(0, 8, 2)))
                for t in textures]
     warp = (float(rng.uniform(*layout.warp_amplitude) * cell),
             float(rng.uniform(*layout.warp_wavelength) * cell),

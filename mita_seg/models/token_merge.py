@@ -217,7 +217,7 @@ def merge_tokens(model: nn.Module,
         for name, why in skipped:
             reasons.setdefault(why, []).append(name)
         found = '; '.join(f'{names[0]}' + (f' and {len(names) - 1} more' if len(names) > 1
-                                            else '') + f': {why}'
+                                           else '') + f': {why}'
                           for why, names in reasons.items()) or (
             'no VisionTransformer backbone, BEiT/MAE or Segmenter mask head')
         raise NothingToMergeError(
