@@ -88,6 +88,14 @@ def test_checkpoint_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r'shape mismatch .*cls_token: checkpoint '
                        r'\(1, 1, 64\) vs model \(1, 1, 128\)'):
         pretrained(tmp_path / 'vit.pth', embed_dims=128).init_weights()
+    # pos_embed alone, its channels differing (the message above lists it among 27
+    # mismatches, past its cut): the loader resizes its grid, never its channels
+    ckpt = torch.load(tmp_path / 'vit.pth', weights_only=True)
+    ckpt['state_dict']['pos_embed'] = ckpt['state_dict']['pos_embed'][..., :32].clone()
+    torch.save(ckpt, tmp_path / 'narrow_pos.pth')
+    with pytest.raises(ValueError, match=r'shape mismatch \(1\): pos_embed: checkpoint '
+                       r'\(1, 65, 32\) vs model \(1, 65, 64\)'):
+        pretrained(tmp_path / 'narrow_pos.pth').init_weights()
     # mmseg's behaviour on request: mismatches are only logged
     pretrained(tmp_path / 'vit.pth', num_layers=3, out_indices=(2, ),
                strict_pretrained=False).init_weights()

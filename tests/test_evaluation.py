@@ -121,6 +121,16 @@ def test_evidence_accuracy_by_kind(tmp_path):
     assert res['acc_retrieval'] == 0.0
     assert res['acc_context'] == res['acc_object'] == res['acc_detail'] == 100.0
 
+    # each kind wrong on its own: its accuracy alone falls to 0, under its own name
+    # (object and detail are 100 in every case above: a metric that swapped them passed)
+    for k, name in gen.EVIDENCE.items():
+        def wrong_on(gt, scene, k=k):
+            pred, m = gt.copy(), gen.evidence_map(scene) == k
+            pred[m] = np.where(gt[m] == 149, 148, 149)   # another class than the label's
+            return pred
+        res = _evidence_metric(_samples(out, gen, 3, wrong_on))
+        assert res == {key: 0.0 if key == f'acc_{name}' else 100.0 for key in perfect}, name
+
     def half_background(gt, scene):   # the left half of the background wrong
         pred = gt.copy()
         pred[:, :64][gen.evidence_map(scene)[:, :64] == 1] = 149

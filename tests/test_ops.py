@@ -42,6 +42,22 @@ def test_matches_dense_reference(case, shared, impl):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize('impl', ['op', 'blocked', 'varlen', 'fused_cpu'])
+def test_shared_scale_reaches_the_backend(impl):
+    """A shared_scale other than 1/d (every case above runs the default): each backend
+    scales the shared logits by it, as the reference does (a backend that kept 1/d passed
+    the suite)."""
+    q, k, v = _qkv(2, 2, 1 + 7 * 11, 8, seed=9)
+    kw = dict(hw_shape=(7, 11), pool_size=(3, 3), topk=10)
+    backend = {} if impl == 'op' else dict(backend=impl)
+    default = mita_attention(q, k, v, **kw, **backend)
+    for scale in (0.05, 2.0):
+        ref = mita_attention_reference(Inputs(q, k, v, **kw, shared_scale=scale))
+        assert not torch.allclose(ref, default, atol=1e-3), 'the scale changes nothing'
+        out = mita_attention(q, k, v, **kw, shared_scale=scale, **backend)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize('block_size', [1, 3, 16, 64])
 def test_any_block_size_is_the_same_operator(block_size):
     q, k, v = _qkv(2, 2, 1 + 9 * 13, 8, seed=1)
@@ -126,6 +142,8 @@ def test_routing_selects_the_topk_keys_of_the_aligned_grid():
     assert torch.equal(rt.expert_keys.sort(-1).values, best)
     G = q @ R.transpose(-1, -2)
     torch.testing.assert_close(rt.router, G / d)   # shared_scale defaults to 1/d
+    scaled = mita_routing(q, k, (h, w), (2, 3), 5, 2, 1, shared_scale=0.3)
+    torch.testing.assert_close(scaled.router, G * 0.3)
     assert torch.equal(rt.choice.sort(-1).values, G.topk(2, -1).indices.sort(-1).values)
 
 
