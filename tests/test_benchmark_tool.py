@@ -364,11 +364,12 @@ def test_issue_targets_from_records():
     """docs/benchmark.md's targets table: each target read from the rows that measure it, met
     or not against what is asked (the share shown to a tenth of a percent, so 92.6% is not
     93%); a bf16 figure of a CPU without bf16 units is marked emulated; the operator's bf16
-    targets are read on AMX CPUs only."""
+    targets are read on AMX CPUs only; each row names the CPU, its vector units and the
+    threads of the run (the targets are asked at 2 threads)."""
     from mita_seg.benchmark import docs
 
     def model(cpu, dtype, mita):
-        return dict(machine=dict(cpu=cpu), levels=[dict(rows=[
+        return dict(machine=dict(cpu=cpu, threads=2), levels=[dict(rows=[
             dict(name='segmenter-vit-b', image='1024x1024', mode='whole', N=4097, dtype=dtype,
                  times=dict(dense=2.0, MiTA=mita, bound=1.0)),
             dict(name='segmenter-vit-t', image='1024x1024', mode='whole', N=4097, dtype=dtype,
@@ -379,7 +380,7 @@ def test_issue_targets_from_records():
                 for n, dt, p, s in ((1025, 'bfloat16', 'fwd', 1.6), (4097, 'bfloat16', 'fwd',
                                     5.0), (1025, 'bfloat16', 'fwd+bwd', 2.5),
                                     (1025, 'float32', 'fwd', 0.1))]
-        return dict(machine=dict(cpu=cpu), levels=[dict(rows=rows)])
+        return dict(machine=dict(cpu=cpu, threads=16), levels=[dict(rows=rows)])
 
     zen = 'AMD EPYC (family 25 model 1, Zen 3), 2 vCPUs under KVM, AVX2, no AVX-512, no AMX'
     amx = ('Intel(R) Xeon(R) Processor (family 6 model 143), 2 vCPUs under KVM, AVX-512 '
@@ -394,15 +395,19 @@ def test_issue_targets_from_records():
                                 (op(zen), 'zop.json'), (onnx, 'o.json'),
                                 (op(amx), 'aop.json')])
     rows = lines[2:]
-    assert rows[0] == ('| AMD EPYC (family 25 model 1, Zen 3) | model: ViT-B whole 1024, '
-                       'float32, share of the bound | >= 93% | 92.6% | **not met** | '
-                       '`z.json` |')
+    assert rows[0] == ('| AMD EPYC (family 25 model 1, Zen 3), AVX2, no AVX-512, no AMX; 2 '
+                       'threads | model: ViT-B whole 1024, float32, share of the bound | >= 93% '
+                       '| 92.6% | **not met** | `z.json` |')
     assert rows[1].endswith('| 100.0% | met (bf16 emulated: no bf16 units) | `z16.json` |')
     assert '| 93.8% | met | `o.json` |' in rows[2] and '512' in rows[2]
     # the operator's targets: on the AMX CPU only (none from the Zen 3's op record)
     ops = [r for r in rows if 'operator' in r]
     assert len(ops) == 3 and all(r.startswith('| Intel(R) Xeon(R) Processor (family 6 '
-                                              'model 143) |') for r in ops)
+                                              'model 143), AVX-512 (BF16), AMX (BF16, INT8); '
+                                              '16 threads |') for r in ops)
+    # a record without its threads (or its CPU's units) says so
+    assert '| AMD EPYC (family 25 model 1, Zen 3), AVX2, no AVX-512, no AMX; threads not ' \
+        'recorded |' in rows[2]
     assert [r.split(' | ')[3:5] for r in ops] == [['1.60x', 'met'], ['5.00x', '**not met**'],
                                                   ['2.50x', 'met']]
     assert len(rows) == 6
@@ -443,3 +448,53 @@ def test_bench_targets_tool(tools, tmp_path):
     code, out = tools('tools/bench_targets.py', '--records', tmp_path / f'{stem}_op.json',
                       check=False)
     assert code == 1 and 'no record of tools/benchmark.py' in out, out
+
+
+def test_thread_level_switches_threads_alike_for_sdpa_and_mita(monkeypatch):
+    """``--level threads``: a call on another thread count than the call before it pays the
+    switch (the thread team resized in its first parallel region): in each round every call
+    is on another count than the one before, SDPA's and MiTA's alike, and each row reads
+    its own variant's times. With one thread count, nothing switches."""
+    from types import SimpleNamespace
+
+    from mita_seg.benchmark import threads
+    from mita_seg.setting import MiTASetting
+    ran = []
+    monkeypatch.setattr(threads, 'F', SimpleNamespace(
+        scaled_dot_product_attention=lambda *a: ran.append('SDPA')))
+    monkeypatch.setattr(threads, 'mita_call', lambda *a, **k: ran.append('MiTA'))
+    calls = []
+
+    def fake_medians(runs, *args, **kwargs):
+        for _ in range(3):                         # warm-up and two rounds, in turn
+            for i, run in enumerate(runs):
+                before = torch.get_num_threads()
+                run()
+                calls.append((ran[-1], torch.get_num_threads(), before, i))
+        return [float(i + 1) for i in range(len(runs))]   # a time per run: its index + 1
+
+    monkeypatch.setattr(threads, 'interleaved_medians', fake_medians)
+    most = torch.get_num_threads()
+    try:
+        rows = list(threads.thread_rows([17], ['float32'], 1, 4, MiTASetting.parse('2:8'),
+                                        threads=2))
+        timed = calls[len(calls) // 3:]            # the rounds after the first
+        for name in ('SDPA', 'MiTA'):
+            assert [t != b for n, t, b, _ in timed if n == name] == [True] * 4, calls
+        index = {(n, t): i + 1 for n, t, _, i in timed}
+        assert [(r['threads'], r['sdpa'], r['mita'], r['mita_one']) for r in rows] == [
+            (t, index['SDPA', t], index['MiTA', t], index['MiTA', 1]) for t in (1, 2)]
+        calls.clear()
+        list(threads.thread_rows([17], ['float32'], 1, 4, MiTASetting.parse('2:8'),
+                                 threads=1))
+        assert all(t == b for _, t, b, _ in calls[len(calls) // 3:]), calls
+    finally:
+        torch.set_num_threads(most)
+
+
+def test_thread_level_names_the_cpu():
+    # every figure names the CPU and its vector units: the thread table's header too
+    from mita_seg.analysis.timing import cpu_description
+    from mita_seg.benchmark.threads import thread_header
+    from mita_seg.setting import MiTASetting
+    assert cpu_description() in thread_header(12, 64, MiTASetting.parse('7:49'))[0]

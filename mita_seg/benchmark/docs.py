@@ -10,6 +10,7 @@ current figures between ``<!-- bench-docs:current:begin/end -->``, a table per r
 another CPU is one more entry."""
 import json
 import os.path as osp
+import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from mita_seg.utils.doc_blocks import DocBlocks
@@ -194,14 +195,15 @@ TARGETS = (
 
 # the runs of tools/benchmark.py that measure TARGETS on a CPU (tools/bench_targets.py), the
 # commands of the AMX Xeon's records: a record each, <date>_<cpu tag>_<name>.json
+# the issue asks its targets at 2 threads: on a larger machine torch's default would be more
 TARGET_RUNS = {
     'op': ('--level', 'op', '--tokens', '1025', '4097', '--passes', 'fwd', 'fwd+bwd',
-           '--profile'),
+           '--profile', '--threads', '2'),
     'vit-b': ('--level', 'model', '--models', 'segmenter-vit-b', '--images', '1024',
               '--dtypes', 'float32', 'bfloat16', '--max-mmcv-gib', '0.1', '--rounds', '3',
-              '--no-memory', '--profile'),
+              '--no-memory', '--profile', '--threads', '2'),
     'onnx': ('--level', 'onnx', '--models', 'segmenter-vit-b', '--onnx-sizes', '512', '1024',
-             '--settings', '7:49', '--min-run-time', '1'),
+             '--settings', '7:49', '--min-run-time', '1', '--threads', '2'),
 }
 
 
@@ -212,11 +214,24 @@ def _cpu_name(cpu: str) -> str:
     return cpu[:end + 1] if start >= 0 and end >= 0 else cpu.split(',')[0]
 
 
+def _cpu_cell(machine: dict) -> str:
+    """A record's machine in a row: the CPU's name and model, its vector units (what
+    :func:`~mita_seg.analysis.timing.cpu_description` writes after the CPU count) and the
+    run's threads, e.g. ``AMD EPYC (family 25 model 1, Zen 3), AVX2, no AVX-512, no AMX; 2
+    threads``."""
+    cpu = machine['cpu']
+    units = re.search(r'\d+ v?CPUs(?: under [^,]+)?, (.+)$', cpu)
+    threads = machine.get('threads')
+    return (_cpu_name(cpu) + (f', {units.group(1)}' if units else '') + '; '
+            + (f'{threads} threads' if threads else 'threads not recorded'))
+
+
 def targets_table(records: List[tuple]) -> List[str]:
     """Issue 57's targets (:data:`TARGETS`) against the ``(record, path)`` pairs that measure
     them: per CPU, target and record, the figure asked, the one measured and whether it is
     met. A bf16 figure of a CPU without bf16 units (no AVX512-BF16, no AMX: the conversions
-    emulated) is marked as such; the operator's bf16 targets are read on AMX CPUs only."""
+    emulated) is marked as such; the operator's bf16 targets are read on AMX CPUs only. Each
+    row names the CPU, its vector units and the run's threads (:func:`_cpu_cell`)."""
     out = ['| CPU | target | asked | measured | | record |', '|---|---|---:|---:|---|---|']
     for record, path in records:
         cpu = record['machine']['cpu']
@@ -235,8 +250,8 @@ def targets_table(records: List[tuple]) -> List[str]:
                     if t.where.get('dtype') == 'bfloat16' and not bf16_units and got is not None:
                         met += ' (bf16 emulated: no bf16 units)'
                     need = f'>= {t.asked:.0%}' if t.share else f'>= {t.asked:g}x'
-                    out.append(f'| {_cpu_name(cpu)} | {t.what} | {need} | {shown} | {met} | '
-                               f'`{osp.basename(path)}` |')
+                    out.append(f"| {_cpu_cell(record['machine'])} | {t.what} | {need} | "
+                               f'{shown} | {met} | `{osp.basename(path)}` |')
     return out
 
 

@@ -4,7 +4,7 @@ one thread."""
 import torch
 import torch.nn.functional as F
 
-from mita_seg.analysis.timing import interleaved_medians
+from mita_seg.analysis.timing import cpu_description, interleaved_medians
 
 from .common import grid_side, mita_call, random_inputs
 
@@ -21,8 +21,9 @@ def thread_header(heads, head_dim, setting, device='cpu', threads=None):
     :class:`~mita_seg.setting.MiTASetting`)."""
     dev_type = torch.device(device).type
     lines = [f'# thread scaling: B=1, H={heads}, d={head_dim}, MiTA {setting.text} '
-             f'({setting.label}), forward, no_grad; {dev_type}; SDPA and MiTA at '
-             f'{thread_counts(threads)} threads timed in turn (a call of each per round)']
+             f'({setting.label}), forward, no_grad; {dev_type} ({cpu_description()}); '
+             f'SDPA and MiTA at {thread_counts(threads)} threads timed in turn (a call of each '
+             'per round, each on another thread count than the call before it)']
     header = (f"{'N':>6} {'dtype':>8} {'threads':>7} | {'SDPA ms':>9} {'MiTA ms':>9} | "
               f"{'vs SDPA':>7} {'MiTA x':>7}")
     return lines + [header, '-' * len(header)]
@@ -51,13 +52,17 @@ def thread_rows(tokens, dtypes, heads, head_dim, setting, device='cpu', threads=
             q, k, v, _, _ = random_inputs(H, N, d, dev, getattr(torch, dtype), False)
             fns = [lambda: F.scaled_dot_product_attention(q, k, v),
                    lambda: mita_call(setting, q, k, v, side)]
-            runs = [_on(t, fn) for t in counts for fn in fns]
+            # SDPA on each count, then MiTA on each: with two counts every call follows
+            # one on the other count (the switch, the thread team resized in the call's
+            # first parallel region, falls on SDPA and MiTA alike), with one none does
+            runs = [_on(t, fn) for fn in fns for t in counts]
             with torch.no_grad():
                 times = interleaved_medians(runs, min_run_time, rounds=5, device=dev)
             torch.set_num_threads(most)
+            n = len(counts)
             for i, t in enumerate(counts):
-                yield dict(N=N, dtype=dtype, threads=t, sdpa=times[2 * i],
-                           mita=times[2 * i + 1], mita_one=times[1])
+                yield dict(N=N, dtype=dtype, threads=t, sdpa=times[i], mita=times[n + i],
+                           mita_one=times[n])
 
 
 def format_thread_row(row):
