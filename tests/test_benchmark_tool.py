@@ -498,3 +498,30 @@ def test_thread_level_names_the_cpu():
     from mita_seg.benchmark.threads import thread_header
     from mita_seg.setting import MiTASetting
     assert cpu_description() in thread_header(12, 64, MiTASetting.parse('7:49'))[0]
+
+
+@pytest.mark.parametrize('bias', [False, True])
+def test_op_level_times_a_row_interleaved(monkeypatch, bias):
+    """``--level op`` (and ``--bias``): the alternatives of a row are timed together in
+    interleaved rounds, each row's times read from its own round's medians."""
+    from mita_seg.analysis import timing
+    from mita_seg.benchmark import op
+    from mita_seg.setting import MiTASetting
+    seen = []
+
+    def recorded(fns, *args, **kwargs):
+        seen.append(len(fns))
+        return timing.interleaved_medians(fns, *args, **kwargs)
+
+    monkeypatch.setattr(op, 'interleaved_medians', recorded)
+    setting = MiTASetting.parse('2:8')
+    if bias:
+        rows = list(op.op_bias_rows([17], ['float32'], ['fwd'], 2, 8, setting,
+                                    min_run_time=0.01))
+        want = 2 + 2 * len(rows[0]['backends'])     # SDPA, SDPA+B, each backend +- B
+    else:
+        rows = list(op.op_rows([17], ['float32'], ['fwd', 'fwd+bwd'], 2, 8, setting,
+                               min_run_time=0.01))
+        want = 4                                     # SDPA, mmcv, MiTA, blocked
+    assert seen == [want] * len(rows)
+    assert all(t > 0 for row in rows for t in row['times'].values())

@@ -117,3 +117,20 @@ def test_timing_imports_no_mm_stack():
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == '[]', out
+
+
+def test_interleaved_medians_budget_is_per_variant_on_average():
+    # a fast variant beside a slow one gets as many calls as the slow one: the rounds stop
+    # when the calls together fill min_run_time per variant (0.2 s here: at most 4 rounds of
+    # 51 ms), not when the fast one alone has run min_run_time (100 rounds of 1 ms)
+    calls = []
+
+    def sleeper(name, seconds):
+        def call():
+            calls.append(name)
+            time.sleep(seconds)
+        return call
+
+    interleaved_medians([sleeper('slow', 0.05), sleeper('fast', 0.001)], min_run_time=0.1,
+                        rounds=1, warmup=False)
+    assert calls.count('fast') == calls.count('slow') <= 4, calls

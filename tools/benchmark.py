@@ -149,7 +149,8 @@ def parse_args(argv=None):
                    'time and the speed-up that leaves at most (model level); --level onnx-op: '
                    'MiTA\'s ORT time per operator type (ORT\'s profiler)')
     p.add_argument('--min-run-time', type=float_range(0, low_open=True), default=1.0,
-                   help='seconds of repeated calls per measurement (median reported)')
+                   help='seconds of calls per variant of a row, on average (the variants '
+                   'in interleaved rounds; medians reported)')
     p.add_argument('--max-onnx-gib', type=float_range(0), default=8.0,
                    help='--level onnx: skip a file where the H x N x N weights of one of its '
                    'dense attention layers exceed this (GiB); --level onnx-op: skip a token '

@@ -92,13 +92,16 @@ def interleaved_medians(fns: Sequence[Callable[[], Any]], min_run_time: float = 
                         rounds: int = 3, device: Optional[torch.device] = None,
                         warmup: bool = True, pause: float = 0.0) -> List[float]:
     """Median seconds per call of each of ``fns``, timed in turn: one call of each per
-    round, at least ``rounds`` rounds, and more until each has run ``min_run_time`` seconds.
-    Calls of seconds on a shared host drift; timed one after the other, the ratios of
-    variants would carry that drift, interleaved they see the same load.
+    round, at least ``rounds`` rounds, and more until their calls together have run
+    ``min_run_time`` seconds per variant (the time timing each alone for ``min_run_time``
+    would take: a fast variant beside a slow one gets as many calls as the slow one, not
+    ``min_run_time`` of its own). Calls on a shared host drift; timed one after the other,
+    the ratios of variants would carry that drift, interleaved they see the same load.
 
     Args:
         fns (Sequence[Callable]): the variants, each a call without arguments.
-        min_run_time (float): seconds of calls of each variant at least. Default: 0.
+        min_run_time (float): seconds of calls per variant, on average over the variants,
+            at least. Default: 0.
         rounds (int): rounds at least. Default: 3.
         device (torch.device, optional): synchronised around each call where it is a CUDA
             device. Default: None.
@@ -119,7 +122,7 @@ def interleaved_medians(fns: Sequence[Callable[[], Any]], min_run_time: float = 
             for fn in fns:
                 fn()
                 _sync(device)
-        while len(times[0]) < rounds or min(sum(t) for t in times) < min_run_time:
+        while len(times[0]) < rounds or sum(map(sum, times)) < min_run_time * len(fns):
             for fn, t in zip(fns, times):
                 _sync(device)
                 if pause:

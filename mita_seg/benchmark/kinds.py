@@ -6,7 +6,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from mita_seg.analysis.timing import median_time
+from mita_seg.analysis.timing import interleaved_medians
 from mita_seg.ops import attend
 from mita_seg.setting import MiTASetting
 
@@ -41,9 +41,9 @@ class KindsLevel:
             f'# attention kinds: B=1, H={self.heads}, d={self.head_dim}, cls + a square grid; '
             f'torch {torch.__version__}, {self.device.type} ({describe(self.device)}); '
             'settings: ' + ', '.join(f'{s.text} ({s.label})' for s in self.settings),
-            '# ms = median time; vs SDPA = time(SDPA) / time(kind); MACs = softmax '
-            'attention\'s multiply-adds / the kind\'s (its formula, mita_seg.ops.flops), all in '
-            'this run']
+            '# ms = median time, the kinds and SDPA in interleaved rounds; vs SDPA = '
+            'time(SDPA) / time(kind); MACs = softmax attention\'s multiply-adds / the kind\'s '
+            '(its formula, mita_seg.ops.flops), all in this run']
         header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | {'SDPA ms':>9} | "
                   + ' | '.join(f'{s.text:>24}' for s in self.settings))
         return lines + [header, '-' * len(header)]
@@ -58,12 +58,12 @@ class KindsLevel:
             for dtype, pass_ in itertools.product(dtypes, passes):
                 q, k, v, grad, _ = random_inputs(H, N, d, self.device, getattr(torch, dtype),
                                                  pass_ == 'fwd+bwd')
-                time = lambda f: median_time(timed_call(f, pass_, (q, k, v), grad),  # noqa
-                                             min_run_time)
-                sdpa = time(lambda: F.scaled_dot_product_attention(q, k, v))
-                kinds = [(time(attention_call(s, q, k, v, side)), m)
-                         for s, m in zip(self.settings, macs)]
-                yield dict(N=N, dtype=dtype, pass_=pass_, sdpa=sdpa, kinds=kinds)
+                calls = [lambda: F.scaled_dot_product_attention(q, k, v)] + [
+                    attention_call(s, q, k, v, side) for s in self.settings]
+                sdpa, *times = interleaved_medians(
+                    [timed_call(f, pass_, (q, k, v), grad) for f in calls], min_run_time,
+                    device=self.device)
+                yield dict(N=N, dtype=dtype, pass_=pass_, sdpa=sdpa, kinds=list(zip(times, macs)))
 
 
 def format_kinds_row(row):

@@ -1,10 +1,10 @@
 """The operator level: MiTA at one setting (a :class:`~mita_seg.setting.MiTASetting`)
-against SDPA and mmseg's attention core, one call of each measured alone (``--level op``),
-or with BEiT's relative position bias (``--level op --bias``)."""
+against SDPA and mmseg's attention core, the calls of a row timed in interleaved rounds
+(``--level op``), or with BEiT's relative position bias (``--level op --bias``)."""
 import torch
 import torch.nn.functional as F
 
-from mita_seg.analysis.timing import median_time, peak_memory_rise
+from mita_seg.analysis.timing import interleaved_medians, peak_memory_rise
 from mita_seg.ops import Inputs, RelPosBias, select_backend
 from mita_seg.ops.bias import bias_index, table_size
 
@@ -43,7 +43,8 @@ def op_header(heads, head_dim, setting, device):
         f'torch {torch.__version__}, {dev.type} '
         f'({describe(dev)}); MiTA = the automatic backend ({auto}), blocked = the plain '
         'PyTorch one',
-        '# ratio = time(alternative) / time(MiTA) measured in this run; '
+        '# ms = median time, the alternatives in interleaved rounds; ratio = '
+        'time(alternative) / time(MiTA) measured in this run; '
         'MAC ratio = multiply-adds of softmax attention / of MiTA; memory = peak rise '
         f"({'CUDA allocated' if dev.type == 'cuda' else 'RSS'})"]
     header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | {'SDPA ms':>9} {'mmcv ms':>9} "
@@ -86,6 +87,15 @@ def _op_cases(tokens, dtypes, passes, heads, head_dim, setting, dev, max_mmcv_gi
                 del q, k, v, grad, runs, fns, f
 
 
+def _interleaved(runs, min_run_time, device):
+    """Median seconds of each call of ``runs`` (by name; None: skipped, None too), timed in
+    interleaved rounds (:func:`~mita_seg.analysis.timing.interleaved_medians`): the
+    alternatives of a row see the same load of the host."""
+    live = [name for name, run in runs.items() if run is not None]
+    medians = interleaved_medians([runs[n] for n in live], min_run_time, device=device)
+    return {name: dict(zip(live, medians)).get(name) for name in runs}
+
+
 def op_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',
             min_run_time=1.0, max_mmcv_gib=8.0, profile=False):
     """The operator table, a row (dict) per token count, dtype and pass: ``N``, ``dtype``,
@@ -103,8 +113,7 @@ def op_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',
     peaks = [{name: peak_memory_rise(run, dev)[1] for name, run in runs.items() if run}
              for *_, runs in _op_cases(*args)]
     for (N, dtype, pass_, macs, runs), mems in zip(_op_cases(*args), peaks):
-        times = {name: median_time(run, min_run_time) if run else None
-                 for name, run in runs.items()}
+        times = _interleaved(runs, min_run_time, dev)
         yield dict(N=N, dtype=dtype, pass_=pass_, macs=macs, times=times, memory=mems,
                    kernel=profiled(runs['MiTA']) if kernel else None)
 
@@ -139,8 +148,9 @@ def op_bias_header(heads, head_dim, setting, device):
         f'{setting.text} ({setting.label}); torch {torch.__version__}, {dev.type} '
         f'({describe(dev)}); SDPA+B = SDPA with the dense [H, N, N] bias gathered from the '
         'table in each call through a precomputed index (as mmseg\'s BEiTAttention)',
-        '# ms = median time; +B = with the bias; overhead = time(+B) / time(without), '
-        'vs SDPA+B = time(SDPA+B) / time(MiTA backend +B), all in this run']
+        '# ms = median time, the columns in interleaved rounds; +B = with the bias; overhead = '
+        'time(+B) / time(without), vs SDPA+B = time(SDPA+B) / time(MiTA backend +B), all in '
+        'this run']
     cols = ['SDPA', 'SDPA+B'] + [n + s for n in backends for s in ('', '+B')]
     header = (f"{'N':>6} {'dtype':>8} {'pass':>7} | " + ' '.join(f'{c:>12}' for c in cols) +
               ' | ' + ' '.join(f"{'ovh ' + c:>14}" for c in ['SDPA'] + backends) + ' | ' +
@@ -188,11 +198,9 @@ def op_bias_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',
                 table = torch.randn(H, table_size((side, side)), generator=g).to(
                     dev).requires_grad_(train)
                 fns = _bias_calls(q, k, v, side, table, setting, backends, dt)
-                times = {}
-                for name, f in fns.items():
-                    run = timed_call(f, pass_, (q, k, v) + ((table, ) if '+B' in name else ()),
-                                     grad)
-                    times[name] = median_time(run, min_run_time)
+                times = _interleaved({
+                    name: timed_call(f, pass_, (q, k, v) + ((table, ) if '+B' in name else ()),
+                                     grad) for name, f in fns.items()}, min_run_time, dev)
                 yield dict(N=N, dtype=dtype, pass_=pass_, backends=backends, times=times)
                 del q, k, v, grad, table, fns
 
