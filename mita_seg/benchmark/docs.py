@@ -25,6 +25,7 @@ MODEL_RECORD = 'docs/benchmark/2026-12-06_zen3_readme_model.json'
 # the runs docs/benchmark.md's current figures are read from, a table each, in this order
 CURRENT_RECORDS = (
     'docs/benchmark/2026-12-06_zen3_op.json',
+    'docs/benchmark/2026-12-07_zen3_op.json',
     'docs/benchmark/2026-12-06_zen3_op_16385.json',
     'docs/benchmark/2026-12-06_zen3_readme_model.json',
     'docs/benchmark/2026-12-06_zen3_vit-t_2048.json',
