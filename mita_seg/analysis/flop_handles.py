@@ -72,8 +72,7 @@ from mmengine.analysis.jit_handles import get_shape
 
 __all__ = [
     'CONVENTION', 'EXTRA_FLOP_HANDLES', 'ZERO_FLOP_OPS', 'REL_POS_BIAS', 'MERGE_ADDS',
-    'flop_analyzer', 'landmark_pool_handle', 'meta_tracing', 'rel_pos_bias_add_handle',
-    'swapped_attention_modules'
+    'flop_analyzer', 'landmark_pool_handle', 'meta_tracing', 'rel_pos_bias_add_handle'
 ]
 
 # Op-count key of the relative-position bias add of unswapped BEiT/MAE attention.
@@ -230,16 +229,10 @@ def _scope(value: torch._C.Value) -> str:
     return scope[len('__module.'):] if scope.startswith('__module.') else scope
 
 
-def swapped_attention_modules(model: nn.Module) -> List[str]:
-    """Names of the modules of ``model`` that run a kind of :mod:`mita_seg.setting` (MiTA
-    and the others: agent, block, top-k, window)."""
-    from mita_seg.models.attention import MiTASettingsMixin
-    return [name for name, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
-
-
 def landmark_pool_handle(module_names: Sequence[str]):
     """An ``aten::adaptive_avg_pool2d`` handle: 0 for the landmark pooling executed directly
-    in one of the modules named ``module_names`` (:func:`swapped_attention_modules`: the
+    in one of the modules named ``module_names``
+    (:func:`~mita_seg.models.swapped_attention_modules`: the
     agent kind's landmarks, traced as plain ops), as for MiTA's (inside its op) and as
     :mod:`mita_seg.ops.flops` prices both (pooling is not a multiply-accumulate); mmengine's
     count (the input's elements) everywhere else (a PSP head's pooling)."""
@@ -326,7 +319,8 @@ def flop_analyzer(model: nn.Module, inputs: Union[torch.Tensor, Tuple]) -> FlopA
     biased = rel_pos_bias_modules(model)
     if biased:
         analyzer.set_op_handle('aten::add', rel_pos_bias_add_handle(biased))
-    swapped = swapped_attention_modules(model)
+    from mita_seg.models import swapped_attention_modules
+    swapped = [name for name, _ in swapped_attention_modules(model)]
     if swapped:
         analyzer.set_op_handle('aten::adaptive_avg_pool2d', landmark_pool_handle(swapped))
     analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)

@@ -65,7 +65,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mita_seg.engine.atomic_io import atomic_path
-from mita_seg.models import GridMismatchError
+from mita_seg.models import GridMismatchError, swapped_attention_modules
 from mita_seg.ops.bias import RelPosBias
 from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table, routing_ties,
                                stand_in_attention, stand_in_table)
@@ -358,11 +358,6 @@ def export_shape(cfg, shape: Optional[Sequence[int]]) -> Tuple[int, int]:
     return h, w
 
 
-def _mita_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    from mita_seg.models import MiTASettingsMixin
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
-
-
 def dense_attention_weights(model: nn.Module, run) -> List[Tuple[str, int]]:
     """The dense attention layers that ``run()`` calls in ``model`` (``nn.MultiheadAttention``
     and its subclasses: mmseg's ViT family, Segmenter's mask head, layers a plan keeps dense)
@@ -614,7 +609,7 @@ class _MiTACalls(TorchDispatchMode):
         self.current = ['?']
         self.hooks = [m.register_forward_pre_hook(
             lambda mod, inp, name=name: self.current.__setitem__(0, name))
-            for name, m in _mita_modules(model)]
+            for name, m in swapped_attention_modules(model)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -823,7 +818,7 @@ def check_onnx(path: str, module: nn.Module, shape: Tuple[int, int], seed: int =
     img = torch.randn(1, 3, *shape, generator=g)
     layers, noise = [], None
     with tempfile.TemporaryDirectory(prefix='mita-onnx-check-') as workdir:
-        if level == 'routing' and _mita_modules(module):
+        if level == 'routing' and swapped_attention_modules(module):
             ref, layers, backends = _check_layers(module, img, table, opset, workdir)
         else:
             with torch.no_grad():
@@ -968,7 +963,7 @@ def export_onnx(config: str, checkpoint: str, out: str,
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(f)
             raise OnnxExportError(f'{e} (at {out}: removed with its data)') from None
-    return OnnxReport(out, (h, w), logits.shape[1], len(_mita_modules(model)), result,
+    return OnnxReport(out, (h, w), logits.shape[1], len(swapped_attention_modules(model)), result,
                       list(mean) if mean else None, list(std) if std else None,
                       bool(pre.get('bgr_to_rgb', False)), seconds,
                       out + '.data' if data else None)

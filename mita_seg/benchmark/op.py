@@ -93,7 +93,7 @@ def _interleaved(runs, min_run_time, device):
     alternatives of a row see the same load of the host."""
     live = [name for name, run in runs.items() if run is not None]
     medians = interleaved_medians([runs[n] for n in live], min_run_time, device=device)
-    return {name: dict(zip(live, medians)).get(name) for name in runs}
+    return {**dict.fromkeys(runs), **dict(zip(live, medians))}
 
 
 def op_rows(tokens, dtypes, passes, heads, head_dim, setting, device='cpu',

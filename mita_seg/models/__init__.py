@@ -13,7 +13,8 @@ from mita_seg.setting import (MITA_DEFAULTS, MITA_KEYS, SETTING_DEFAULTS, SETTIN
                               MiTASetting, MiTASettingError,
                               check_settings)
 from mita_seg.utils.checkpoint import register_safe_globals
-from .attention import MiTAAttention, MiTASettingsMixin, use_dense, use_mita
+from .attention import (MiTAAttention, MiTASettingsMixin, swapped_attention_modules,
+                        use_dense, use_mita)
 from .backbones import MiTABEiT, MiTAMAE, MiTAVisionTransformer
 from .beit_attention import MiTABEiTAttention, MiTAMAEAttention
 from .fast_attention import (DENSE_ATTN_MODES, FastMultiheadAttention, check_dense_attn,
@@ -33,7 +34,8 @@ __all__ = [
     'MiTAVisionTransformer', 'MiTABEiT', 'MiTAMAE', 'MiTASegmenterMaskTransformerHead',
     'SlimEncoderDecoder',
     'GridMismatchError', 'guard_grids',
-    'GridContext', 'swap_attention', 'use_mita', 'check_settings', 'MITA_DEFAULTS',
+    'GridContext', 'swap_attention', 'swapped_attention_modules', 'use_mita', 'check_settings',
+    'MITA_DEFAULTS',
     'MITA_KEYS', 'SETTING_KEYS', 'SETTING_DEFAULTS', 'SWAP_RULES', 'NothingToSwapError',
     'merge_tokens', 'NothingToMergeError',
     'TokenMerger', 'ToMeAttention', 'ToMeFFN', 'SwapPlan', 'PlanError', 'PLAN_FORMAT',

@@ -369,6 +369,12 @@ def can_use_mita(attn: nn.Module) -> bool:
     return isinstance(attn, MiTASettingsMixin) or type(attn) in _TO_MITA
 
 
+def swapped_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``model`` that runs a kind of
+    :mod:`mita_seg.setting` (MiTA and the others: agent, block, top-k, window)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
+
+
 def use_mita(owner: nn.Module, layer_ids: Iterable[int],
              setting: Optional[MiTASetting] = None, **settings) -> int:
     """Put the attention of ``owner.layers[i]`` (``i`` in ``layer_ids``) on MiTA (or

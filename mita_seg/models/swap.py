@@ -8,8 +8,8 @@ from mmseg.models.decode_heads import SegmenterMaskTransformerHead
 from mita_seg.setting import (DEFAULT_SETTING, SETTING_KEYS, SETTING_RULES, MiTASetting,
                               check_settings)
 from mita_seg.utils.modules import is_attention_module
-from .attention import (MiTASettingsMixin, can_use_mita, layer_indices, use_dense,
-                        use_mita)
+from .attention import (MiTASettingsMixin, can_use_mita, layer_indices,
+                        swapped_attention_modules, use_dense, use_mita)
 from .beit_attention import MiTABEiTAttention  # noqa: F401  (registers the BEiT/MAE swap)
 from .grid import PATCH_EMBED_OWNERS
 from .plan import PlanError, SwapPlan, attention_shape
@@ -247,7 +247,7 @@ def swap_attention(model: nn.Module,
         for owner, i, new in planned:
             use_mita(owner, [i], new)
 
-    on_mita = [name for name, m in model.named_modules() if isinstance(m, MiTASettingsMixin)]
+    on_mita = [name for name, _ in swapped_attention_modules(model)]
     skipped: List[Tuple[str, str]] = []
     for name, m in model.named_modules():
         if not is_attention_module(m) or isinstance(m, MiTASettingsMixin):
