@@ -37,21 +37,41 @@ EXACT = ['pool_size=2', 'topk=100000', 'with_shared_expert=False']
 @pytest.mark.slow
 def test_test_py_swap_attn_mita(segmenter_ckpt, tools, tmp_path):
     config, ckpt = segmenter_ckpt
-    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'base')
+    _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'base',
+                   '--out', tmp_path / 'base_pred')
     base = tools.miou(out)
     assert 'on MiTA' not in out and 'per class results' not in out  # short console
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'exact',
-                   '--mita-cfg', *EXACT)
+                   '--out', tmp_path / 'exact_pred', '--mita-cfg', *EXACT)
     assert 'swap_attention: 4 attention modules on MiTA' in out    # the encoder's 4
     assert tools.miou(out) == base
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'mita',
-                   '--swap-attn', 'mita', '--mita-cfg', 'pool_size=4', 'topk=32')
+                   '--out', tmp_path / 'mita_pred', '--swap-attn', 'mita', '--mita-cfg',
+                   'pool_size=4', 'topk=32')
     assert "4 attention modules on MiTA ({'pool_size': 4, 'topk': 32, 'router_topk': 1" in out
     assert re_summary(out, 4)
+    # the predictions, pixel by pixel (an mIoU can hide a swap that changed nothing): the
+    # exact setting's are the unswapped model's, MiTA's with 32 of 256 keys are not
+    base_pred, exact_pred, mita_pred = (predictions(tmp_path / f'{run}_pred')
+                                        for run in ('base', 'exact', 'mita'))
+    assert len(base_pred) == 4 and exact_pred.keys() == base_pred.keys() == mita_pred.keys()
+    assert all((exact_pred[name] == base_pred[name]).all() for name in base_pred)
+    changed = sum(int((mita_pred[name] != base_pred[name]).sum()) for name in base_pred)
+    assert changed > 0, 'the MiTA swap left every predicted pixel as it was'
     # the mask head (2 layers) too, on request
     _, out = tools('tools/test.py', config, ckpt, '--work-dir', tmp_path / 'head',
                    '--mita-cfg', 'pool_size=4', 'topk=32', 'include_head=True')
     assert re_summary(out, 6)
+
+
+def predictions(out_dir) -> dict:
+    """``{file name: class map}`` of the PNGs ``tools/test.py --out`` wrote."""
+    import glob
+
+    import numpy as np
+    from PIL import Image
+    return {osp.basename(f): np.asarray(Image.open(f))
+            for f in sorted(glob.glob(osp.join(out_dir, '**', '*.png'), recursive=True))}
 
 
 def re_summary(out, swapped):
@@ -85,6 +105,8 @@ def test_swap_sweep(segmenter_ckpt, tools, tmp_path):
         if r['topk'] == '100000':   # route-only with every key: softmax attention, same mIoU
             assert r['mIoU'] == pytest.approx(base['mIoU'], abs=1e-6)
         else:
+            # 8 of 256 keys: not the unswapped model (a sweep that swapped nothing would be)
+            assert r['mIoU'] != base['mIoU'], r
             assert r['attn_GMACs'] < base['attn_GMACs'] / 2
             assert r['attn_reduction_%'] > 50
             # the whole-model trace saves what the analytic attention count saves
