@@ -15,7 +15,6 @@ Usage::
         [--which selected|used] [--cfg-options key=value ...]
 """
 import json
-import os
 import os.path as osp
 import sys
 
@@ -47,7 +46,21 @@ def parse_args(argv=None):
     if setting is not None and not setting.is_mita:
         parser.error(f'--swap-attn {setting.text}: token selection maps MiTA\'s experts; '
                      f'{setting.kind} attention has none: give a MiTA setting such as 7:49')
+    # one PNG per image, named by its file name: two images of one name would share it
+    drawn = {}
+    for path in args.images:
+        png = png_name(path, args.which)
+        if png in drawn:
+            parser.error(f'images {drawn[png]!r} and {path!r} would both be drawn to '
+                         f'{osp.join(args.out_dir, png)}: give each image once, under a '
+                         'file name of its own')
+        drawn[png] = path
     return args
+
+
+def png_name(image: str, which: str) -> str:
+    """The file name of ``image``'s selection maps in the output folder."""
+    return f'{osp.splitext(osp.basename(image))[0]}_{which}.png'
 
 
 def main(argv=None):
@@ -55,8 +68,10 @@ def main(argv=None):
     quiet_stack()
     from mmengine.config import ConfigDict
 
-    from mita_seg.analysis.token_selection import plot_selection_overlay, record_image
+    from mita_seg.analysis.token_selection import (experts_label, plot_selection_overlay,
+                                                   record_image)
     from mita_seg.apis import init_model
+    from mita_seg.engine.atomic_io import atomic_write_text
     # a MiTA model keeps the settings --mita-cfg does not give; others get the defaults
     model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options,
                        mita_cfg=args.mita)
@@ -64,15 +79,14 @@ def main(argv=None):
     patch = model.cfg.model.backbone.get('patch_size', None)
     # every image is run before anything is written (no half-written output)
     runs = [(path, *record_image(model, path)) for path in args.images]
-    os.makedirs(args.out_dir, exist_ok=True)
     summary = {}
     for path, records, image in runs:
         name = osp.splitext(osp.basename(path))[0]
-        png = plot_selection_overlay(
-            image, records, osp.join(args.out_dir, f'{name}_{args.which}.png'),
+        png = plot_selection_overlay(   # each file whole (its folder made)
+            image, records, osp.join(args.out_dir, png_name(path, args.which)),
             which=args.which, cell_size=(patch, patch) if patch else None,
             title=f'{name}: tokens {args.which} by MiTA routed experts '
-            f'(M={records[0].num_experts}, k={records[0].topk})')
+            f'({experts_label(records)})')
         summary[path] = {r.name: dict(hw_shape=list(r.hw_shape), num_experts=r.num_experts,
                                       topk=r.topk, never_selected=r.frac_never_selected,
                                       never_used=r.frac_never_used) for r in records}
@@ -84,8 +98,7 @@ def main(argv=None):
                   f'{r.topk:>5} {100 * r.frac_never_selected:>14.1f}% '
                   f'{100 * r.frac_never_used:>10.1f}%')
     out_json = osp.join(args.out_dir, 'token_selection.json')
-    with open(out_json, 'w') as f:
-        json.dump(summary, f, indent=1)
+    atomic_write_text(json.dumps(summary, indent=1) + '\n', out_json)
     if len(args.images) > 1:
         print(f'\nmean over {len(args.images)} images (never selected):')
         for layer in summary[args.images[0]]:

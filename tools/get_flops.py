@@ -112,11 +112,12 @@ def main(argv=None) -> dict:
         if args.plot:
             what = 'baseline' if counter.mita is None else (
                 f'baseline vs {comparison.label} ({mita_settings(counter) or "ToMe"})')
-            plot_sweep(result['sweep'], ensure_parent(args.plot), f'{name}\n{what}')
+            plot_sweep(result['sweep'], ensure_parent(args.plot), f'{name}\n{what}',
+                       comparison.label)
             print(f'wrote {args.plot}')
-    if args.json:
-        with open(ensure_parent(args.json), 'w') as f:
-            json.dump(result, f, indent=2)
+    if args.json:   # whole: a run killed while writing leaves the file that was there
+        from mita_seg.engine.atomic_io import atomic_write_text
+        atomic_write_text(json.dumps(result, indent=2) + '\n', ensure_parent(args.json))
         print(f'wrote {args.json}')
     return result
 

@@ -60,7 +60,12 @@ def main(argv=None):
     if args.title:
         drawn = draw_title(drawn, args.title)
     import mmcv
-    mmcv.imwrite(drawn[..., ::-1], ensure_parent(args.out_file))   # RGB -> BGR
+
+    from mita_seg.engine.atomic_io import atomic_path
+    # whole: encoded into a temporary file beside it, which then replaces it in one rename
+    with atomic_path(ensure_parent(args.out_file),
+                     suffix=osp.splitext(args.out_file)[1].lower()) as tmp:
+        mmcv.imwrite(drawn[..., ::-1], tmp)   # RGB -> BGR
     pred = result.pred_sem_seg.data[0]
     ids, counts = pred.flatten().unique(return_counts=True)
     classes = model.dataset_meta['classes']

@@ -6,7 +6,7 @@ import time
 from typing import Callable, List, Optional
 
 from .flop_handles import CONVENTION, REL_POS_BIAS
-from .plotting import wrap_title
+from .plotting import save_figure, wrap_title
 
 __all__ = ['count_sweep', 'format_sweep', 'plot_sweep', 'format_comparison',
            'mita_settings']
@@ -51,9 +51,11 @@ def format_sweep(rows, label: str = 'MiTA') -> str:
     return '\n'.join(lines)
 
 
-def plot_sweep(rows, out: str, title: str):
+def plot_sweep(rows, out: str, title: str, label: str = 'MiTA'):
     """GFLOPs against input size of the rows of :func:`count_sweep` (total and attention,
-    baseline and MiTA, the total's reduction along the bottom), written to ``out``."""
+    baseline and the second model, named ``label`` as :attr:`FlopComparison.label` names
+    it: ``MiTA``, ``window``, ``ToMe r=0.3``...; the total's reduction along the bottom),
+    written whole to ``out``."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -63,9 +65,9 @@ def plot_sweep(rows, out: str, title: str):
     ax.plot(sizes, [r['baseline_attention'] for r in rows], 'o--', color='C0',
             label='baseline attention')
     if rows[0]['mita'] is not None:
-        ax.plot(sizes, [r['mita'] for r in rows], 's-', color='C3', label='MiTA total')
+        ax.plot(sizes, [r['mita'] for r in rows], 's-', color='C3', label=f'{label} total')
         ax.plot(sizes, [r['mita_attention'] for r in rows], 's--', color='C3',
-                label='MiTA attention')
+                label=f'{label} attention')
         low = min(min(r['mita_attention'], r['baseline_attention']) for r in rows)
         ax.set_ylim(bottom=low / 4)  # room for the labels below the curves
         ax.set_xlim(sizes[0] / 1.35, sizes[-1] * 1.35)
@@ -81,7 +83,7 @@ def plot_sweep(rows, out: str, title: str):
     ax.grid(True, which='both', alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out)
     plt.close(fig)
 
 

@@ -1,26 +1,30 @@
 """The swap sweep's results (:class:`~mita_seg.apis.sweep.SweepRow`, ``tools/swap_sweep.py``)
 as tables and a plot: a markdown table and a CSV beside it, and mIoU against cost."""
 import csv
+import io
 import os.path as osp
 
-from .plotting import wrap_title
+from .plotting import save_figure, wrap_title
 
 __all__ = ['write_tables', 'plot_sweep']
 
 
 def write_tables(rows, out_md, note):
     """Write ``rows`` (:class:`~mita_seg.apis.sweep.SweepRow`) as markdown and CSV beside
-    it, without the columns no row has a value in; returns both paths."""
+    it, without the columns no row has a value in, each file whole
+    (:func:`~mita_seg.engine.atomic_io.atomic_write_text`: a failed or killed write leaves
+    the file that was there); returns both paths."""
+    from mita_seg.engine.atomic_io import atomic_write_text   # mmengine: only when writing
     stem = osp.splitext(out_md)[0]
     out_csv = stem + '.csv'
     out_md = stem + '.md'
     rows = [r.as_dict() for r in rows]
     keys = [k for k in rows[0] if any(r[k] is not None for r in rows)]
     rows = [{k: '' if r[k] is None else r[k] for k in keys} for r in rows]
-    with open(out_csv, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO(newline='')
+    writer = csv.DictWriter(table, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(rows)
 
     def fmt(key, v):
         if not isinstance(v, float):
@@ -29,15 +33,24 @@ def write_tables(rows, out_md, note):
 
     lines = ['| ' + ' | '.join(keys) + ' |', '|' + '---|' * len(keys)]
     lines += ['| ' + ' | '.join(fmt(k, r[k]) for k in keys) + ' |' for r in rows]
-    with open(out_md, 'w') as f:
-        f.write('\n'.join(lines) + f'\n\n{note}\n')
+    atomic_write_text(table.getvalue(), out_csv)
+    atomic_write_text('\n'.join(lines) + f'\n\n{note}\n', out_md)
     return out_md, out_csv
+
+
+def _variant(row) -> tuple:
+    """What a MiTA row's setting sets besides its pool and k, in its label's words
+    (``('route-only',)``, ``('router_topk=2',)``; ``()`` for the shared expert and one
+    expert per query)."""
+    return tuple(w for w in row.point.setting.label.split(' ')
+                 if not w.startswith(('M=', 'k=')))
 
 
 def plot_sweep(rows, out_png, title):
     """mIoU against whole-model GFLOPs and against attention GMACs of ``rows``
-    (:class:`~mita_seg.apis.sweep.SweepRow`); one line per number of landmarks and one for
-    ToMe's ratios, the plans as diamonds, the baseline as a star."""
+    (:class:`~mita_seg.apis.sweep.SweepRow`); one line per number of landmarks (and
+    variant: route-only, ``router_topk``...) and one for ToMe's ratios, the plans as
+    diamonds, the baseline as a star; written whole to ``out_png``."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -58,9 +71,11 @@ def plot_sweep(rows, out_png, title):
         for r in (r for r in rows if r.method in ('plan', 'swap+tome')):
             ax.scatter([x(r)], [r.mIoU], marker='D', s=60, zorder=3, label=r.label)
         swaps = [r for r in rows if r.method == 'swap' and r.point.setting.is_mita]
-        for m in sorted({r.M for r in swaps}):
-            sel = sorted((r for r in swaps if r.M == m), key=x)
-            ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-', label=f'MiTA M={m}')
+        # a line per M and variant: route-only or another router_topk is another attention
+        for m, variant in sorted({(r.M, _variant(r)) for r in swaps}):
+            sel = sorted((r for r in swaps if (r.M, _variant(r)) == (m, variant)), key=x)
+            ax.plot([x(r) for r in sel], [r.mIoU for r in sel], 'o-',
+                    label=' '.join((f'MiTA M={m}', ) + variant))
             for r in sel:
                 ax.annotate(f'k={r.topk}', (x(r), r.mIoU), fontsize=7,
                             textcoords='offset points', xytext=(3, 3))
@@ -77,6 +92,6 @@ def plot_sweep(rows, out_png, title):
     axes[1].legend(fontsize=8)
     fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    save_figure(fig, out_png)
     plt.close(fig)
     return out_png

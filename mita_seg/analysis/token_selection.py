@@ -29,6 +29,8 @@ from mita_seg.ops import mita_routing
 from mita_seg.ops.bias import landmark_bias
 from mita_seg.ops.global_tokens import split_tokens
 from mita_seg.ops.routing import pair
+from mita_seg.utils.errors import InputError
+from .plotting import save_figure, wrap_title
 
 
 def selection_from_qk(q: torch.Tensor,
@@ -122,6 +124,10 @@ class LayerSelection:
 class TokenSelectionRecorder:
     """Context manager recording :class:`LayerSelection` for every MiTA layer call.
 
+    Only layers on MiTA are recorded: a swapped module of another kind (``agent:7``,
+    ``block:8:4``, ``topk:49``, ``window:7``) has no routed experts to select tokens, and
+    is left out (also when it is configured so after the recorder was made).
+
     Args:
         model (nn.Module): a model with MiTA attention modules (``MiTAAttention``,
             ``MiTABEiTAttention``; build it with MiTA, or call
@@ -129,17 +135,23 @@ class TokenSelectionRecorder:
         layers (Sequence[str], optional): module names to record; None for all.
 
     Raises:
-        ValueError: the model has no MiTA attention (or none of ``layers``).
+        InputError: (a ``ValueError``) the model has no attention on MiTA (or none of
+            ``layers``).
     """
 
     def __init__(self, model: nn.Module, layers: Optional[Sequence[str]] = None):
         from mita_seg.models import MiTASettingsMixin
-        self.modules = {n: m for n, m in model.named_modules()
-                        if isinstance(m, MiTASettingsMixin) and (layers is None or n in layers)}
+        swapped = {n: m for n, m in model.named_modules()
+                   if isinstance(m, MiTASettingsMixin) and (layers is None or n in layers)}
+        self.modules = {n: m for n, m in swapped.items() if m.setting.is_mita}
         if not self.modules:
-            raise ValueError(f'{type(model).__name__} has no MiTA attention modules'
-                             + (f' named {list(layers)}' if layers is not None else '')
-                             + ': swap its attention first (mita_seg.swap_attention)')
+            others = sorted({m.setting.kind for m in swapped.values()})
+            raise InputError(
+                f'{type(model).__name__} has no MiTA attention modules'
+                + (f' named {list(layers)}' if layers is not None else '')
+                + (f' (its swapped attention is {", ".join(others)}, which has no routed '
+                   'experts to select tokens)' if others else '')
+                + ': swap its attention to MiTA first (mita_seg.swap_attention, e.g. 7:49)')
         self.records: List[LayerSelection] = []
         self._handles = []
 
@@ -157,6 +169,8 @@ class TokenSelectionRecorder:
     def _hook(self, name: str):
 
         def hook(module, args, kwargs):
+            if not module.setting.is_mita:   # configured to another kind since
+                return
             query = args[0] if args else kwargs['query']
             self.records.append(_layer_selection(name, module, query, kwargs))
 
@@ -202,6 +216,16 @@ def _layer_selection(name: str, module: nn.Module, query: torch.Tensor,
     s = module.setting_on(q.shape[2], (h, w), record=False)
     selected, used = selection_from_qk(q, k, (h, w), s.pool, s.topk, s.router_topk, p, bias)
     return LayerSelection(name, (h, w), p, s.num_experts, s.topk, selected.cpu(), used.cpu())
+
+
+def experts_label(records: Sequence[LayerSelection]) -> str:
+    """The routed experts of ``records`` in words, for a title: ``M=16, k=16``, or each
+    value the layers ran with where they differ (a swap plan, a head whose class tokens
+    leave fewer keys): ``M=16/49, k=16/49 (by layer)``."""
+    ms = sorted({r.num_experts for r in records})
+    ks = sorted({r.topk for r in records})
+    text = f'M={"/".join(map(str, ms))}, k={"/".join(map(str, ks))}'
+    return text + (' (by layer)' if len(ms) > 1 or len(ks) > 1 else '')
 
 
 def network_image(data_preprocessor, inputs: torch.Tensor) -> np.ndarray:
@@ -298,10 +322,8 @@ def plot_selection_overlay(image,
         ax.set_title(f'{rec.name}\nnever {which}: {100 * never:.0f}%', fontsize=8)
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8,
                  label=f'fraction of heads in which\nthe token is {which}')
-    if title:   # whole, wrapped to the figure's width (about 0.6 em a character)
-        import textwrap
-        fig.suptitle(textwrap.fill(title, max(20, int(fig.get_figwidth() * 72 / 5.4))),
-                     fontsize=9)
-    fig.savefig(out_file, dpi=dpi)
+    if title:   # whole, wrapped to the figure's width
+        fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=9)
+    save_figure(fig, out_file, dpi)
     plt.close(fig)
     return out_file

@@ -25,6 +25,7 @@ folders are made (:func:`ensure_parent`), and only once everything they hold has
 computed.
 """
 import argparse
+import math
 import os
 import os.path as osp
 import re
@@ -302,6 +303,9 @@ def _number_range(cast: type, name: str, low=None, high=None, low_open: bool = F
         if value != value or (low is not None and (value < low or (low_open and value == low))) \
                 or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f'{text!r}: must be {bounds()}')
+        if cast is float and math.isinf(value):   # 'inf', '1e400': no count or time is that
+            raise argparse.ArgumentTypeError(
+                f'{text!r}: must be {bounds() + " and " if bounds() else ""}finite')
         return value
     check.__name__ = name
     return check
