@@ -10,7 +10,7 @@ Labels follow ADEChallengeData2016, as ``make_tiny_ade20k.py``: 0 is "other" (ig
 ``reduce_zero_label``; here only the cue), 1..150 are the ADE20K classes. Same arguments,
 same files, byte for byte (each image is drawn from its own seed ``(seed, split, index)``, so
 the first images of a longer run are the images of a shorter one); files are written whole
-(a temporary file, then renamed).
+(:mod:`mita_seg.utils.atomic_files`: a temporary file, then renamed).
 
 Why (issue 43): in ``make_tiny_ade20k.py`` every class has its own colour and texture, so a
 token's own pixels decide its label and any swap of attention, even one with no token mixing
@@ -108,6 +108,7 @@ from typing import List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
+from mita_seg.utils.atomic_files import atomic_write_image, atomic_write_text
 from mita_seg.utils.errors import InputError
 
 KINDS = ('global', 'retrieval', 'detail')
@@ -513,22 +514,10 @@ def scene_rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, 0 if split == 'training' else 1, index])
 
 
-def _write_file(path: str, data: bytes) -> None:
-    """Write to a temporary file beside ``path``, then rename: a file is whole. (Not
-    ``mita_seg.engine.atomic_io``: importing it loads torch and mmengine, which the
-    generator does without.)"""
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _write(path: str, ext: str, array: np.ndarray, params=()) -> None:
-    """Encode an image and write it whole (:func:`_write_file`)."""
-    ok, buf = cv2.imencode(ext, array, list(params))
-    if not ok:
-        raise RuntimeError(f'could not encode {path}')
-    _write_file(path, buf.tobytes())
+    """Encode an image and write it whole (:func:`~mita_seg.utils.atomic_files.atomic_write_image`:
+    a temporary file, fsync-ed, then renamed; nothing left behind if writing fails)."""
+    atomic_write_image(array, path, params, ext=ext)
 
 
 def make_split(out: str, split: str, num: int, size: int, seed: int,
@@ -553,7 +542,7 @@ SCENES_FILE = 'scenes.json'   # beside images/ and annotations/: the arguments t
 def write_scenes_file(out: str, **arguments) -> None:
     """Record the generator's arguments in ``OUT/scenes.json`` (written whole), so that a
     reader can tell which scenes a folder holds."""
-    _write_file(osp.join(out, SCENES_FILE), json.dumps(arguments, indent=1).encode())
+    atomic_write_text(json.dumps(arguments, indent=1), osp.join(out, SCENES_FILE))
 
 
 def read_scenes_file(out: str) -> Optional[dict]:

@@ -13,6 +13,9 @@ import torch.nn as nn
 from mmengine.optim import OptimWrapper
 from mmseg.registry import OPTIM_WRAPPERS
 
+from mita_seg.utils.cfg_options import add_custom_imports
+from mita_seg.utils.errors import InputError
+
 __all__ = ['BF16AmpOptimWrapper', 'use_amp']
 
 
@@ -47,28 +50,31 @@ def use_amp(cfg) -> None:
     """Turn on mixed precision in a config, in place (what ``tools/train.py --amp`` does).
 
     With CUDA: mmengine's ``AmpOptimWrapper`` (float16, dynamic loss scaling), as mmseg's
-    own tool. Without: :class:`BF16AmpOptimWrapper` (bfloat16 autocast). A config that
-    already uses an AMP wrapper is left as it is.
+    own tool; a config that already uses an AMP wrapper is left as it is. Without:
+    :class:`BF16AmpOptimWrapper` (bfloat16 autocast), also in place of the
+    ``AmpOptimWrapper`` of an AMP config (mmseg's ``-amp-`` configs), which mmengine
+    refuses to build without a GPU (its loss scale is dropped: bfloat16 needs none).
 
     Args:
         cfg (mmengine.Config): the training config.
 
     Raises:
-        ValueError: the config's ``optim_wrapper.type`` is neither ``OptimWrapper`` nor an
+        InputError: the config's ``optim_wrapper.type`` is neither ``OptimWrapper`` nor an
             AMP wrapper, so there is nothing to switch.
     """
     kind = cfg.optim_wrapper.get('type', 'OptimWrapper')
-    if kind in ('AmpOptimWrapper', 'BF16AmpOptimWrapper'):
+    cuda = torch.cuda.is_available()
+    if kind == 'BF16AmpOptimWrapper' or (kind == 'AmpOptimWrapper' and cuda):
         return
-    if kind != 'OptimWrapper':
-        raise ValueError('--amp needs optim_wrapper.type="OptimWrapper" in the config, '
-                         f'got {kind!r}')
-    if torch.cuda.is_available():
+    if kind not in ('OptimWrapper', 'AmpOptimWrapper'):
+        raise InputError(f'mixed precision (--amp, or the config\'s fp16): optim_wrapper.type is '
+                         f'{kind!r}, and only an OptimWrapper can be switched to an AMP one: '
+                         'leave out --amp, or give --cfg-options optim_wrapper.type=OptimWrapper')
+    if cuda:
         cfg.optim_wrapper.type = 'AmpOptimWrapper'
         cfg.optim_wrapper.loss_scale = 'dynamic'
     else:
         cfg.optim_wrapper.type = 'BF16AmpOptimWrapper'
-    custom_imports = cfg.setdefault('custom_imports', dict(imports=[]))
-    imports = list(custom_imports.get('imports', []))
-    if 'mita_seg.engine' not in imports:
-        custom_imports['imports'] = imports + ['mita_seg.engine']
+        for key in ('loss_scale', 'dtype'):   # AmpOptimWrapper's: float16 scaling
+            cfg.optim_wrapper.pop(key, None)
+    add_custom_imports(cfg, 'mita_seg.engine')

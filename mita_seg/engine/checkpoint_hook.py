@@ -35,6 +35,7 @@ from mmengine.fileio import LocalBackend, get_file_backend
 from mmengine.hooks import CheckpointHook
 from mmseg.registry import HOOKS
 
+from mita_seg.utils.cfg_options import add_custom_imports
 from mita_seg.utils.checkpoint import check_checkpoint_keys
 from .atomic_io import ATOMIC_BACKEND, atomic_write_text
 
@@ -181,7 +182,4 @@ def use_safe_checkpoint(cfg) -> None:
     hook = cfg.get('default_hooks', {}).get('checkpoint')
     if hook is not None and hook.get('type') in ('CheckpointHook', CheckpointHook):
         hook['type'] = 'SafeCheckpointHook'
-        custom_imports = cfg.setdefault('custom_imports', dict(imports=[]))
-        imports = list(custom_imports.get('imports', []))
-        if 'mita_seg.engine' not in imports:
-            custom_imports['imports'] = imports + ['mita_seg.engine']
+        add_custom_imports(cfg, 'mita_seg.engine')

@@ -15,6 +15,8 @@ from mmengine.hooks import Hook
 from mmengine.optim import OptimWrapperDict
 from mmseg.registry import HOOKS
 
+from mita_seg.utils.cfg_options import add_custom_imports
+
 __all__ = ['PlainParamGroupsHook', 'use_plain_param_groups']
 
 
@@ -47,7 +49,4 @@ def use_plain_param_groups(cfg) -> None:
     hooks = list(cfg.get('custom_hooks') or [])
     if not any(h.get('type') in ('PlainParamGroupsHook', PlainParamGroupsHook) for h in hooks):
         cfg.custom_hooks = hooks + [dict(type='PlainParamGroupsHook')]
-    custom_imports = cfg.setdefault('custom_imports', dict(imports=[]))
-    imports = list(custom_imports.get('imports', []))
-    if 'mita_seg.engine' not in imports:
-        custom_imports['imports'] = imports + ['mita_seg.engine']
+    add_custom_imports(cfg, 'mita_seg.engine')

@@ -40,7 +40,9 @@ class LabelledIoUMetric(IoUMetric):
         unlabelled = (total_area_label == 0).cpu().numpy()
         for name, value in out.items():
             if name != 'aAcc':
-                value = np.asarray(value, dtype=np.float64).copy()
+                # in mmseg's dtype (float32): its means are taken in it, and a float64 mean
+                # rounds to another last digit now and then (41.97 for mmseg's 41.96)
+                value = np.array(value, copy=True)
                 value[unlabelled] = np.nan
                 out[name] = value
         return out

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 from .errors import InputError
 
 __all__ = ['CfgOptionsError', 'merge_cfg_options', 'cfg_options_of', 'blame_cfg_options',
-           'cfg_options_error']
+           'cfg_options_error', 'add_custom_imports']
 
 # Where the merged options are kept on a Config object (not in its contents).
 _ATTR = '_mita_cfg_options'
@@ -168,6 +168,27 @@ def cfg_options_error(cfg, e: BaseException, what: str,
     if len(keys) == 1:
         msg += f'; {_had(cfg, keys[0], *options[keys[0]])}'
     return CfgOptionsError(msg)
+
+
+def add_custom_imports(cfg, *modules: str):
+    """Add ``modules`` to ``cfg``'s ``custom_imports`` (created if missing; its other keys,
+    ``allow_failed_imports``, kept), in place, so that a config dumped by the Runner builds
+    what it names (``SafeCheckpointHook``...) on its own.
+
+    (Not ``cfg.setdefault('custom_imports', ...)['imports'] = ...``: on an mmengine
+    ``Config`` without the key, ``setdefault`` stores a converted copy and returns the
+    original, so the change is lost.)
+
+    Returns:
+        Config: ``cfg``.
+    """
+    custom = dict(cfg.get('custom_imports') or {})
+    imports = custom.get('imports') or []
+    imports = [imports] if isinstance(imports, str) else list(imports)   # mmengine takes both
+    missing = [m for m in modules if m not in imports]
+    if missing:
+        cfg.custom_imports = dict(custom, imports=imports + missing)
+    return cfg
 
 
 @contextlib.contextmanager

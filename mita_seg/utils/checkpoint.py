@@ -7,18 +7,25 @@ tensors: numpy arrays, scalars and dtypes (message-hub history, metrics) and mme
 and replaces mmengine's loader of local files by :func:`load_local_checkpoint`, which loads
 with ``weights_only=True`` explicitly and fails with :class:`UnsafeCheckpointError` (naming
 the globals at fault), or :class:`UnreadableCheckpointError` for a file that is no
-checkpoint at all. ``--resume``, ``load_from``, every tool and ``Pretrained`` init go
-through it; no file is unpickled with ``weights_only=False``.
+checkpoint at all. It also replaces mmengine's loader of URLs (``http(s)://``, and the
+``torchvision://``, ``open-mmlab://`` and ``mmcls://`` names that resolve to URLs), which
+downloads through ``torch.hub.load_state_dict_from_url`` and so unpickles with
+``weights_only=False``: :func:`load_url_checkpoint` downloads to the same cache and loads the
+file with :func:`load_local_checkpoint`. ``--resume``, ``load_from``, every tool and
+``Pretrained`` init (mmseg's configs name their pretrained backbones by URL) go through them;
+no file is unpickled with ``weights_only=False``.
 
 :func:`check_state_dict` is the one report of a checkpoint that does not fit a model
 (missing, unexpected and mis-shaped keys), used by :func:`load_checkpoint`, the
 checkpoint hook and the MiTA backbone's ``Pretrained`` check.
 """
 import importlib
+import os
 import os.path as osp
 import pickle
 import re
 import zipfile
+from urllib.parse import urlparse
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
@@ -28,7 +35,7 @@ from mmengine.runner.checkpoint import CheckpointLoader
 __all__ = [
     'UnsafeCheckpointError', 'UnreadableCheckpointError', 'CheckpointMismatchError',
     'mmengine_safe_globals', 'register_safe_globals', 'load_local_checkpoint',
-    'check_state_dict', 'check_checkpoint_keys', 'load_checkpoint'
+    'load_url_checkpoint', 'check_state_dict', 'check_checkpoint_keys', 'load_checkpoint'
 ]
 
 
@@ -400,16 +407,69 @@ _REGISTERED = False
 
 def register_safe_globals() -> None:
     """Allow mmengine's checkpoint globals in torch's weights-only loads and make
-    mmengine load local files through :func:`load_local_checkpoint` (idempotent)."""
+    mmengine load local files through :func:`load_local_checkpoint` and URLs through
+    :func:`load_url_checkpoint` (idempotent)."""
     global _REGISTERED
     if _REGISTERED:
         return
+    from mmengine.runner import checkpoint as mmengine_checkpoint
     torch.serialization.add_safe_globals(mmengine_safe_globals())
     # '' is the prefix of local paths in mmengine's CheckpointLoader
-    CheckpointLoader.register_scheme(prefixes='', loader=_mmengine_local_loader, force=True)
+    CheckpointLoader.register_scheme(prefixes='', loader=load_from_local_weights_only, force=True)
+    CheckpointLoader.register_scheme(prefixes=('http://', 'https://'),
+                                     loader=load_from_http_weights_only, force=True)
+    # mmengine's torchvision://, open-mmlab:// and mmcls:// loaders call load_from_http by
+    # its module-level name, not through the schemes
+    mmengine_checkpoint.load_from_http = load_from_http_weights_only
     _REGISTERED = True
 
 
-def _mmengine_local_loader(filename: str, map_location=None, logger=None) -> Any:
-    """mmengine ``CheckpointLoader`` scheme for local paths."""
+def load_from_local_weights_only(filename: str, map_location=None, logger=None) -> Any:
+    """mmengine ``CheckpointLoader`` scheme for local paths (named ``load_from_...`` as
+    mmengine's loaders: its log names the scheme by what follows, "local_weights_only")."""
     return load_local_checkpoint(filename, map_location=map_location)
+
+
+def load_url_checkpoint(url: str, map_location: Optional[Union[str, Callable]] = None,
+                        model_dir: Optional[str] = None, progress: bool = False) -> Any:
+    """Download a checkpoint once and load it with :func:`load_local_checkpoint`.
+
+    The file is cached where mmengine's loader (``torch.hub.load_state_dict_from_url``)
+    caches it, ``<torch.hub.get_dir()>/checkpoints/<the URL's file name>``, so a checkpoint
+    downloaded before is not downloaded again; ``torch.hub.download_url_to_file`` writes it
+    whole (a temporary file, then renamed).
+
+    Args:
+        url (str): the checkpoint's ``http://`` or ``https://`` URL.
+        map_location (str | Callable, optional): as in :func:`torch.load`. Default: None.
+        model_dir (str, optional): the cache folder. Default: torch.hub's.
+        progress (bool): show a progress bar while downloading. Default: False.
+
+    Raises:
+        UnsafeCheckpointError, UnreadableCheckpointError: see :func:`load_local_checkpoint`
+            (the message names the cached file, to delete for a fresh download).
+    """
+    model_dir = model_dir or osp.join(torch.hub.get_dir(), 'checkpoints')
+    cached = osp.join(model_dir, osp.basename(urlparse(url).path))
+    if not osp.isfile(cached):
+        os.makedirs(model_dir, exist_ok=True)
+        torch.hub.download_url_to_file(url, cached, None, progress=progress)
+    return load_local_checkpoint(cached, map_location=map_location)
+
+
+def load_from_http_weights_only(filename: str, map_location=None, model_dir=None,
+                                progress: Optional[bool] = None) -> Any:
+    """mmengine's ``load_from_http`` (the ``http(s)://`` scheme, and what its model-zoo
+    schemes call), weights-only: rank 0 downloads first, the other ranks after a barrier
+    (from the cache then), as mmengine's does."""
+    from mmengine.dist import get_dist_info
+    rank, world_size = get_dist_info()
+    if progress is None:   # as mmengine: a progress bar on a terminal
+        progress = os.isatty(0)
+    if rank == 0:
+        checkpoint = load_url_checkpoint(filename, map_location, model_dir, progress)
+    if world_size > 1:
+        torch.distributed.barrier()
+        if rank > 0:
+            checkpoint = load_url_checkpoint(filename, map_location, model_dir, progress)
+    return checkpoint

@@ -9,7 +9,8 @@ Labels follow ADEChallengeData2016: 0 is "other" (ignored through ``reduce_zero_
 1..150 are the ADE20K classes. Scenes have learnable structure: a sky/floor background
 split at a random horizon, and shapes (rectangles, ellipses, triangles; the shape is random)
 whose class is tied to their colour and texture. A few grey "clutter" blobs are labelled 0.
-Same arguments, same files (seeded).
+Same arguments, same files (seeded); files are written whole (a temporary file, then renamed:
+:mod:`mita_seg.utils.atomic_files`), and a failed write is an error.
 
 Usage::
 
@@ -32,6 +33,8 @@ OBJECTS = {
 }
 CLASSES = {**BACKGROUND, **OBJECTS}
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from mita_seg.utils.atomic_files import atomic_write_image  # noqa: E402  (light: no torch)
 
 
 def _texture(kind: str, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -116,13 +119,12 @@ def make_split(out: str, split: str, num: int, size: int, seed: int) -> None:
     for i in range(num):
         img, label = make_scene(size, rng)
         name = f'ADE_{tag}_{i + 1:08d}'
-        cv2.imwrite(osp.join(img_dir, name + '.jpg'), img[..., ::-1],
-                    [cv2.IMWRITE_JPEG_QUALITY, 95])
-        cv2.imwrite(osp.join(ann_dir, name + '.png'), label)
+        atomic_write_image(img[..., ::-1], osp.join(img_dir, name + '.jpg'),
+                           [cv2.IMWRITE_JPEG_QUALITY, 95])
+        atomic_write_image(label, osp.join(ann_dir, name + '.png'))
 
 
 def parse_args(argv=None):
-    sys.path.insert(0, ROOT)
     from mita_seg.cli import ToolParser, output_dir   # a folder that can be written
     parser = ToolParser(description='Write a tiny synthetic ADE20K-layout dataset')
     parser.add_argument('--out', type=output_dir('--out'), default='data/ade/tiny_ade20k',
