@@ -108,6 +108,36 @@ def test_generator_write_failure_is_an_error_and_leaves_no_torn_file(tmp_path, t
         assert data.endswith(end), f'torn: {path} ({len(data)} bytes)'
 
 
+@pytest.mark.parametrize('tool', ['make_tiny_ade20k', 'make_longrange_ade20k'])
+def test_generator_refuses_a_folder_holding_more_scenes(tmp_path, tool):
+    """Re-run as it was, or after an interruption, a generator writes its files again; into
+    a folder holding more scenes (or other data) it would have left the rest for mmseg to
+    read with the new ones."""
+    out = tmp_path / 'data'
+
+    def generate(train, extra=()):
+        return subprocess.run(
+            [sys.executable, osp.join(ROOT, 'tools', 'dataset', f'{tool}.py'), '--out',
+             str(out), '--train', str(train), '--val', '1', '--size', '64', *extra],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+    assert generate(3).returncode == 0
+    (out / 'images' / 'training' / 'ADE_train_00000003.jpg').unlink()   # interrupted
+    assert generate(3).returncode == 0                                    # finished
+    before = sorted(p.name for p in (out / 'images' / 'training').iterdir())
+    proc = generate(2)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f'error: {out}/images/training holds 1 .jpg file(s) this run would not write '
+        '(ADE_train_00000003.jpg): mmseg would read them as part of the dataset. Give --out '
+        'a new or empty folder, or remove that one first'), proc.stderr
+    assert sorted(p.name for p in (out / 'images' / 'training').iterdir()) == before
+    (out / 'images' / 'training' / 'ADE_train_00000003.jpg').unlink()
+    (out / 'annotations' / 'training' / 'ADE_train_00000003.png').unlink()
+    (out / 'annotations' / 'validation' / 'mine.png').write_bytes(b'')   # not its file
+    assert 'annotations/validation holds 1 .png file(s) this run would not write (mine.png)' \
+        in generate(2).stderr
+
+
 def test_generators_write_the_same_bytes_as_before(tmp_path):
     """The atomic writer encodes as ``cv2.imwrite`` did: same seed, same files."""
     import numpy as np

@@ -108,6 +108,7 @@ from typing import List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
+from mita_seg.datasets.ade_layout import scene_name
 from mita_seg.utils.atomic_files import atomic_write_image, atomic_write_text
 from mita_seg.utils.errors import InputError
 
@@ -523,14 +524,13 @@ def _write(path: str, ext: str, array: np.ndarray, params=()) -> None:
 def make_split(out: str, split: str, num: int, size: int, seed: int,
                kinds: Sequence[str] = KINDS, cues: int = 2, layout: str = DEFAULT_LAYOUT) -> None:
     """Write ``num`` scenes of one split (``training`` or ``validation``)."""
-    tag = 'train' if split == 'training' else 'val'
     img_dir = osp.join(out, 'images', split)
     ann_dir = osp.join(out, 'annotations', split)
     os.makedirs(img_dir, exist_ok=True)
     os.makedirs(ann_dir, exist_ok=True)
     for i in range(num):
         img, label = make_scene(scene_rng(seed, split, i), size, kinds, cues, layout)
-        name = f'ADE_{tag}_{i + 1:08d}'
+        name = scene_name(split, i)
         _write(osp.join(img_dir, name + '.jpg'), '.jpg', img[..., ::-1],
                (cv2.IMWRITE_JPEG_QUALITY, 95))
         _write(osp.join(ann_dir, name + '.png'), '.png', label)

@@ -15,7 +15,8 @@ import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mita_seg.cli import ToolParser  # noqa: E402
+from mita_seg.cli import ToolParser, run_tool  # noqa: E402
+from mita_seg.datasets.ade_layout import check_split_folders  # noqa: E402
 from mita_seg.datasets.longrange_scenes import (CLASS_NAMES, DEFAULT_LAYOUT, KINDS,  # noqa: E402
                                                 LAYOUTS, classes, make_split, preview,
                                                 write_scenes_file)
@@ -82,6 +83,7 @@ def main(argv=None):
         print(f'wrote {args.preview}: {args.preview_count} validation scenes of seed '
               f'{args.seed} ({args.size}x{args.size}, kinds {",".join(args.kinds)})')
         return
+    check_split_folders(args.out, {'training': args.train, 'validation': args.val})
     for split, num in (('training', args.train), ('validation', args.val)):
         make_split(args.out, split, num, args.size, args.seed, args.kinds, args.cues,
                    args.layout)
@@ -95,4 +97,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    run_tool(main)

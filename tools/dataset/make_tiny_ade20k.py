@@ -34,6 +34,7 @@ OBJECTS = {
 CLASSES = {**BACKGROUND, **OBJECTS}
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from mita_seg.datasets.ade_layout import check_split_folders, scene_name  # noqa: E402
 from mita_seg.utils.atomic_files import atomic_write_image  # noqa: E402  (light: no torch)
 
 
@@ -110,7 +111,6 @@ def make_scene(size: int, rng: np.random.Generator):
 
 def make_split(out: str, split: str, num: int, size: int, seed: int) -> None:
     """Write ``num`` scenes of one split (``training`` or ``validation``)."""
-    tag = 'train' if split == 'training' else 'val'
     img_dir = osp.join(out, 'images', split)
     ann_dir = osp.join(out, 'annotations', split)
     os.makedirs(img_dir, exist_ok=True)
@@ -118,7 +118,7 @@ def make_split(out: str, split: str, num: int, size: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for i in range(num):
         img, label = make_scene(size, rng)
-        name = f'ADE_{tag}_{i + 1:08d}'
+        name = scene_name(split, i)
         atomic_write_image(img[..., ::-1], osp.join(img_dir, name + '.jpg'),
                            [cv2.IMWRITE_JPEG_QUALITY, 95])
         atomic_write_image(label, osp.join(ann_dir, name + '.png'))
@@ -143,6 +143,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    check_split_folders(args.out, {'training': args.train, 'validation': args.val})
     make_split(args.out, 'training', args.train, args.size, args.seed)
     make_split(args.out, 'validation', args.val, args.size, args.seed + 1)
     names = ', '.join(f'{k}={v[0]}' for k, v in sorted(CLASSES.items()))
@@ -151,4 +152,5 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    from mita_seg.cli import run_tool
+    run_tool(main)
