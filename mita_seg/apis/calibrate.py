@@ -81,6 +81,15 @@ def _candidate(c: Union[str, MiTASetting, None]) -> Optional[MiTASetting]:
     return c if c is None or isinstance(c, MiTASetting) else MiTASetting.parse_or_dense(c)
 
 
+def _candidates(given, name: str) -> List[Optional[MiTASetting]]:
+    """The settings of a list of candidates (:func:`_candidate`); a single one is refused
+    (a text would be read character by character)."""
+    if isinstance(given, (str, MiTASetting)) or given is None:
+        raise TypeError(f'{name}={given!r}: give a list of settings, e.g. [\'dense\', '
+                        '\'7:49\', \'4:16\']')
+    return [_candidate(c) for c in given]
+
+
 def _text(setting: Optional[MiTASetting]) -> str:
     return DENSE if setting is None else setting.text
 
@@ -206,7 +215,9 @@ class SwapCalibrator:
 
     Raises:
         CalibrationError: a MiTA config with no dense model to calibrate against (the DWC
-            branch, or a layer built on MiTA with no standard attention to put back).
+            branch, or a layer built on MiTA with no standard attention to put back), or no
+            candidate but dense.
+        TypeError: ``candidates`` is one setting, not a list of them.
     """
 
     def __init__(self, config, checkpoint: str, images: int = 16,
@@ -215,13 +226,19 @@ class SwapCalibrator:
                  progress: Optional[Callable[[str], None]] = None, replay: bool = True):
         if images < 1 or batch_size < 1:
             raise ValueError(f'images and batch_size must be >= 1, got {images}, {batch_size}')
-        settings = [_candidate(c) for c in candidates]
+        settings = _candidates(candidates, 'candidates')
         self.candidates: List[Optional[MiTASetting]] = [None] + [
             s for i, s in enumerate(settings) if s is not None and s not in settings[:i]]
+        if len(self.candidates) == 1:
+            raise CalibrationError(
+                f'candidates {" ".join(_text(s) for s in settings) or "(none)"}: dense '
+                'attention alone leaves nothing to choose; give settings to choose among, '
+                'e.g. 7:49 4:16 agent:7 (dense is always one)')
         self.config, self.checkpoint, self.seed = config, checkpoint, seed
         self.num_images, self.batch_size, self.replay = images, batch_size, replay
         self.progress = progress or (lambda line: None)
-        self.cfg = config if isinstance(config, Config) else load_config(config)
+        # a Config of the caller's is copied: cfg_options are merged into this one only
+        self.cfg = copy.deepcopy(config) if isinstance(config, Config) else load_config(config)
         merge_cfg_options(self.cfg, cfg_options)
         self.model = init_model(copy.deepcopy(self.cfg), checkpoint)
         self.layers = [name for name, _, _ in attention_layers(self.model)]
@@ -486,7 +503,7 @@ class SwapCalibrator:
         """
         if among is None:
             return list(range(len(self.candidates)))
-        wanted = [_candidate(c) for c in among]
+        wanted = _candidates(among, 'among')
         missing = [_text(s) for s in wanted if s not in self.candidates]
         if missing:
             raise CalibrationError(f'{missing[0]!r} is not one of the candidates '
@@ -619,8 +636,8 @@ def calibrate_swap(config,
 
     Raises:
         CalibrationError: no training images, a budget above dense or below the cheapest
-            plan (checked before the errors are measured), or a MiTA config with no dense
-            model (the DWC branch).
+            plan (checked before the errors are measured), a MiTA config with no dense
+            model (the DWC branch), or no candidate but dense.
     """
     cal = SwapCalibrator(config, checkpoint, images, candidates, seed, cfg_options,
                          progress=progress)

@@ -1,29 +1,30 @@
 """Configs for the tools: a file or ``mmseg::<dir>/<name>.py``, ``--cfg-options``, work_dir,
 the segmentor that gives mmseg's results with lighter inference, and the dense attention
 path (``dense_attn``)."""
+import os
 import os.path as osp
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn as nn
 from mmengine.config import Config
 
 from mita_seg.models.fast_attention import check_dense_attn, set_dense_attn
-from mita_seg.utils.cfg_options import merge_cfg_options
+from mita_seg.utils.cfg_options import add_custom_imports, merge_cfg_options
 from mita_seg.utils.errors import InputError
 
 
-def config_name(config: str) -> str:
+def config_name(config: Union[str, os.PathLike]) -> str:
     """``'configs/a.py'`` and ``'mmseg::vit/a.py'`` -> ``'a'``."""
-    return osp.splitext(osp.basename(config.split('::')[-1]))[0]
+    return osp.splitext(osp.basename(os.fspath(config).split('::')[-1]))[0]
 
 
-def load_config(config: str,
+def load_config(config: Union[str, os.PathLike],
                 cfg_options: Optional[dict] = None,
                 work_dir: Optional[str] = None) -> Config:
     """An mmengine ``Config`` from a file or from an installed package, ready for a tool.
 
     Args:
-        config (str): a config file, or a config shipped with mmsegmentation
+        config (str | PathLike): a config file, or a config shipped with mmsegmentation
             (``'mmseg::segmenter/segmenter_vit-t_mask_8xb1-160k_ade20k-512x512.py'``).
         cfg_options (dict, optional): ``--cfg-options``, merged into the config and
             remembered (:func:`~mita_seg.utils.cfg_options.merge_cfg_options`): a model,
@@ -39,7 +40,9 @@ def load_config(config: str,
         FileNotFoundError: the config file does not exist (IsADirectoryError: it is a
             folder).
         InputError: the file is no config (it does not parse, or defines no ``model``).
+        TypeError: ``config`` is neither a path nor a name (a ``Config`` is already loaded).
     """
+    config = os.fspath(config)
     if osp.isdir(config):
         raise IsADirectoryError(f'config {config!r} is a directory: give a config file '
                                 '(.py/.json/.yaml) or \'mmseg::<dir>/<config>.py\'')
@@ -130,10 +133,7 @@ def use_slim_inference(cfg: Config) -> Config:
         kind = model.get('type')
         if slim and kind in SLIM_SEGMENTORS:
             model['type'] = SLIM_SEGMENTORS[kind]
-            imports = list(cfg.get('custom_imports', {}).get('imports', []))
-            if 'mita_seg.models' not in imports:   # a dumped config builds it too
-                cfg.custom_imports = dict(imports=imports + ['mita_seg.models'],
-                                          allow_failed_imports=False)
+            add_custom_imports(cfg, 'mita_seg.models')   # a dumped config builds it too
         elif not slim and kind in SLIM_TYPES:
             model['type'] = 'EncoderDecoder'
         if model.get('type') in SLIM_TYPES:

@@ -17,17 +17,21 @@ A swap plan (``mita_cfg={'plan': SwapPlan}``, ``--mita-plan``) is carried by the
 attention), and in the checkpoint's ``meta['mita_plan']``.
 """
 import copy
+import io
 import os
 import os.path as osp
-from typing import Optional, Sequence, Tuple
+from collections.abc import Mapping
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
+from mita_seg.engine.atomic_io import atomic_write_bytes, atomic_write_text
 from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
                              check_plan_fits, current_plan)
 from mita_seg.utils import CheckpointMismatchError, load_local_checkpoint
+from mita_seg.utils.cfg_options import add_custom_imports
 from .config import config_name, load_config, use_slim_inference
 from .model import init_model
 
@@ -42,22 +46,44 @@ HEAD_TYPES = ('SegmenterMaskTransformerHead', 'mmseg.SegmenterMaskTransformerHea
               'MiTASegmenterMaskTransformerHead')
 
 
-def mita_config(cfg: Config, mita_cfg: dict) -> Config:
+def _as_mita_cfg(mita_cfg: Union[dict, str, MiTASetting, None]) -> dict:
+    """``mita_cfg`` as :func:`mita_config` reads it, in any spelling
+    :func:`~mita_seg.apis.init_model` takes: a dict (its ``setting`` a
+    :class:`~mita_seg.setting.MiTASetting`, its text or a dict of settings), a whole setting
+    (``'7:49'``, a ``MiTASetting``) or None (MiTA's defaults).
+
+    Raises:
+        MiTASettingError: a setting that is none of these.
+    """
+    if mita_cfg is None:
+        return {}
+    if not isinstance(mita_cfg, Mapping):
+        return dict(setting=MiTASetting.of(mita_cfg))
+    mita_cfg = dict(mita_cfg)
+    if mita_cfg.get('setting') is not None:
+        mita_cfg['setting'] = MiTASetting.of(mita_cfg['setting'])
+    return mita_cfg
+
+
+def mita_config(cfg: Config, mita_cfg: Union[dict, str, MiTASetting, None]) -> Config:
     """The MiTA version of ``cfg`` (a copy).
 
     Args:
         cfg (Config): the standard-attention config.
-        mita_cfg (dict): ``--mita-cfg`` (settings, ``layers``, ``include_head``; the whole
-            setting as ``setting``, a :class:`~mita_seg.setting.MiTASetting`), or
-            ``{'plan': SwapPlan}`` (``--mita-plan``; checked against the model by
-            :func:`export_swapped`).
+        mita_cfg (dict | str | MiTASetting, optional): ``--mita-cfg`` (settings, ``layers``,
+            ``include_head``; the whole setting as ``setting``, a
+            :class:`~mita_seg.setting.MiTASetting` or its text), a whole setting
+            (``'7:49'``), None (MiTA's defaults), or ``{'plan': SwapPlan}``
+            (``--mita-plan``; checked against the model by :func:`export_swapped`).
 
     Raises:
         NothingToSwapError: the backbone is not mmseg's ``VisionTransformer`` family,
             ``BEiT`` or ``MAE``.
         PlanError: a plan with layers outside the backbone and the decode head.
+        MiTASettingError: a setting that is not one.
     """
     cfg = copy.deepcopy(cfg)
+    mita_cfg = _as_mita_cfg(mita_cfg)
     plan = mita_cfg.get('plan')
     if plan is not None:
         return _plan_config(cfg, plan)
@@ -129,23 +155,24 @@ def _plan_config(cfg: Config, plan: SwapPlan, with_dwc: Sequence[str] = ()) -> C
 
 def _finish(cfg: Config) -> Config:
     """``custom_imports`` of mita_seg and the crash-safe checkpoint hook."""
-    imports = list(cfg.get('custom_imports', {}).get('imports', []))
-    imports += [m for m in ('mita_seg.models', 'mita_seg.engine') if m not in imports]
-    cfg.custom_imports = dict(imports=imports, allow_failed_imports=False)
+    add_custom_imports(cfg, 'mita_seg.models', 'mita_seg.engine')
     use_safe_checkpoint(cfg)
     return use_slim_inference(cfg)
 
 
-def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
+def export_swapped(config: str, checkpoint: str, out_dir: str,
+                   mita_cfg: Union[dict, str, MiTASetting, None],
                    cfg_options: Optional[dict] = None) -> Tuple[str, str]:
-    """Write ``OUT_DIR/<config>_mita.py`` and ``OUT_DIR/<checkpoint>_mita.pth``.
+    """Write ``OUT_DIR/<config>_mita.py`` and ``OUT_DIR/<checkpoint>_mita.pth``, each
+    atomically (the old file or the new one, never half; the user's umask).
 
     Args:
         config (str): config of the standard-attention model (file or ``mmseg::``).
         checkpoint (str): its checkpoint.
         out_dir (str): where to write the pair.
-        mita_cfg (dict): ``--mita-cfg`` (checked by :func:`~mita_seg.apis.check_mita_cfg`),
-            or ``{'plan': SwapPlan}`` (``--mita-plan``).
+        mita_cfg (dict | str | MiTASetting, optional): ``--mita-cfg`` (checked by
+            :func:`~mita_seg.apis.check_mita_cfg`), a whole setting (``'7:49'``), None
+            (MiTA's defaults), or ``{'plan': SwapPlan}`` (``--mita-plan``).
         cfg_options (dict, optional): ``--cfg-options``.
 
     Returns:
@@ -155,6 +182,8 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
         CheckpointMismatchError: the checkpoint does not fit the original or the MiTA model.
         PlanError: the plan does not fit the model.
     """
+    config, checkpoint = os.fspath(config), os.fspath(checkpoint)
+    mita_cfg = _as_mita_cfg(mita_cfg)
     cfg = load_config(config, cfg_options)
     plan = mita_cfg.get('plan')
     new_cfg = mita_config(cfg, mita_cfg)    # first: a config MiTA cannot take says so
@@ -195,9 +224,11 @@ def export_swapped(config: str, checkpoint: str, out_dir: str, mita_cfg: dict,
     else:
         keep.update(mita_plan=plan.to_dict())
     keep.update(exported_from=dict(config=str(config), checkpoint=str(checkpoint)))
-    torch.save({'meta': keep, 'state_dict': models[1].state_dict()}, out_ckpt)
-    with open(out_cfg, 'w') as f:     # what Config.dump writes, after what was swapped
-        f.write(swap_comment(new_cfg, config) + new_cfg.pretty_text)
+    text = swap_comment(new_cfg, config) + new_cfg.pretty_text  # what Config.dump writes
+    buffer = io.BytesIO()      # not saved to a temporary name: the archive would carry it
+    torch.save({'meta': keep, 'state_dict': models[1].state_dict()}, buffer)
+    atomic_write_bytes(buffer.getvalue(), out_ckpt)
+    atomic_write_text(text, out_cfg)
     return out_cfg, out_ckpt
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from mmengine.config import Config
 
-from mita_seg.utils.cfg_options import blame_cfg_options
+from mita_seg.utils.cfg_options import blame_cfg_options, merge_cfg_options
 from mita_seg.utils.errors import InputError
 from .config import config_name, load_config
 from .model import dataset_meta
@@ -46,7 +46,8 @@ def make_standin_checkpoint(config, out: str, seed: int = 0,
         config (str | Config): a config file, ``'mmseg::<dir>/<name>.py'`` or a ``Config``.
         out (str): the ``.pth`` to write (its folders are made).
         seed (int): the random seed of the weights. Default: 0.
-        cfg_options (dict, optional): ``--cfg-options`` merged into the config.
+        cfg_options (dict, optional): ``--cfg-options`` merged into the config (into a
+            copy of a ``Config``).
         force (bool): replace a file at ``out`` that is not a stand-in (an empty one, as a
             failed download leaves, and an earlier stand-in are replaced anyway).
             Default: False.
@@ -69,7 +70,10 @@ def make_standin_checkpoint(config, out: str, seed: int = 0,
         raise InputError(f'{out} exists ({size}) and is not a stand-in made by this command '
                          '(a downloaded checkpoint?): give another --out, or --force to '
                          'replace it')
-    cfg = config if isinstance(config, Config) else load_config(config, cfg_options)
+    if isinstance(config, Config):   # its --cfg-options too, the caller's config untouched
+        cfg = merge_cfg_options(copy.deepcopy(config), cfg_options)
+    else:
+        cfg = load_config(config, cfg_options)
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.pretrained = None              # no download: the weights are the seed's
     model_cfg.pop('train_cfg', None)

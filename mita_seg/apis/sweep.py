@@ -13,8 +13,9 @@ from mmengine.model import is_model_wrapper
 from mmengine.runner import Runner
 
 from mita_seg.analysis.attention_macs import attention_gmacs
-from mita_seg.models import MiTASettingsMixin, SwapPlan
-from mita_seg.setting import MiTASetting, MiTASettingError
+from mita_seg.models import SWAP_RULES, MiTASettingsMixin, SwapPlan
+from mita_seg.ops.token_merge import check_ratio
+from mita_seg.setting import MiTASetting, MiTASettingError, check_settings
 from .model import swap_model
 from .token_merge import merge_label, merge_model
 
@@ -71,7 +72,9 @@ class SweepPoint:
 
     Raises:
         ValueError: an unknown method, or a field the method needs missing (or one it has no
-            use for given).
+            use for given), a ``setting`` that is not one (``MiTASettingError``: a
+            :class:`MiTASetting`, its text ``'7:49'`` or a dict of settings), or a
+            ``merge_ratio`` outside ``[0, 0.5]`` (TypeError: not a number).
     """
     method: str
     setting: Optional[MiTASetting] = None
@@ -79,6 +82,10 @@ class SweepPoint:
     plan: Optional[SwapPlan] = field(default=None, compare=False)
 
     def __post_init__(self):
+        # any spelling of a setting, and the ratio, checked here: not after the baseline ran
+        object.__setattr__(self, 'setting', MiTASetting.of(self.setting))
+        if self.merge_ratio is not None:
+            object.__setattr__(self, 'merge_ratio', check_ratio(self.merge_ratio))
         if self.method not in SWEEP_METHODS:
             raise ValueError(f'sweep point method {self.method!r}: one of '
                              f'{", ".join(SWEEP_METHODS)}')
@@ -235,11 +242,15 @@ def swap_sweep(runner: Runner,
 
     Raises:
         ValueError: the first point is not the baseline, or a ``tome`` point follows a
-            point that swaps (a swap is not undone: it would merge the swapped model).
+            point that swaps (a swap is not undone: it would merge the swapped model);
+            ``MiTASettingError``: ``swap_cfg`` or ``merge_cfg`` with another key than
+            ``layers`` and ``include_head``, or a bad value (before anything runs).
     """
     _check_order(points)
     progress = progress or (lambda line: None)
     merge_cfg, swap_cfg = dict(merge_cfg or {}), dict(swap_cfg or {})
+    check_settings(swap_cfg, SWAP_RULES)      # a point's setting is the whole setting
+    check_settings(merge_cfg, SWAP_RULES)     # merge_tokens' layers and include_head
     batches = list(itertools.islice(iter(runner.test_dataloader), flops_images))
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     rows: List[SweepRow] = []

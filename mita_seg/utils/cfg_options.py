@@ -186,8 +186,9 @@ def add_custom_imports(cfg, *modules: str):
     imports = custom.get('imports') or []
     imports = [imports] if isinstance(imports, str) else list(imports)   # mmengine takes both
     missing = [m for m in modules if m not in imports]
-    if missing:
-        cfg.custom_imports = dict(custom, imports=imports + missing)
+    if missing:   # a failed import an error, unless the config says otherwise
+        cfg.custom_imports = dict({'allow_failed_imports': False, **custom},
+                                  imports=imports + missing)
     return cfg
 
 
