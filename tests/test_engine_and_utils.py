@@ -340,6 +340,28 @@ def test_mpi_and_slurm_launchers_start_on_cpu(launcher, monkeypatch, fake_scontr
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize('launcher,own', [('mpi', 'OMPI_COMM_WORLD_LOCAL_RANK'),
+                                          ('slurm', 'SLURM_LOCALID')])
+def test_prepare_config_takes_the_launchers_local_rank(launcher, own, monkeypatch):
+    """The Runner wraps DDP with ``device_ids=[LOCAL_RANK]``; MMEngine's mpi launcher leaves
+    it unset, so every process of a node wrapped GPU 0. As on a CUDA machine (where MMEngine
+    starts the process group itself: no gloo set-up here, nothing started)."""
+    import torch.distributed as dist
+    from mmengine.config import Config
+
+    from mita_seg.apis.runner import prepare_config
+    monkeypatch.setenv('LOCAL_RANK', '')
+    monkeypatch.delenv('LOCAL_RANK')          # restored (absent) after the test
+    for name, value in LAUNCH_ENV[launcher].items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(own, '3')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    prepare_config(Config(dict(model=dict(type='EncoderDecoder'), work_dir='w',
+                               default_hooks=dict())), launcher)
+    assert not dist.is_initialized()
+    assert os.environ['LOCAL_RANK'] == '3'
+
+
 TRAIN_CONFIG = """
 _base_ = [{base!r}]
 crop_size = (64, 64)

@@ -114,7 +114,13 @@ def prepare_config(cfg: Config, launcher: str = 'none', checkpoint: Optional[str
             raise InputError(f'--launcher {launcher}: {", ".join(missing)} not set; start the '
                              f'tool through {how}, or leave out --launcher')
     if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(local_rank)
+        # the Runner wraps DDP with device_ids=[LOCAL_RANK]; MMEngine's mpi launcher picks the
+        # GPU by Open MPI's local rank and leaves LOCAL_RANK unset (every process would wrap
+        # GPU 0; mmseg's tool sets 0): take the launcher's own local rank where it has one
+        from mita_seg.utils.dist import LAUNCHER_RANKS
+        own = LAUNCHER_RANKS.get(launcher, (None, None, None))[2]
+        os.environ['LOCAL_RANK'] = os.environ.get(own, str(local_rank)) if own else str(
+            local_rank)
     cfg.launcher = launcher
     if checkpoint is not None:
         cfg.load_from = checkpoint
