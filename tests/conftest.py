@@ -36,6 +36,49 @@ ENV = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', PYTHONHASHSEED=
            PYTHONWARNINGS='ignore')
 
 
+# A tiny MiTA UperNet training run on 64x64 crops of data_root (tools/train.py's tests).
+TINY_TRAIN_CONFIG = """
+_base_ = [{base!r}]
+crop_size = (64, 64)
+model = dict(
+    data_preprocessor=dict(size=crop_size),
+    backbone=dict(img_size=crop_size, embed_dims=32, num_heads=2,
+                  mita_cfg=dict(pool_size=2, topk=16)),
+    neck=dict(in_channels=[32] * 4, out_channels=32),
+    decode_head=dict(in_channels=[32] * 4, channels=32),
+    auxiliary_head=dict(in_channels=32, channels=16))
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', reduce_zero_label=True),
+    dict(type='RandomCrop', crop_size=crop_size),
+    dict(type='PackSegInputs')
+]
+train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
+                        dataset=dict(data_root={data!r}, pipeline=train_pipeline))
+val_dataloader = dict(num_workers=0, persistent_workers=False,
+                      dataset=dict(data_root={data!r}))
+test_dataloader = val_dataloader
+train_cfg = dict(max_iters={iters}, val_interval=1000)
+default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval={checkpoint_interval}))
+"""
+
+
+class RunsCode:
+    """Pickles as a call of ``os.system``: loading it unrestricted would run the command."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command, )
+
+
+@pytest.fixture()
+def runs_code():
+    """:class:`RunsCode`: ``runs_code('touch X')`` pickles as ``os.system('touch X')``."""
+    return RunsCode
+
+
 class Tools:
     """Runs ``python tools/<name>.py ...`` (or any script) from the repository root."""
 
@@ -52,6 +95,26 @@ class Tools:
         if check and proc.returncode != 0:
             raise AssertionError(f'{script} {args} failed ({proc.returncode}):\n{out[-4000:]}')
         return proc.returncode, out
+
+    @staticmethod
+    def tiny_train_config(path, data_root, iters: int, checkpoint_interval: int = 1000) -> str:
+        """Write :data:`TINY_TRAIN_CONFIG` (over the tiny MiTA UperNet config) to ``path``
+        for ``iters`` iterations on ``data_root``; returns ``path``."""
+        with open(path, 'w') as f:
+            f.write(TINY_TRAIN_CONFIG.format(base=TINY_UPERNET, data=str(data_root), iters=iters,
+                                             checkpoint_interval=checkpoint_interval))
+        return str(path)
+
+    @staticmethod
+    def module(name: str):
+        """``tools/<name>.py`` imported as a module (its ``parse_args`` and ``main``), to
+        call in the test's process."""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(f'_tool_{name}',
+                                                      osp.join(ROOT, 'tools', f'{name}.py'))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
     @staticmethod
     def miou(out: str) -> float:

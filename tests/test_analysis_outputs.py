@@ -12,7 +12,6 @@ refused while parsing, and every output file is written whole.
 """
 import argparse
 import csv
-import importlib.util
 import os
 import os.path as osp
 import subprocess
@@ -43,15 +42,6 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
 SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
                      'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
-
-
-def load_tool(name):
-    """``tools/<name>.py`` as a module (its ``parse_args`` and ``main``)."""
-    spec = importlib.util.spec_from_file_location(f'_tool_{name}',
-                                                  osp.join(ROOT, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_model(setting='4:32'):
@@ -150,10 +140,10 @@ def test_selection_title_gives_each_layers_experts():
     assert experts_label([rec(16, 16), rec(49, 49)]) == 'M=16/49, k=16/49 (by layer)'
 
 
-def test_analyze_token_selection_refuses_two_images_of_one_name(tmp_path, capsys):
+def test_analyze_token_selection_refuses_two_images_of_one_name(tools, tmp_path, capsys):
     """Each image is drawn to ``<name>_<which>.png``: a second image of the same file name
     overwrote the first one's maps while the JSON kept both."""
-    tool = load_tool('analyze_token_selection')
+    tool = tools.module('analyze_token_selection')
     ckpt = tmp_path / 'any.pth'
     ckpt.write_bytes(b'x')
     images = []
@@ -287,9 +277,9 @@ def test_swap_sweep_tables_are_written_whole(tmp_path, replaced):
 
 
 # --------------------------------------------------------------------------- tools
-def test_get_flops_json_and_plot_are_written_whole_and_name_the_swap(tmp_path, replaced,
+def test_get_flops_json_and_plot_are_written_whole_and_name_the_swap(tools, tmp_path, replaced,
                                                                      legends):
-    tool = load_tool('get_flops')
+    tool = tools.module('get_flops')
     out, png = tmp_path / 'f.json', tmp_path / 'f.png'
     tool.main([SEGMENTER, '--swap-attn', 'window:3', '--device', 'meta', '--shape', '64',
                '--sweep', '64', '128', '--plot', str(png), '--json', str(out)])
@@ -298,7 +288,7 @@ def test_get_flops_json_and_plot_are_written_whole_and_name_the_swap(tmp_path, r
     assert legends[0][0][0][2:] == ['window total', 'window attention']
 
 
-def test_token_selection_and_image_demo_write_whole_files(tmp_path, replaced):
+def test_token_selection_and_image_demo_write_whole_files(tools, tmp_path, replaced):
     from mita_seg.apis import make_standin_checkpoint
     ckpt = tmp_path / 'ckpt' / 'standin.pth'
     make_standin_checkpoint(SEGMENTER, str(ckpt))
@@ -306,12 +296,12 @@ def test_token_selection_and_image_demo_write_whole_files(tmp_path, replaced):
     pixels = np.random.default_rng(0).integers(0, 255, (128, 128, 3), dtype=np.uint8)
     cv2.imwrite(str(image), pixels)
     out = tmp_path / 'out'
-    load_tool('analyze_token_selection').main(
+    tools.module('analyze_token_selection').main(
         [SEGMENTER, str(ckpt), str(image), '--out-dir', str(out), '--mita-cfg',
          'pool_size=4', 'topk=16'])
     written_whole(out / 'token_selection.json', replaced)
     written_whole(out / 'img_selected.png', replaced)
     drawn = tmp_path / 'demo' / 'seg.png'
-    load_tool('image_demo').main([str(image), SEGMENTER, str(ckpt), '--out-file', str(drawn)])
+    tools.module('image_demo').main([str(image), SEGMENTER, str(ckpt), '--out-file', str(drawn)])
     written_whole(drawn, replaced)
     assert cv2.imread(str(drawn)) is not None

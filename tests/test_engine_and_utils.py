@@ -21,16 +21,6 @@ ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore')
 # ---------------------------------------------------------------------------------------
 # Checkpoints named by URL (mmseg's configs: pretrained backbones) are loaded weights-only
 # ---------------------------------------------------------------------------------------
-class _RunsCode:
-    """Pickles as a call of ``os.system``: loading it unrestricted would run the command."""
-
-    def __init__(self, command):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command, )
-
-
 @pytest.fixture()
 def hub(tmp_path, monkeypatch):
     """torch.hub's cache in ``tmp_path/hub``, and no network: a download copies
@@ -49,14 +39,14 @@ def hub(tmp_path, monkeypatch):
     return cache, downloads
 
 
-def test_url_checkpoints_are_loaded_weights_only(tmp_path, hub):
+def test_url_checkpoints_are_loaded_weights_only(tmp_path, hub, runs_code):
     from mmengine.runner.checkpoint import CheckpointLoader, get_external_models
 
     from mita_seg.utils.checkpoint import UnsafeCheckpointError, register_safe_globals
     register_safe_globals()
     cache, downloads = hub
     marker = tmp_path / 'PWNED'
-    evil = dict(state_dict={'w': torch.zeros(2)}, payload=_RunsCode(f'touch {marker}'))
+    evil = dict(state_dict={'w': torch.zeros(2)}, payload=runs_code(f'touch {marker}'))
     # a download cached by an earlier run (mmengine and torch.hub cache by file name) ...
     torch.save(evil, cache / 'evil.pth')
     # ... and a model-zoo name, which mmengine resolves to a URL
@@ -362,43 +352,15 @@ def test_prepare_config_takes_the_launchers_local_rank(launcher, own, monkeypatc
     assert os.environ['LOCAL_RANK'] == '3'
 
 
-TRAIN_CONFIG = """
-_base_ = [{base!r}]
-crop_size = (64, 64)
-model = dict(
-    data_preprocessor=dict(size=crop_size),
-    backbone=dict(img_size=crop_size, embed_dims=32, num_heads=2,
-                  mita_cfg=dict(pool_size=2, topk=16)),
-    neck=dict(in_channels=[32] * 4, out_channels=32),
-    decode_head=dict(in_channels=[32] * 4, channels=32),
-    auxiliary_head=dict(in_channels=32, channels=16))
-train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations', reduce_zero_label=True),
-    dict(type='RandomCrop', crop_size=crop_size),
-    dict(type='PackSegInputs')
-]
-train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
-                        dataset=dict(data_root={data!r}, pipeline=train_pipeline))
-val_dataloader = dict(num_workers=0, persistent_workers=False,
-                      dataset=dict(data_root={data!r}))
-test_dataloader = val_dataloader
-train_cfg = dict(max_iters=2, val_interval=1000)
-default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=2))
-"""
-
-
 @cpu_only
 @pytest.mark.slow
-def test_train_tool_with_mpi_launcher_on_cpu(tmp_path):
+def test_train_tool_with_mpi_launcher_on_cpu(tools, tmp_path):
     """``tools/train.py --launcher mpi`` as ``mpirun -n 1`` starts it, on CPU (~30 s)."""
     data = tmp_path / 'data'
     subprocess.run([sys.executable, osp.join(ROOT, 'tools/dataset/make_tiny_ade20k.py'),
                     '--out', str(data), '--train', '4', '--val', '1', '--size', '64'],
                    check=True, env=ENV, capture_output=True)
-    config = tmp_path / 'mpi.py'
-    base = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
-    config.write_text(TRAIN_CONFIG.format(base=base, data=str(data)))
+    config = tools.tiny_train_config(tmp_path / 'mpi.py', data, iters=2, checkpoint_interval=2)
     env = {k: v for k, v in ENV.items() if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')}
     env.update(LAUNCH_ENV['mpi'], MASTER_PORT=str(_free_port()))
     res = subprocess.run([sys.executable, osp.join(ROOT, 'tools/train.py'), str(config),

@@ -4,7 +4,6 @@ against the tool of the mmsegmentation wheel or repository where it differed):
 the drawing, off by default, where our tool drew them always and refused the argument),
 ``--device`` defaulting to ``cuda:0`` where there is CUDA, and ``--out-file`` refused with the
 reason when it is left out (mmseg then opens a window)."""
-import importlib.util
 import os.path as osp
 import subprocess
 import sys
@@ -15,15 +14,6 @@ import pytest
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SEGMENTER = osp.join(ROOT, 'configs', 'baselines',
                      'segmenter_vit-tiny_mask_1xb4-600_tiny-ade20k-128x128.py')
-
-
-def load_tool(name):
-    """``tools/<name>.py`` as a module (its ``parse_args`` and ``main``)."""
-    spec = importlib.util.spec_from_file_location(f'_tool_{name}',
-                                                  osp.join(ROOT, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -43,12 +33,12 @@ def standin(tmp_path):
     return str(ckpt)
 
 
-def test_image_demo_parses_mmseg_arguments(image, tmp_path):
-    args = load_tool('image_demo').parse_args(
+def test_image_demo_parses_mmseg_arguments(tools, image, tmp_path):
+    args = tools.module('image_demo').parse_args(
         [image, SEGMENTER, SEGMENTER, '--out-file', str(tmp_path / 'o.png'), '--with-labels',
          '--opacity', '0.7', '--title', 'x'])
     assert args.with_labels and args.opacity == 0.7 and args.title == 'x'
-    args = load_tool('image_demo').parse_args(
+    args = tools.module('image_demo').parse_args(
         [image, SEGMENTER, SEGMENTER, '--out-file', str(tmp_path / 'o.png')])
     assert not args.with_labels
     assert args.device is None      # resolved in main(): mmseg's cuda:0 where CUDA is
@@ -62,7 +52,7 @@ def test_image_demo_without_out_file_says_why(image):
                                   'drawing to a file and opens no window'), proc.stderr
 
 
-def test_image_demo_device_defaults_to_cuda_as_mmseg(image, tmp_path, monkeypatch):
+def test_image_demo_device_defaults_to_cuda_as_mmseg(tools, image, tmp_path, monkeypatch):
     import torch
 
     import mita_seg.apis
@@ -76,7 +66,7 @@ def test_image_demo_device_defaults_to_cuda_as_mmseg(image, tmp_path, monkeypatc
         raise Stop
 
     monkeypatch.setattr(mita_seg.apis, 'init_model', fake_init_model)
-    tool = load_tool('image_demo')
+    tool = tools.module('image_demo')
     argv = [image, SEGMENTER, SEGMENTER, '--out-file', str(tmp_path / 'o.png')]
     # without CUDA first: the stack is imported (and logs) before is_available is faked
     for cuda, device in ((False, 'cpu'), (True, 'cuda:0')):
@@ -89,14 +79,14 @@ def test_image_demo_device_defaults_to_cuda_as_mmseg(image, tmp_path, monkeypatc
     assert seen[-1] == 'cpu'
 
 
-def test_image_demo_draws_labels_only_with_with_labels(image, standin, tmp_path):
+def test_image_demo_draws_labels_only_with_with_labels(tools, image, standin, tmp_path):
     """mmseg's demo passes ``with_labels=args.with_labels`` (False by default) to
     ``show_result_pyplot``, whose own default is True: ours drew the labels always."""
     import cv2
     from mmseg.apis import show_result_pyplot
 
     from mita_seg.apis import inference_model, init_model
-    tool = load_tool('image_demo')
+    tool = tools.module('image_demo')
     model = init_model(SEGMENTER, standin, 'cpu')
     result = inference_model(model, image)
     expected = {labels: show_result_pyplot(model, image, result, opacity=0.5, title='result',

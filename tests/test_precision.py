@@ -149,33 +149,7 @@ def test_operator_under_cpu_autocast():
     torch.testing.assert_close(out, outside, atol=0, rtol=0)
 
 
-AMP_CONFIG = """
-_base_ = [{base!r}]
-crop_size = (64, 64)
-model = dict(
-    data_preprocessor=dict(size=crop_size),
-    backbone=dict(img_size=crop_size, embed_dims=32, num_heads=2,
-                  mita_cfg=dict(pool_size=2, topk=16)),
-    neck=dict(in_channels=[32] * 4, out_channels=32),
-    decode_head=dict(in_channels=[32] * 4, channels=32),
-    auxiliary_head=dict(in_channels=32, channels=16))
-train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations', reduce_zero_label=True),
-    dict(type='RandomCrop', crop_size=crop_size),
-    dict(type='PackSegInputs')
-]
-train_dataloader = dict(batch_size=2, num_workers=0, persistent_workers=False,
-                        dataset=dict(data_root={data!r}, pipeline=train_pipeline))
-val_dataloader = dict(num_workers=0, persistent_workers=False,
-                      dataset=dict(data_root={data!r}))
-test_dataloader = val_dataloader
-train_cfg = dict(max_iters=3, val_interval=1000)
-default_hooks = dict(logger=dict(interval=1), checkpoint=dict(interval=1000))
-"""
-
-
-def test_train_amp_on_cpu(tmp_path):
+def test_train_amp_on_cpu(tools, tmp_path):
     """``tools/train.py --amp`` trains the tiny MiTA UperNet in bfloat16 autocast on CPU."""
     pytest.importorskip('mmseg')
     if torch.cuda.is_available():
@@ -185,9 +159,7 @@ def test_train_amp_on_cpu(tmp_path):
     subprocess.run([sys.executable, osp.join(ROOT, 'tools/dataset/make_tiny_ade20k.py'),
                     '--out', str(data), '--train', '4', '--val', '1', '--size', '64'],
                    check=True, env=env, capture_output=True)
-    config = tmp_path / 'amp.py'
-    base = osp.join(ROOT, 'configs', 'mita_vit-tiny_upernet_1xb4-600_tiny-ade20k-128x128.py')
-    config.write_text(AMP_CONFIG.format(base=base, data=str(data)))
+    config = tools.tiny_train_config(tmp_path / 'amp.py', data, iters=3)
     work = tmp_path / 'work'
     res = subprocess.run([sys.executable, osp.join(ROOT, 'tools/train.py'), str(config),
                           '--work-dir', str(work), '--amp'], env=env, capture_output=True,

@@ -311,22 +311,12 @@ def test_check_checkpoint_keys_lists_missing_and_unexpected():
 # ---------------------------------------------------------------------------------------
 # Untrusted checkpoints are not executed
 # ---------------------------------------------------------------------------------------
-class _RunsCode:
-    """Pickles as a call of ``os.system``: loading it unrestricted would run the command."""
-
-    def __init__(self, command):
-        self.command = command
-
-    def __reduce__(self):
-        return os.system, (self.command, )
-
-
 @pytest.fixture()
-def evil(tmp_path, uninterrupted):
+def evil(tmp_path, uninterrupted, runs_code):
     """A checkpoint with real weights of the tiny model plus a code-running payload."""
     marker = tmp_path / 'PWNED'
     ckpt = dict(meta=dict(iter=8), state_dict=_weights(uninterrupted / 'iter_8.pth'),
-                payload=_RunsCode(f'touch {marker}'))
+                payload=runs_code(f'touch {marker}'))
     path = tmp_path / 'evil.pth'
     torch.save(ckpt, path)
     # the payload is really in there (checked without unpickling it)
