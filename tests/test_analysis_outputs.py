@@ -7,7 +7,7 @@ refused while parsing, and every output file is written whole.
 - ``float_range`` refuses infinity (``--min-run-time inf`` never ended);
 - the FLOP sweep's plot names the second model as it is (``window``, ``ToMe r=0.3``), the swap
   sweep's plot draws MiTA's variants (route-only...) as lines of their own;
-- tables, JSON, figures and drawings go through :mod:`mita_seg.engine.atomic_io`: the file is
+- tables, JSON, figures and drawings go through :mod:`mita_seg.utils.atomic_files`: the file is
   one rename of a finished temporary file, with the umask's mode.
 """
 import argparse

@@ -71,7 +71,7 @@ def main(argv=None):
     from mita_seg.analysis.token_selection import (experts_label, plot_selection_overlay,
                                                    record_image)
     from mita_seg.apis import init_model
-    from mita_seg.engine.atomic_io import atomic_write_text
+    from mita_seg.utils.atomic_files import atomic_write_text
     # a MiTA model keeps the settings --mita-cfg does not give; others get the defaults
     model = init_model(args.config, args.checkpoint, cfg_options=args.cfg_options,
                        mita_cfg=args.mita)

@@ -258,7 +258,7 @@ def write_record(path, argv, levels, seconds):
     import json
 
     from mita_seg.analysis.timing import machine
-    from mita_seg.engine.atomic_io import atomic_write_text
+    from mita_seg.utils.atomic_files import atomic_write_text
     record = dict(command='python tools/benchmark.py ' + ' '.join(
         sys.argv[1:] if argv is None else argv), finished=time.strftime('%Y-%m-%d %H:%M:%S'),
         seconds=round(seconds, 1), machine=machine(), levels=levels)

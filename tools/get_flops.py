@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
                        comparison.label)
             print(f'wrote {args.plot}')
     if args.json:   # whole: a run killed while writing leaves the file that was there
-        from mita_seg.engine.atomic_io import atomic_write_text
+        from mita_seg.utils.atomic_files import atomic_write_text
         atomic_write_text(json.dumps(result, indent=2) + '\n', ensure_parent(args.json))
         print(f'wrote {args.json}')
     return result

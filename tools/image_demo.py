@@ -72,13 +72,9 @@ def main(argv=None):
                                with_labels=args.with_labels)
     if args.title:
         drawn = draw_title(drawn, args.title)
-    import mmcv
-
-    from mita_seg.engine.atomic_io import atomic_path
-    # whole: encoded into a temporary file beside it, which then replaces it in one rename
-    with atomic_path(ensure_parent(args.out_file),
-                     suffix=osp.splitext(args.out_file)[1].lower()) as tmp:
-        mmcv.imwrite(drawn[..., ::-1], tmp)   # RGB -> BGR
+    from mita_seg.utils.atomic_files import atomic_write_image
+    # whole: encoded, then written to a temporary file beside it that replaces it in one rename
+    atomic_write_image(drawn[..., ::-1], ensure_parent(args.out_file))   # RGB -> BGR
     pred = result.pred_sem_seg.data[0]
     ids, counts = pred.flatten().unique(return_counts=True)
     classes = model.dataset_meta['classes']

@@ -2,6 +2,8 @@
 import os.path as osp
 import textwrap
 
+from mita_seg.utils.atomic_files import atomic_path
+
 __all__ = ['wrap_title', 'save_figure']
 
 
@@ -17,9 +19,8 @@ def save_figure(fig, path: str, dpi: int = 120) -> str:
     """Write the matplotlib figure ``fig`` to ``path`` whole, in the format its extension
     names (``.png``, ``.pdf``, ``.svg``...): rendered into a temporary file beside it, which
     then replaces ``path`` in one rename, with the mode a new file gets from the umask
-    (:func:`mita_seg.engine.atomic_io.atomic_path`); a failed or killed save leaves the file
+    (:func:`mita_seg.utils.atomic_files.atomic_path`); a failed or killed save leaves the file
     that was there. Returns ``path``."""
-    from mita_seg.engine.atomic_io import atomic_path   # mmengine: only when writing
     ext = osp.splitext(path)[1].lower()
     with atomic_path(path, suffix=ext or '.png') as tmp:
         fig.savefig(tmp, dpi=dpi, format=ext[1:] or 'png')

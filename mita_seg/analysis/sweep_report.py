@@ -4,6 +4,7 @@ import csv
 import io
 import os.path as osp
 
+from mita_seg.utils.atomic_files import atomic_write_text
 from .plotting import save_figure, wrap_title
 
 __all__ = ['write_tables', 'plot_sweep']
@@ -12,9 +13,8 @@ __all__ = ['write_tables', 'plot_sweep']
 def write_tables(rows, out_md, note):
     """Write ``rows`` (:class:`~mita_seg.apis.sweep.SweepRow`) as markdown and CSV beside
     it, without the columns no row has a value in, each file whole
-    (:func:`~mita_seg.engine.atomic_io.atomic_write_text`: a failed or killed write leaves
+    (:func:`~mita_seg.utils.atomic_files.atomic_write_text`: a failed or killed write leaves
     the file that was there); returns both paths."""
-    from mita_seg.engine.atomic_io import atomic_write_text   # mmengine: only when writing
     stem = osp.splitext(out_md)[0]
     out_csv = stem + '.csv'
     out_md = stem + '.md'

@@ -20,19 +20,19 @@ import copy
 import io
 import os
 import os.path as osp
-from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from mmengine.config import Config
 
 from mita_seg.engine import use_safe_checkpoint
-from mita_seg.engine.atomic_io import atomic_write_bytes, atomic_write_text
+from mita_seg.utils.atomic_files import atomic_write_bytes, atomic_write_text
 from mita_seg.models import (SETTING_KEYS, MiTASetting, NothingToSwapError, PlanError, SwapPlan,
                              check_plan_fits, current_plan)
 from mita_seg.utils import CheckpointMismatchError, load_local_checkpoint
 from mita_seg.utils.cfg_options import add_custom_imports
 from .config import config_name, load_config, use_slim_inference
+from .mita_cfg import as_mita_cfg
 from .model import init_model
 
 # backbone type -> its MiTA version
@@ -44,25 +44,6 @@ MITA_BACKBONES = {
 }
 HEAD_TYPES = ('SegmenterMaskTransformerHead', 'mmseg.SegmenterMaskTransformerHead',
               'MiTASegmenterMaskTransformerHead')
-
-
-def _as_mita_cfg(mita_cfg: Union[dict, str, MiTASetting, None]) -> dict:
-    """``mita_cfg`` as :func:`mita_config` reads it, in any spelling
-    :func:`~mita_seg.apis.init_model` takes: a dict (its ``setting`` a
-    :class:`~mita_seg.setting.MiTASetting`, its text or a dict of settings), a whole setting
-    (``'7:49'``, a ``MiTASetting``) or None (MiTA's defaults).
-
-    Raises:
-        MiTASettingError: a setting that is none of these.
-    """
-    if mita_cfg is None:
-        return {}
-    if not isinstance(mita_cfg, Mapping):
-        return dict(setting=MiTASetting.of(mita_cfg))
-    mita_cfg = dict(mita_cfg)
-    if mita_cfg.get('setting') is not None:
-        mita_cfg['setting'] = MiTASetting.of(mita_cfg['setting'])
-    return mita_cfg
 
 
 def mita_config(cfg: Config, mita_cfg: Union[dict, str, MiTASetting, None]) -> Config:
@@ -83,7 +64,7 @@ def mita_config(cfg: Config, mita_cfg: Union[dict, str, MiTASetting, None]) -> C
         MiTASettingError: a setting that is not one.
     """
     cfg = copy.deepcopy(cfg)
-    mita_cfg = _as_mita_cfg(mita_cfg)
+    mita_cfg = as_mita_cfg(mita_cfg)
     plan = mita_cfg.get('plan')
     if plan is not None:
         return _plan_config(cfg, plan)
@@ -183,7 +164,7 @@ def export_swapped(config: str, checkpoint: str, out_dir: str,
         PlanError: the plan does not fit the model.
     """
     config, checkpoint = os.fspath(config), os.fspath(checkpoint)
-    mita_cfg = _as_mita_cfg(mita_cfg)
+    mita_cfg = as_mita_cfg(mita_cfg)
     cfg = load_config(config, cfg_options)
     plan = mita_cfg.get('plan')
     new_cfg = mita_config(cfg, mita_cfg)    # first: a config MiTA cannot take says so

@@ -9,9 +9,11 @@ given (or of the default pool, or of each pool a tool sweeps).
 The command line around it (``--swap-attn``, ``--mita-cfg``, ``--mita-plan``,
 ``--dense-attn``, checked while parsing) is the tools' (``cli/swap_args.py``).
 """
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Sequence, Union
 
-from mita_seg.setting import MITA_DEFAULTS, SETTING_KEYS, SETTING_RULES, check_settings
+from mita_seg.setting import (MITA_DEFAULTS, SETTING_KEYS, SETTING_RULES, MiTASetting,
+                              check_settings)
 
 # mita_seg.models (the rules of swap_attention) is imported where it is used: a tool builds
 # its parser, and refuses a bad setting, without importing the mm stack.
@@ -48,4 +50,24 @@ def check_mita_cfg(mita_cfg: Dict[str, Any], exclude: Sequence[str] = (),
             pools = []        # the tool sets the pools and checks them itself
         for pool in pools:
             check_settings(dict(pool_size=pool, router_topk=mita_cfg['router_topk']))
+    return mita_cfg
+
+
+def as_mita_cfg(mita_cfg: Union[dict, str, MiTASetting, None]) -> dict:
+    """``mita_cfg`` in any spelling the APIs take, as the keyword arguments of
+    :func:`~mita_seg.swap_attention`: a dict (``--mita-cfg``'s settings, ``layers``,
+    ``include_head``; its ``setting`` a :class:`~mita_seg.setting.MiTASetting`, its text or
+    a dict of settings; or ``{'plan': SwapPlan}``), a whole setting (``'7:49'``, a
+    ``MiTASetting``) or None (MiTA's defaults). A copy: the caller's dict is left as it is.
+
+    Raises:
+        MiTASettingError: a setting that is none of these.
+    """
+    if mita_cfg is None:
+        return {}
+    if not isinstance(mita_cfg, Mapping):
+        return dict(setting=MiTASetting.of(mita_cfg))
+    mita_cfg = dict(mita_cfg)
+    if mita_cfg.get('setting') is not None:
+        mita_cfg['setting'] = MiTASetting.of(mita_cfg['setting'])
     return mita_cfg

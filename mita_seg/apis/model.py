@@ -3,7 +3,6 @@ weights-only, optionally swapped to MiTA."""
 import copy
 import logging
 import os
-from collections.abc import Mapping
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -19,6 +18,7 @@ from mita_seg.utils.cfg_options import blame_cfg_options, merge_cfg_options
 from mita_seg.utils.checkpoint import load_checkpoint
 from mita_seg.utils.errors import InputError
 from .config import load_config, use_dense_attn, use_slim_inference
+from .mita_cfg import as_mita_cfg
 
 
 def swap_model(model: nn.Module, mita_cfg: Union[dict, str, MiTASetting],
@@ -36,9 +36,7 @@ def swap_model(model: nn.Module, mita_cfg: Union[dict, str, MiTASetting],
     """
     if is_model_wrapper(model) or isinstance(model, BaseTTAModel):   # DDP, --tta
         model = model.module
-    if not isinstance(mita_cfg, Mapping):  # a whole setting (MiTASetting.of checks it)
-        mita_cfg = dict(setting=mita_cfg)
-    return swap_attention(model, verbose=verbose, **mita_cfg)
+    return swap_attention(model, verbose=verbose, **as_mita_cfg(mita_cfg))
 
 
 def dataset_meta(cfg: Config, checkpoint: Optional[dict],

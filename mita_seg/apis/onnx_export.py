@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mita_seg.engine.atomic_io import atomic_path
+from mita_seg.utils.atomic_files import atomic_path
 from mita_seg.models import GridMismatchError, swapped_attention_modules
 from mita_seg.ops.bias import RelPosBias
 from mita_seg.ops.onnx import (OnnxExportError, mita_translation_table, routing_ties,

@@ -62,7 +62,7 @@ def make_standin_checkpoint(config, out: str, seed: int = 0,
     from mmengine.registry import init_default_scope
     from mmseg.registry import MODELS
 
-    from mita_seg.engine.atomic_io import atomic_write_bytes
+    from mita_seg.utils.atomic_files import atomic_write_bytes
     import mita_seg.models  # noqa: F401  (registers MiTA types for MiTA configs)
     size = osp.getsize(out) if osp.isfile(out) else 0
     if size and not force and not is_standin(out):

@@ -178,7 +178,7 @@ class SwapPlan:
 
     def save(self, path: str) -> str:
         """Write the plan as JSON, atomically (the old file or the new one, never half)."""
-        from mita_seg.engine.atomic_io import atomic_write_text
+        from mita_seg.utils.atomic_files import atomic_write_text
         atomic_write_text(json.dumps(self.to_dict(), indent=2) + '\n', path)
         return path
 
